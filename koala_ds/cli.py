@@ -1,0 +1,49 @@
+"""The `koala` command line: a thin argparse front over the library.
+
+Each subcommand lives in its own module under `koala_ds.commands` and registers itself
+with `register(subparsers)`; this module only lists them and turns errors into messages.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from .ir import KoalaError
+
+#: Subcommand modules, in the order `koala --help` lists them.
+COMMAND_MODULES = [
+    "koala_ds.commands.schedules",   # list, show, validate, export
+]
+
+
+class UserError(KoalaError):
+    """A problem with what the user asked for; printed without a traceback."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="koala", description="Pipeline schedules as data.")
+    parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except (KoalaError, FileNotFoundError) as exc:
+        print(f"koala {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"koala {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

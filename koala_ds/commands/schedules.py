@@ -1,0 +1,124 @@
+"""`koala list | show | validate | export`: the language's part of the CLI."""
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from .. import library
+from ..dsl import print_schedule
+from ..ir import KoalaError, Schedule
+from ..validate import render_grid, validate
+
+log = logging.getLogger(__name__)
+FIXED_SUFFIXES = (".json", ".csv")
+
+
+def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("schedule", metavar="NAME|FILE",
+                        help="a library schedule name (see `koala list`), a .koala program, or a .json/.csv schedule")
+    parser.add_argument("-p", type=int, help="pipeline ranks")
+    parser.add_argument("-m", type=int, help="microbatches per step")
+    parser.add_argument("-v", type=int, default=None, help="model chunks per rank (default 1)")
+
+
+def resolve_schedule(args: argparse.Namespace) -> Schedule:
+    """The schedule the arguments name; fixed .json/.csv files carry their own p, m, v."""
+    target = args.schedule
+    if Path(target).suffix in FIXED_SUFFIXES and target not in library.names():
+        path = Path(target)
+        if not path.exists():
+            raise KoalaError(f"schedule file {path} does not exist")
+        text = path.read_text(encoding="utf-8")
+        schedule = (Schedule.from_json(text, str(path)) if path.suffix == ".json"
+                    else Schedule.from_torch_csv(text, name=path.stem, source=str(path)))
+        return library.load_schedule(target, args.p or schedule.p, args.m or schedule.m,
+                                     args.v or schedule.v)
+    missing = [f"-{k}" for k in ("p", "m") if getattr(args, k) is None]
+    if missing:
+        raise KoalaError(f"{' and '.join(missing)} needed to compile {target!r} (e.g. -p 4 -m 8)")
+    return library.load_schedule(target, args.p, args.m, args.v or 1)
+
+
+def summary(schedule: Schedule) -> str:
+    run = validate(schedule)
+    return (f"{schedule.name}: p={schedule.p} m={schedule.m} v={schedule.v} placement={schedule.placement.describe()} "
+            f"backward={schedule.backward}, {schedule.num_actions} actions; unit-time makespan {run.makespan}; "
+            f"peak in-flight activations per rank {run.peak_in_flight}")
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    rows = []
+    for name in library.names():
+        prog = library.get(name)
+        supports = ", ".join(r.text for r in prog.requirements) or "any p, m, v"
+        rows.append((name, prog.placement if isinstance(prog.placement, str) else "map", prog.backward,
+                     supports, prog.description))
+    widths = [max(len(r[i]) for r in rows + [("name", "placement", "backward", "supports", "")]) for i in range(4)]
+    header = ("name", "placement", "backward", "supports", "description")
+    for row in [header] + rows:
+        print("  ".join(f"{c:<{widths[i]}}" for i, c in enumerate(row[:4])) + "  " + row[4])
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    schedule = resolve_schedule(args)
+    run = validate(schedule)
+    print(summary(schedule))
+    print(render_grid(schedule, steps=run.steps, width=args.width))
+    render = getattr(args, "render_outputs", None)
+    if render is not None:
+        render(schedule, args)
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    schedule = resolve_schedule(args)
+    print("ok: " + summary(schedule))
+    return 0
+
+
+EXPORTERS = {
+    "koala": lambda s: print_schedule(s),
+    "json": lambda s: s.to_json() + "\n",
+    "torch-csv": lambda s: s.to_torch_csv(),
+}
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    schedule = resolve_schedule(args)
+    text = EXPORTERS[args.format](schedule)
+    if args.output:
+        Path(args.output).write_text(text, encoding="utf-8")
+        log.info("wrote %s", args.output)
+        print(f"wrote {args.output} ({args.format}, {schedule.num_actions} actions)")
+    else:
+        print(text, end="")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("list", help="list the library schedules")
+    p.set_defaults(func=cmd_list)
+
+    p = sub.add_parser("show", help="show a schedule as a rank x time-step grid (and charts with --profile)")
+    add_schedule_arguments(p)
+    p.add_argument("--width", type=int, default=48, help="grid columns to show (default 48)")
+    try:
+        from . import model
+    except ImportError:  # the model's CLI is optional for `show`
+        model = None
+    if model is not None and hasattr(model, "add_model_arguments"):
+        model.add_model_arguments(p)
+        p.set_defaults(render_outputs=model.render_outputs)
+    p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("validate", help="check a schedule: completeness, order, deadlock freedom")
+    add_schedule_arguments(p)
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("export", help="write a schedule as .koala, JSON or torch compute-only CSV")
+    add_schedule_arguments(p)
+    p.add_argument("--format", choices=sorted(EXPORTERS), default="koala")
+    p.add_argument("-o", "--output", help="output file (default: stdout)")
+    p.set_defaults(func=cmd_export)

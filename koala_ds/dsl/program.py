@@ -1,0 +1,329 @@
+"""Compiling Koala programs to schedules.
+
+A program is parametric in p (ranks), m (microbatches), v (chunks per rank) and r (the
+rank). Both faces of the language drive the same `RankEmitter`, so a `.koala` file and a
+Python builder function with the same ops give the same schedule:
+
+- `F[c]`, `B[c]`, `I[c]` take the smallest microbatch that chunk c has not yet run that op
+  on (B and I share one counter: both compute the input gradient); `W[c]` likewise.
+- a bare `W` takes the oldest pending weight gradient of the rank (first in, first out);
+  other ops without a chunk use chunk 0.
+- `X@n` names the microbatch explicitly; `X?` is skipped when there is nothing left to do.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..ir import Action, KoalaError, Op, Placement, Schedule, ScheduleError
+from ..validate import validate
+from . import ast as A
+
+
+class KoalaCompileError(ScheduleError):
+    """A program that parses but cannot produce a valid schedule for the given (p, m, v)."""
+
+
+def _fmt_params(env: dict) -> str:
+    return ", ".join(f"{k}={env[k]}" for k in ("p", "m", "v", "r") if k in env)
+
+
+class RankEmitter:
+    """Turns op requests into actions for one rank, tracking the implicit microbatch counters."""
+
+    def __init__(self, placement: Placement, m: int, rank: int):
+        self.placement, self.m, self.rank = placement, m, rank
+        self.stages = placement.stages_of(rank)
+        self.actions: list[Action] = []
+        self.done: dict[tuple[str, int], set[int]] = {}
+        self.pending_w: deque[tuple[int, int]] = deque()
+
+    def _used(self, cls: str, stage: int) -> set[int]:
+        return self.done.setdefault((cls, stage), set())
+
+    def next_microbatch(self, op: str, stage: int) -> int | None:
+        used = self._used("B" if op in ("B", "I") else op, stage)
+        for mb in self.placement.microbatches_of(stage, self.m):
+            if mb not in used:
+                return mb
+        return None
+
+    def stage_of_chunk(self, chunk: int) -> int:
+        if not 0 <= chunk < len(self.stages):
+            raise KoalaError(f"chunk {chunk} does not exist: rank {self.rank} holds "
+                             f"{len(self.stages)} chunk(s) (0..{len(self.stages) - 1})")
+        return self.stages[chunk]
+
+    def emit(self, op: str, chunk: int | None = None, microbatch: int | None = None,
+             optional: bool = False) -> bool:
+        """Append one action; return False when `optional` and nothing is left to do."""
+        if op == "W" and chunk is None and microbatch is None:
+            if not self.pending_w:
+                if optional:
+                    return False
+                raise KoalaError(f"W on rank {self.rank}: no weight gradient is pending (no I without its W)")
+            stage, mb = self.pending_w[0]
+        else:
+            stage = self.stage_of_chunk(0 if chunk is None else chunk)
+            mb = self.next_microbatch(op, stage) if microbatch is None else microbatch
+            if mb is None or (optional and op == "W" and (stage, mb) not in self.pending_w):
+                if optional:
+                    return False
+                what = {"F": "forward", "B": "backward", "I": "backward", "W": "weight-gradient"}[op]
+                raise KoalaError(f"{op}[{chunk or 0}] on rank {self.rank}: every microbatch of stage {stage} "
+                                 f"already had its {what} step (m={self.m})")
+        cls = "B" if op in ("B", "I") else op
+        if mb in self._used(cls, stage):
+            if optional:
+                return False
+            raise KoalaError(f"{op}@{mb} on rank {self.rank}, stage {stage}: microbatch {mb} already done")
+        self._used(cls, stage).add(mb)
+        if op == "I":
+            self.pending_w.append((stage, mb))
+        elif op == "W":
+            try:
+                self.pending_w.remove((stage, mb))
+            except ValueError:
+                pass
+        self.actions.append(Action(Op(op), stage, mb))
+        return True
+
+
+class RankBuilder:
+    """The Python face of the language: `b.F()`, `b.B(2)`, `b.W(chunk=1)`, `b.F(mb=3)`, `b.W(optional=True)`."""
+
+    def __init__(self, emitter: RankEmitter):
+        self._e = emitter
+
+    def _op(self, op: str, times: int, chunk: int | None, mb: int | None, optional: bool) -> None:
+        if times < 0:
+            raise KoalaError(f"{op}: repetition count {times} < 0")
+        for _ in range(times):
+            self._e.emit(op, chunk, mb, optional)
+
+    def F(self, times: int = 1, chunk: int | None = None, mb: int | None = None, optional: bool = False):
+        self._op("F", times, chunk, mb, optional)
+
+    def B(self, times: int = 1, chunk: int | None = None, mb: int | None = None, optional: bool = False):
+        self._op("B", times, chunk, mb, optional)
+
+    def I(self, times: int = 1, chunk: int | None = None, mb: int | None = None, optional: bool = False):  # noqa: E743
+        self._op("I", times, chunk, mb, optional)
+
+    def W(self, times: int = 1, chunk: int | None = None, mb: int | None = None, optional: bool = False):
+        self._op("W", times, chunk, mb, optional)
+
+
+# -- evaluation of the text form ------------------------------------------------------------
+_BIN = {
+    "+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b,
+    "==": lambda a, b: a == b, "!=": lambda a, b: a != b, "<": lambda a, b: a < b,
+    "<=": lambda a, b: a <= b, ">": lambda a, b: a > b, ">=": lambda a, b: a >= b,
+}
+_FUN = {"min": min, "max": max, "abs": abs}
+
+
+def evaluate(expr: A.Expr, env: dict) -> int:
+    if isinstance(expr, A.Num):
+        return expr.value
+    if isinstance(expr, A.Name):
+        if expr.id not in env:
+            known = ", ".join(sorted(env))
+            raise KoalaCompileError(f"{expr.pos}: unknown name {expr.id!r} (known here: {known})")
+        return env[expr.id]
+    if isinstance(expr, A.Unary):
+        val = evaluate(expr.operand, env)
+        return -val if expr.op == "-" else int(not val)
+    if isinstance(expr, A.Call):
+        return _FUN[expr.fn](*(evaluate(a, env) for a in expr.args))
+    if expr.op == "and":
+        return int(bool(evaluate(expr.left, env)) and bool(evaluate(expr.right, env)))
+    if expr.op == "or":
+        return int(bool(evaluate(expr.left, env)) or bool(evaluate(expr.right, env)))
+    left, right = evaluate(expr.left, env), evaluate(expr.right, env)
+    if expr.op in ("//", "%"):
+        if right == 0:
+            raise KoalaCompileError(f"{expr.pos}: division by zero ({_fmt_params(env)})")
+        return left // right if expr.op == "//" else left % right
+    return int(_BIN[expr.op](left, right))
+
+
+class _Interpreter:
+    def __init__(self, emitter: RankEmitter, env: dict):
+        self.e, self.env = emitter, env
+
+    def run(self, stmts: tuple[A.Stmt, ...]) -> None:
+        for stmt in stmts:
+            if isinstance(stmt, A.Let):
+                self.env[stmt.name] = evaluate(stmt.value, self.env)
+            elif isinstance(stmt, A.Seq):
+                for item in stmt.items:
+                    self.item(item)
+            elif isinstance(stmt, A.For):
+                start, stop = evaluate(stmt.start, self.env), evaluate(stmt.stop, self.env)
+                saved = self.env.get(stmt.var)
+                for value in range(start, stop):
+                    self.env[stmt.var] = value
+                    self.run(stmt.body)
+                if saved is None:
+                    self.env.pop(stmt.var, None)
+                else:
+                    self.env[stmt.var] = saved
+            else:
+                self.run(stmt.then if evaluate(stmt.cond, self.env) else stmt.orelse)
+
+    def item(self, item: A.Item) -> None:
+        if isinstance(item, A.Repeat):
+            count = evaluate(item.count, self.env)
+            if count < 0:
+                raise KoalaCompileError(f"{item.pos}: repetition count is {count} for {_fmt_params(self.env)}; "
+                                        f"this program needs other values of p, m or v")
+            for _ in range(count):
+                self.item(item.item)
+        elif isinstance(item, A.Group):
+            for sub in item.items:
+                self.item(sub)
+        else:
+            chunk = None if item.chunk is None else evaluate(item.chunk, self.env)
+            mb = None if item.microbatch is None else evaluate(item.microbatch, self.env)
+            try:
+                self.e.emit(item.op, chunk, mb, item.optional)
+            except KoalaError as exc:
+                if isinstance(exc, KoalaCompileError):
+                    raise
+                raise KoalaCompileError(f"{item.pos}: {exc} ({_fmt_params(self.env)})") from None
+
+
+# -- programs -------------------------------------------------------------------------------
+RankBody = Callable[[RankBuilder, int, int, int, int], None]
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """A condition on (p, m, v); `check` returns truthy when met."""
+
+    text: str
+    check: Callable[[dict], int]
+    where: str = ""
+
+
+@dataclass
+class Program:
+    """A schedule generator: compiles to a `Schedule` for concrete (p, m, v)."""
+
+    name: str
+    placement: str | Callable[[int, int], Placement]
+    backward: str
+    rank_body: Callable[[RankEmitter, dict], None]
+    description: str = ""
+    source: str = ""
+    requirements: tuple[Requirement, ...] = ()
+    file: str = ""
+    text: str = field(default="", repr=False)
+
+    def supports(self, p: int, m: int, v: int = 1) -> str | None:
+        """None when (p, m, v) is supported; else the reason, naming what to change."""
+        for name, val in (("p", p), ("m", m), ("v", v)):
+            if not isinstance(val, int) or val < 1:
+                return f"{name} must be a positive integer, got {name}={val!r} (change -{name})"
+        env = {"p": p, "m": m, "v": v}
+        for req in self.requirements:
+            try:
+                ok = req.check(env)
+            except KoalaError as exc:
+                return f"schedule {self.name!r}: {exc}"
+            if not ok:
+                params = [k for k in ("p", "m", "v") if _mentions(req.text, k)] or ["p", "m", "v"]
+                where = f" ({req.where})" if req.where else ""
+                return (f"schedule {self.name!r} needs {req.text}{where}; got p={p}, m={m}, v={v}: "
+                        f"change {' or '.join('-' + k for k in params)}")
+        return None
+
+    def make_placement(self, p: int, v: int) -> Placement:
+        if callable(self.placement):
+            return self.placement(p, v)
+        return Placement.named(self.placement, p, v)
+
+    def compile(self, p: int, m: int, v: int = 1) -> Schedule:
+        reason = self.supports(p, m, v)
+        if reason:
+            raise KoalaCompileError(reason)
+        try:
+            placement = self.make_placement(p, v)
+        except ScheduleError as exc:
+            raise KoalaCompileError(f"schedule {self.name!r} ({self.file or 'python'}): {exc}") from None
+        ranks = []
+        for r in range(p):
+            emitter = RankEmitter(placement, m, r)
+            try:
+                self.rank_body(emitter, {"p": p, "m": m, "v": v, "r": r})
+            except KoalaCompileError:
+                raise
+            except KoalaError as exc:
+                raise KoalaCompileError(f"schedule {self.name!r}, rank {r} (p={p}, m={m}, v={v}): {exc}") from None
+            ranks.append(tuple(emitter.actions))
+        schedule = Schedule(p, m, v, placement, tuple(ranks), self.backward, self.name,
+                            {"program": self.name, "file": self.file})
+        try:
+            validate(schedule)
+        except ScheduleError as exc:
+            raise KoalaCompileError(f"{self.file or self.name}: compiles to an invalid schedule for "
+                                    f"p={p}, m={m}, v={v}: {exc}") from None
+        return schedule
+
+
+def _mentions(text: str, name: str) -> bool:
+    import re
+
+    return re.search(rf"\b{name}\b", text) is not None
+
+
+def from_ast(tree: A.ProgramAst, text: str = "") -> Program:
+    """A Program from a parsed `.koala` file."""
+    lets = tree.lets
+
+    def global_env(env: dict) -> dict:
+        env = dict(env)
+        for let in lets:
+            env[let.name] = evaluate(let.value, env)
+        return env
+
+    def body(emitter: RankEmitter, env: dict) -> None:
+        env = global_env(env)
+        stmts = tree.ranks.get(env["r"], tree.ranks.get(None))
+        if stmts is None:
+            raise KoalaCompileError(f"{tree.file}: no block for rank {env['r']} (add 'rank {env['r']}:' "
+                                    f"or a generic 'rank:' block, or change -p)")
+        _Interpreter(emitter, env).run(stmts)
+
+    reqs = tuple(Requirement(r.text, (lambda cond: lambda env: evaluate(cond, global_env(env)))(r.cond), str(r.pos))
+                 for r in tree.supports)
+    spec = tree.placement
+    if spec.style == "map":
+        def placement(p: int, v: int) -> Placement:
+            env = global_env({"p": p, "m": 1, "v": v})
+            groups = [[evaluate(e, env) for e in g] for g in spec.groups]
+            if len({len(g) for g in groups}) != 1:
+                raise ScheduleError(f"{spec.pos}: placement map groups have different lengths")
+            return Placement.explicit([r for g in groups for r in g], len(groups))
+    else:
+        placement = spec.style
+    return Program(tree.name, placement, tree.backward, body, tree.description, tree.source, reqs, tree.file, text)
+
+
+def python_program(name: str, *, placement: str = "linear", backward: str = "full", description: str = "",
+                   source: str = "", supports: dict[str, Callable[[int, int, int], bool]] | None = None):
+    """Decorator: a Program from a Python function `body(b: RankBuilder, p, m, v, r)`.
+
+    `supports` maps a human-readable condition (e.g. "m >= p") to a predicate of (p, m, v)."""
+    def wrap(fn: RankBody) -> Program:
+        reqs = tuple(Requirement(text, (lambda f: lambda env: f(env["p"], env["m"], env["v"]))(pred))
+                     for text, pred in (supports or {}).items())
+
+        def body(emitter: RankEmitter, env: dict) -> None:
+            fn(RankBuilder(emitter), env["p"], env["m"], env["v"], env["r"])
+
+        return Program(name, placement, backward, body, description or (fn.__doc__ or "").strip(), source, reqs,
+                       f"python:{fn.__module__}.{fn.__qualname__}")
+    return wrap

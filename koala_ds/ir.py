@@ -1,0 +1,331 @@
+"""The schedule IR: actions, placements and schedules, with JSON and torch-CSV I/O.
+
+Schedules are plain data. A `Schedule` holds, for each pipeline rank, the ordered list of
+compute actions that rank runs; communication is implied by the dependencies between
+virtual stages and is inserted by each engine adapter.
+"""
+from __future__ import annotations
+
+import enum
+import json
+import re
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Iterable, Sequence
+
+
+class KoalaError(ValueError):
+    """Base of every error koala-ds raises for bad input; the CLI prints it without a traceback."""
+
+
+class ScheduleError(KoalaError):
+    """A schedule that breaks a rule of the IR (validation, deadlock, bad input)."""
+
+
+class Op(str, enum.Enum):
+    F = "F"  # forward
+    I = "I"  # backward for inputs (activation gradients)  # noqa: E741
+    W = "W"  # backward for weights
+    B = "B"  # full backward = I + W
+
+    def __str__(self) -> str:  # "F", not "Op.F"
+        return self.value
+
+
+_ACTION_RE = re.compile(r"^\s*(\d+)\s*([FIWB])\s*(\d+)\s*$")
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """One compute action: `op` of virtual `stage` on `microbatch`. Text form `3I7`."""
+
+    op: Op
+    stage: int
+    microbatch: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.op, Op):
+            object.__setattr__(self, "op", Op(self.op))
+        if self.stage < 0 or self.microbatch < 0:
+            raise ScheduleError(f"action {self.stage}{self.op}{self.microbatch}: negative index")
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.op.value}{self.microbatch}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Action":
+        match = _ACTION_RE.match(text)
+        if not match:
+            raise ScheduleError(f"bad action {text!r}: expected <stage><F|I|W|B><microbatch>, e.g. 3I7")
+        return cls(Op(match.group(2)), int(match.group(1)), int(match.group(3)))
+
+
+def _zigzag_rank(stage: int, p: int) -> int:
+    chunk, pos = divmod(stage, p)
+    return pos if chunk % 2 == 0 else p - 1 - pos
+
+
+#: Named placement styles: (p, stages) -> rank of each stage (one pipeline).
+PLACEMENT_STYLES = {
+    "linear": lambda p, n: [s for s in range(n)],
+    "interleaved": lambda p, n: [s % p for s in range(n)],
+    "vshape": lambda p, n: [_zigzag_rank(s, p) for s in range(n)],
+}
+PLACEMENT_ALIASES = {"looped": "interleaved", "wave": "vshape", "v": "vshape", "zigzag": "vshape"}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which rank holds each virtual stage.
+
+    `stage_ranks[s]` is the rank of virtual stage s. With `pipelines` > 1 (bidirectional
+    schedules such as Chimera), the stages split into that many equal consecutive groups,
+    each a full copy of the model in pipeline order; microbatch mb flows through pipeline
+    `mb % pipelines`.
+    """
+
+    stage_ranks: tuple[int, ...]
+    pipelines: int = 1
+    style: str = "map"  # linear | interleaved | vshape | bidirectional | map
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stage_ranks", tuple(int(r) for r in self.stage_ranks))
+        n = len(self.stage_ranks)
+        if n == 0:
+            raise ScheduleError("placement: no stages")
+        if self.pipelines < 1 or n % self.pipelines:
+            raise ScheduleError(f"placement: {n} stages do not split into {self.pipelines} pipelines")
+        ranks = set(self.stage_ranks)
+        if ranks != set(range(len(ranks))):
+            raise ScheduleError(f"placement: ranks {sorted(ranks)} must be 0..p-1 with none unused")
+        counts = {r: self.stage_ranks.count(r) for r in ranks}
+        if len(set(counts.values())) != 1:
+            raise ScheduleError(f"placement: ranks hold different numbers of stages {counts}")
+
+    # -- construction -------------------------------------------------------------------
+    @classmethod
+    def named(cls, style: str, p: int, v: int = 1) -> "Placement":
+        style = PLACEMENT_ALIASES.get(style, style)
+        if style == "bidirectional":
+            down = list(range(p)) if v == 1 else PLACEMENT_STYLES["interleaved"](p, p * v)
+            return cls(tuple(down + [p - 1 - r for r in down]), pipelines=2, style="bidirectional")
+        if style not in PLACEMENT_STYLES:
+            known = ", ".join(sorted([*PLACEMENT_STYLES, "bidirectional", "map"]))
+            raise ScheduleError(f"unknown placement {style!r}; known: {known}")
+        if style == "linear" and v != 1:
+            raise ScheduleError(f"placement linear needs v == 1 (got v={v}): use interleaved or vshape")
+        return cls(tuple(PLACEMENT_STYLES[style](p, p * v)), 1, style)
+
+    @classmethod
+    def explicit(cls, stage_ranks: Sequence[int], pipelines: int = 1) -> "Placement":
+        """An explicit map; it takes a style name when it equals a named placement."""
+        placement = cls(tuple(stage_ranks), pipelines, "map")
+        return placement.canonical()
+
+    def canonical(self) -> "Placement":
+        p, v = self.p, self.chunks_per_rank // self.pipelines
+        candidates = ["bidirectional"] if self.pipelines == 2 else list(PLACEMENT_STYLES)
+        for style in candidates:
+            try:
+                named = Placement.named(style, p, v)
+            except ScheduleError:
+                continue
+            if named.stage_ranks == self.stage_ranks and named.pipelines == self.pipelines:
+                return named
+        return Placement(self.stage_ranks, self.pipelines, "map")
+
+    # -- queries ------------------------------------------------------------------------
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_ranks)
+
+    @cached_property
+    def p(self) -> int:
+        return max(self.stage_ranks) + 1
+
+    @property
+    def chunks_per_rank(self) -> int:
+        return self.num_stages // self.p
+
+    @property
+    def stages_per_pipeline(self) -> int:
+        return self.num_stages // self.pipelines
+
+    def rank_of(self, stage: int) -> int:
+        return self.stage_ranks[stage]
+
+    @cached_property
+    def _rank_stages(self) -> tuple[tuple[int, ...], ...]:
+        out: list[list[int]] = [[] for _ in range(self.p)]
+        for stage, rank in enumerate(self.stage_ranks):
+            out[rank].append(stage)
+        return tuple(tuple(s) for s in out)
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The stages of `rank` in pipeline order; index = chunk number."""
+        return self._rank_stages[rank]
+
+    def chunk_of(self, stage: int) -> int:
+        return self._rank_stages[self.stage_ranks[stage]].index(stage)
+
+    def pipeline_of(self, stage: int) -> int:
+        return stage // self.stages_per_pipeline
+
+    def prev_stage(self, stage: int) -> int | None:
+        """The stage that feeds `stage` its input, or None for a first stage."""
+        return None if stage % self.stages_per_pipeline == 0 else stage - 1
+
+    def next_stage(self, stage: int) -> int | None:
+        """The stage `stage` feeds, or None for a last stage (which computes the loss)."""
+        return None if (stage + 1) % self.stages_per_pipeline == 0 else stage + 1
+
+    def is_last(self, stage: int) -> bool:
+        return self.next_stage(stage) is None
+
+    def microbatches_of(self, stage: int, m: int) -> range:
+        """The microbatches that pass through `stage`, in order."""
+        return range(self.pipeline_of(stage), m, self.pipelines)
+
+    def describe(self) -> str:
+        if self.style != "map":
+            return self.style
+        groups = [self.stage_ranks[i:i + self.stages_per_pipeline]
+                  for i in range(0, self.num_stages, self.stages_per_pipeline)]
+        return "map " + " | ".join(" ".join(str(r) for r in g) for g in groups)
+
+
+BACKWARD_MODES = ("full", "split")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A pipeline schedule for concrete (p, m, v): one ordered action list per rank."""
+
+    p: int
+    m: int
+    v: int
+    placement: Placement
+    ranks: tuple[tuple[Action, ...], ...]
+    backward: str = "full"
+    name: str = "schedule"
+    meta: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ranks", tuple(tuple(r) for r in self.ranks))
+        if self.backward not in BACKWARD_MODES:
+            raise ScheduleError(f"backward must be one of {BACKWARD_MODES}, got {self.backward!r}")
+        if self.placement.p != self.p:
+            raise ScheduleError(f"placement has {self.placement.p} ranks but p={self.p}")
+        if len(self.ranks) != self.p:
+            raise ScheduleError(f"schedule has {len(self.ranks)} rank lists but p={self.p}")
+        if self.m < 1:
+            raise ScheduleError(f"m must be >= 1, got m={self.m}")
+
+    @property
+    def num_stages(self) -> int:
+        return self.placement.num_stages
+
+    @property
+    def num_actions(self) -> int:
+        return sum(len(r) for r in self.ranks)
+
+    def with_name(self, name: str) -> "Schedule":
+        return Schedule(self.p, self.m, self.v, self.placement, self.ranks, self.backward, name, dict(self.meta))
+
+    def same_order(self, other: "Schedule") -> bool:
+        """Equal as schedules (placement, backward mode, every rank's order), ignoring the name."""
+        return (self.p, self.m, self.v, self.placement.stage_ranks, self.placement.pipelines,
+                self.backward, self.ranks) == (other.p, other.m, other.v, other.placement.stage_ranks,
+                                                other.placement.pipelines, other.backward, other.ranks)
+
+    # -- JSON ---------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "format": "koala-schedule",
+            "version": 1,
+            "name": self.name,
+            "p": self.p,
+            "m": self.m,
+            "v": self.v,
+            "backward": self.backward,
+            "placement": {"style": self.placement.style, "stage_ranks": list(self.placement.stage_ranks),
+                          "pipelines": self.placement.pipelines},
+            "ranks": [[str(a) for a in rank] for rank in self.ranks],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "<json>") -> "Schedule":
+        try:
+            pl = data["placement"]
+            placement = Placement(tuple(pl["stage_ranks"]), int(pl.get("pipelines", 1)), pl.get("style", "map"))
+            ranks = tuple(tuple(Action.parse(a) for a in rank) for rank in data["ranks"])
+            return cls(int(data["p"]), int(data["m"]), int(data["v"]), placement, ranks,
+                       data.get("backward", "full"), data.get("name", "schedule"))
+        except KeyError as exc:
+            raise ScheduleError(f"{source}: missing field {exc.args[0]!r} in schedule JSON") from None
+        except (TypeError, ValueError) as exc:
+            if isinstance(exc, ScheduleError):
+                raise ScheduleError(f"{source}: {exc}") from None
+            raise ScheduleError(f"{source}: malformed schedule JSON ({exc})") from None
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "<json>") -> "Schedule":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ScheduleError(f"{source}:{exc.lineno}:{exc.colno}: not JSON ({exc.msg})") from None
+        return cls.from_dict(data, source)
+
+    # -- torch.distributed.pipelining compute-only CSV ----------------------------------
+    def to_torch_csv(self) -> str:
+        """One row per rank, one action per cell (`3I7`), as torch's `_load_csv` reads it."""
+        return "".join(",".join(str(a) for a in rank) + "\n" for rank in self.ranks)
+
+    @classmethod
+    def from_torch_csv(cls, text: str, name: str = "schedule", v: int | None = None,
+                       placement: Placement | None = None, source: str = "<csv>") -> "Schedule":
+        """Read a compute-only CSV. The placement is inferred (which rank runs each stage)
+        unless given; the backward mode is split when any I or W appears."""
+        rows: list[list[Action]] = []
+        for lineno, line in enumerate(text.splitlines(), 1):
+            cells = [c.strip() for c in line.split(",")]
+            try:
+                rows.append([Action.parse(c) for c in cells if c])
+            except ScheduleError as exc:
+                raise ScheduleError(f"{source}:{lineno}: {exc}") from None
+        while rows and not rows[-1] and len(rows) > 1:
+            rows.pop()
+        actions = [a for row in rows for a in row]
+        if not actions:
+            raise ScheduleError(f"{source}: no actions")
+        if placement is None:
+            stage_ranks: dict[int, int] = {}
+            for rank, row in enumerate(rows):
+                for a in row:
+                    if stage_ranks.setdefault(a.stage, rank) != rank:
+                        raise ScheduleError(f"{source}: stage {a.stage} appears on ranks "
+                                            f"{stage_ranks[a.stage]} and {rank}")
+            n = max(stage_ranks) + 1
+            missing = [s for s in range(n) if s not in stage_ranks]
+            if missing:
+                raise ScheduleError(f"{source}: stages {missing} have no actions")
+            placement = Placement.explicit([stage_ranks[s] for s in range(n)])
+        p = len(rows)
+        m = max(a.microbatch for a in actions) + 1
+        if v is None:
+            v = placement.chunks_per_rank // placement.pipelines
+        backward = "split" if any(a.op in (Op.I, Op.W) for a in actions) else "full"
+        return cls(p, m, v, placement, tuple(tuple(r) for r in rows), backward, name)
+
+
+def schedule_from_ranks(name: str, placement: Placement, m: int, ranks: Iterable[Iterable[Action]],
+                        backward: str | None = None) -> Schedule:
+    """Convenience constructor: p and v come from the placement, backward from the ops."""
+    ranks = tuple(tuple(r) for r in ranks)
+    if backward is None:
+        backward = "split" if any(a.op in (Op.I, Op.W) for r in ranks for a in r) else "full"
+    v = placement.chunks_per_rank // placement.pipelines
+    return Schedule(placement.p, m, v, placement, ranks, backward, name)

@@ -1,0 +1,23 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="koala-ds",
+    version="0.1.0",
+    description="Pipeline schedules as data: a DSL, a search, and adapters for DeepSpeed and Megatron-core",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["koala_ds", "koala_ds.*"]),
+    package_data={"koala_ds": ["library/*.koala", "profiles/*.json"]},
+    install_requires=["numpy"],
+    extras_require={
+        "deepspeed": ["torch==2.13.0", "deepspeed==0.19.8"],
+        "megatron": ["torch==2.13.0", "megatron-core==0.16.1"],
+        "exact": ["ortools>=9.10"],
+        "viz": ["matplotlib>=3.7"],
+        "search": ["tqdm>=4.60"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "tqdm>=4.60", "matplotlib>=3.7",
+                "ortools>=9.10", "ninja"],
+    },
+    entry_points={"console_scripts": ["koala=koala_ds.cli:main"]},
+)
