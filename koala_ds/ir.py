@@ -107,14 +107,15 @@ class Placement:
     def named(cls, style: str, p: int, v: int = 1) -> "Placement":
         style = PLACEMENT_ALIASES.get(style, style)
         if style == "bidirectional":
-            down = list(range(p)) if v == 1 else PLACEMENT_STYLES["interleaved"](p, p * v)
+            down = PLACEMENT_STYLES["interleaved"](p, p * v)
             return cls(tuple(down + [p - 1 - r for r in down]), pipelines=2, style="bidirectional")
         if style not in PLACEMENT_STYLES:
             known = ", ".join(sorted([*PLACEMENT_STYLES, "bidirectional", "map"]))
             raise ScheduleError(f"unknown placement {style!r}; known: {known}")
         if style == "linear" and v != 1:
             raise ScheduleError(f"placement linear needs v == 1 (got v={v}): use interleaved or vshape")
-        return cls(tuple(PLACEMENT_STYLES[style](p, p * v)), 1, style)
+        # canonical label: with one chunk (or one rank) every style is the linear one
+        return cls(tuple(PLACEMENT_STYLES[style](p, p * v)), 1, style).canonical()
 
     @classmethod
     def explicit(cls, stage_ranks: Sequence[int], pipelines: int = 1) -> "Placement":
@@ -126,12 +127,15 @@ class Placement:
         p, v = self.p, self.chunks_per_rank // self.pipelines
         candidates = ["bidirectional"] if self.pipelines == 2 else list(PLACEMENT_STYLES)
         for style in candidates:
-            try:
-                named = Placement.named(style, p, v)
-            except ScheduleError:
+            if style == "bidirectional":
+                down = PLACEMENT_STYLES["interleaved"](p, p * v)
+                ranks = tuple(down + [p - 1 - r for r in down])
+            elif style == "linear" and v != 1:
                 continue
-            if named.stage_ranks == self.stage_ranks and named.pipelines == self.pipelines:
-                return named
+            else:
+                ranks = tuple(PLACEMENT_STYLES[style](p, p * v))
+            if ranks == self.stage_ranks:
+                return Placement(ranks, self.pipelines, style)
         return Placement(self.stage_ranks, self.pipelines, "map")
 
     # -- queries ------------------------------------------------------------------------

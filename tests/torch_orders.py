@@ -20,6 +20,8 @@ def _flatten(rank_ops) -> list[Action]:
         subs = getattr(act, "sub_actions", None)
         for a in (subs or (act,)):
             kind = a.computation_type.name
+            if kind not in ("FORWARD", "FULL_BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT"):
+                continue  # communication / gradient-reduction bookkeeping
             kind = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}.get(kind, kind)
             out.append(Action(_OPS[kind], a.stage_index, a.microbatch_index))
     return out
@@ -29,6 +31,8 @@ def torch_order(name: str, p: int, m: int, v: int) -> list[list[Action]]:
     rounds = max(1, m // p)
     fake = SimpleNamespace(pp_group_size=p, _n_microbatches=m, n_local_stages=v, microbatches_per_round=m // rounds,
                            num_stages=p * v, _num_stages=p * v, _stages=[None] * v)
+    if name == "1f1b":
+        return [_flatten(ops) for _, ops in sorted(S.Schedule1F1B._get_pipeline_order(fake).items())]
     cls = {"interleaved-1f1b": S.ScheduleInterleaved1F1B, "zb-h1": S.ScheduleInterleavedZeroBubble,
            "looped-bfs": S.ScheduleLoopedBFS, "zb-v": S.ScheduleZBVZeroBubble, "dualpipe-v": S.ScheduleDualPipeV}[name]
     return [_flatten(cls._calculate_single_rank_operations(fake, r)) for r in range(p)]

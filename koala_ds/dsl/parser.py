@@ -231,6 +231,9 @@ class _Tokens:
     def items(self, closing: str | None = None) -> tuple[A.Item, ...]:
         out: list[A.Item] = []
         while not (self.cur.kind == "end" or (closing and self.at(closing))):
+            if out and isinstance(out[-1], A.Repeat) and self.at("+", "-", "*", "/", "//", "%"):
+                self.fail("parentheses around a computed count, e.g. F * (m - k)",
+                          f"unexpected {self.cur.text!r} after a repetition count")
             out.append(self.item())
         if not out:
             self.fail("an op (F, B, I, W) or '('")

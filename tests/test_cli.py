@@ -1,0 +1,64 @@
+import subprocess
+import sys
+
+import pytest
+
+from koala_ds.cli import main
+from koala_ds.ir import Schedule
+from koala_ds.library import get
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_list_names_every_schedule(capsys):
+    code, out, _ = run(capsys, "list")
+    assert code == 0
+    for name in ("1f1b", "zb-v", "interleaved-1f1b"):
+        assert any(line.startswith(name + " ") for line in out.splitlines())
+    assert "v == 2, m >= 2 * p - 1" in out
+
+
+def test_show_prints_a_time_grid(capsys):
+    code, out, _ = run(capsys, "show", "1f1b", "-p", "2", "-m", "2")
+    assert code == 0
+    lines = out.splitlines()
+    assert "peak in-flight activations per rank [2, 1]" in lines[0]
+    assert lines[2].split() == ["rank", "0", "0F0", "0F1", ".", "0B0", ".", "0B1"]
+    assert lines[3].split() == ["rank", "1", ".", "1F0", "1B0", "1F1", "1B1", "."]
+
+
+def test_export_formats_round_trip(capsys, tmp_path):
+    for fmt, suffix in (("json", ".json"), ("torch-csv", ".csv"), ("koala", ".koala")):
+        out = tmp_path / f"s{suffix}"
+        code, _, _ = run(capsys, "export", "zb-v", "-p", "2", "-m", "4", "-v", "2", "--format", fmt, "-o", str(out))
+        assert code == 0
+        code, text, _ = run(capsys, "validate", str(out), "-p", "2", "-m", "4", "-v", "2")
+        assert code == 0 and text.startswith("ok: ")
+    assert Schedule.from_json((tmp_path / "s.json").read_text()).same_order(get("zb-v").compile(2, 4, 2))
+    code, text, _ = run(capsys, "export", "1f1b", "-p", "2", "-m", "2", "--format", "torch-csv")
+    assert text == "0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["show", "zb-v", "-p", "4", "-m", "4", "-v", "2"], "needs m >= 2 * p - 1"),
+    (["show", "nosuch", "-p", "2", "-m", "2"], "unknown schedule 'nosuch'"),
+    (["show", "1f1b", "-m", "2"], "-p needed"),
+    (["validate", "missing.koala", "-p", "2", "-m", "2"], "missing.koala does not exist"),
+])
+def test_errors_are_messages_not_tracebacks(capsys, argv, message):
+    code, _, err = run(capsys, *argv)
+    assert code == 2
+    assert message in err and "Traceback" not in err
+
+
+def test_syntax_error_from_console_script(tmp_path):
+    bad = tmp_path / "bad.koala"
+    bad.write_text("schedule bad\nrank:\n  F * (m +)\n")
+    proc = subprocess.run([sys.executable, "-m", "koala_ds.cli", "validate", str(bad), "-p", "2", "-m", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert f"{bad}:3:11:" in proc.stderr and "Traceback" not in proc.stderr

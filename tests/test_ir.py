@@ -1,0 +1,102 @@
+import json
+import random
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from koala_ds.ir import Action, Op, Placement, Schedule, ScheduleError
+from koala_ds.library import get
+from schedule_strategies import random_schedule
+
+
+def test_action_text_form():
+    a = Action(Op.I, 3, 7)
+    assert str(a) == "3I7"
+    assert Action.parse("3I7") == a
+    assert Action.parse(" 12W0 ") == Action(Op.W, 12, 0)
+    for bad in ("3X7", "F3", "", "3I"):
+        with pytest.raises(ScheduleError, match="bad action"):
+            Action.parse(bad)
+
+
+def test_action_is_frozen_and_typed():
+    a = Action("F", 0, 1)
+    assert a.op is Op.F
+    with pytest.raises(Exception):
+        a.stage = 2
+
+
+def test_named_placements():
+    assert Placement.named("linear", 4).stage_ranks == (0, 1, 2, 3)
+    assert Placement.named("interleaved", 2, 3).stage_ranks == (0, 1, 0, 1, 0, 1)
+    assert Placement.named("vshape", 4, 2).stage_ranks == (0, 1, 2, 3, 3, 2, 1, 0)
+    assert Placement.named("wave", 2, 3).stage_ranks == (0, 1, 1, 0, 0, 1)
+    bi = Placement.named("bidirectional", 3)
+    assert bi.stage_ranks == (0, 1, 2, 2, 1, 0) and bi.pipelines == 2
+    assert bi.next_stage(2) is None and bi.prev_stage(3) is None and bi.next_stage(3) == 4
+    assert list(bi.microbatches_of(4, 5)) == [1, 3]
+    v = Placement.named("vshape", 4, 2)
+    assert v.stages_of(1) == (1, 6) and v.chunk_of(6) == 1
+
+
+def test_explicit_placement_is_recognised_and_checked():
+    assert Placement.explicit([0, 1, 1, 0]).style == "vshape"
+    assert Placement.explicit([0, 2, 1]).style == "map"
+    with pytest.raises(ScheduleError, match="different numbers of stages"):
+        Placement.explicit([0, 0, 1])
+    with pytest.raises(ScheduleError, match="must be 0..p-1"):
+        Placement.explicit([0, 2])
+    with pytest.raises(ScheduleError, match="linear needs v == 1"):
+        Placement.named("linear", 2, 2)
+    with pytest.raises(ScheduleError, match="unknown placement"):
+        Placement.named("spiral", 2, 2)
+
+
+CASES = [(name, p, m, v) for name in ["1f1b", "zb-h1", "interleaved-1f1b", "zb-v", "dualpipe-v", "looped-bfs"]
+         for (p, m, v) in [(2, 4, 1), (4, 8, 1), (2, 4, 2), (3, 7, 2), (4, 8, 2)]
+         if get(name).supports(p, m, v) is None]
+
+
+@pytest.mark.parametrize("name,p,m,v", CASES)
+def test_json_and_csv_round_trip_library(name, p, m, v):
+    s = get(name).compile(p, m, v)
+    assert Schedule.from_json(s.to_json()) == s.with_name(s.name)
+    back = Schedule.from_torch_csv(s.to_torch_csv(), name=s.name)
+    assert back.same_order(s)
+    assert back.placement.style == s.placement.style
+
+
+def test_csv_format_is_one_row_per_rank():
+    s = get("1f1b").compile(2, 3)
+    assert s.to_torch_csv().splitlines() == ["0F0,0F1,0B0,0F2,0B1,0B2", "1F0,1B0,1F1,1B1,1F2,1B2"]
+
+
+def test_json_errors_name_the_source():
+    with pytest.raises(ScheduleError, match=r"f\.json:1:1: not JSON"):
+        Schedule.from_json("nope", "f.json")
+    good = json.loads(get("1f1b").compile(2, 2).to_json())
+    del good["ranks"]
+    with pytest.raises(ScheduleError, match="f.json: missing field 'ranks'"):
+        Schedule.from_json(json.dumps(good), "f.json")
+
+
+def test_csv_errors():
+    with pytest.raises(ScheduleError, match="x.csv:2: bad action"):
+        Schedule.from_torch_csv("0F0,0B0\n1F0,1Q0\n", source="x.csv")
+    with pytest.raises(ScheduleError, match="stage 0 appears on ranks 0 and 1"):
+        Schedule.from_torch_csv("0F0\n0B0\n", source="x.csv")
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10**6), p=st.integers(1, 4), m=st.integers(1, 6),
+       layout=st.sampled_from([("linear", 1), ("interleaved", 2), ("vshape", 2), ("interleaved", 3)]),
+       backward=st.sampled_from(["full", "split"]))
+def test_random_schedules_survive_json_and_csv(seed, p, m, layout, backward):
+    style, v = layout
+    s = random_schedule(random.Random(seed), p, m, v, style, backward)
+    assert Schedule.from_json(s.to_json()) == s
+    back = Schedule.from_torch_csv(s.to_torch_csv(), name=s.name)
+    if backward == "split" and not any(a.op in (Op.I, Op.W) for r in s.ranks for a in r):
+        assert back.backward == "full"  # CSV cannot tell a split schedule that uses only B
+    else:
+        assert back.same_order(s)
