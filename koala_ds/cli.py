@@ -15,6 +15,8 @@ from .ir import KoalaError
 #: Subcommand modules, in the order `koala --help` lists them.
 COMMAND_MODULES = [
     "koala_ds.commands.schedules",   # list, show, validate, export
+    "koala_ds.commands.model",       # simulate, compare
+    "koala_ds.commands.search",      # search
 ]
 
 

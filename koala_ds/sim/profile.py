@@ -1,0 +1,250 @@
+"""Cost profiles (JSON, version 1): what each virtual stage costs in time and memory.
+
+```json
+{"version": 1,
+ "stages": [{"forward": 1.0, "backward_input": 1.0, "backward_weight": 0.8,
+             "activation_mb": 120.0, "w_hold_mb": 30.0}, ...],
+ "p2p_latency": 0.05,
+ "memory_limit_mb": 2000}
+```
+
+One entry per virtual stage in pipeline order; times are milliseconds per microbatch.
+F allocates `activation_mb`; I frees `activation_mb - w_hold_mb`; W frees `w_hold_mb`; a full B
+frees all of it and takes `backward_input + backward_weight`. `p2p_latency` is paid on every
+dependency between stages on different ranks. `memory_limit_mb` (a number or one per rank) is
+optional. Loading validates everything; every error names the file and the field.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..ir import KoalaError
+
+log = logging.getLogger(__name__)
+
+PROFILE_VERSION = 1
+STAGE_FIELDS = ("forward", "backward_input", "backward_weight", "activation_mb", "w_hold_mb")
+TOP_FIELDS = ("version", "stages", "p2p_latency", "memory_limit_mb")
+#: Free-form top-level fields that are kept out of validation (the profiler writes its notes there).
+FREE_FIELDS = ("name", "description", "meta")
+
+
+class ProfileError(KoalaError):
+    """A cost profile that cannot be used: bad file, missing or bad field, wrong size."""
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """The cost of one virtual stage for one microbatch (ms and MB)."""
+
+    forward: float
+    backward_input: float
+    backward_weight: float
+    activation_mb: float = 0.0
+    w_hold_mb: float = 0.0
+
+    @property
+    def backward(self) -> float:
+        """A full backward (B) = backward_input + backward_weight."""
+        return self.backward_input + self.backward_weight
+
+    def to_dict(self) -> dict:
+        return {name: getattr(self, name) for name in STAGE_FIELDS}
+
+
+def _number(value: Any, where: str, *, allow_inf: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProfileError(f"{where}: expected a number, got {value!r}")
+    value = float(value)
+    if math.isnan(value) or (math.isinf(value) and not allow_inf):
+        raise ProfileError(f"{where}: expected a finite number, got {value!r}")
+    if value < 0:
+        raise ProfileError(f"{where}: must not be negative, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    """Per-stage costs, the p2p latency and the optional memory limit (MB, per rank)."""
+
+    stages: tuple[StageCost, ...]
+    p2p_latency: float = 0.0
+    memory_limit_mb: float | tuple[float, ...] | None = None
+    source: str = "<profile>"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stages", tuple(self.stages))
+        if isinstance(self.memory_limit_mb, (list, tuple)):
+            object.__setattr__(self, "memory_limit_mb", tuple(float(x) for x in self.memory_limit_mb))
+        elif self.memory_limit_mb is not None:
+            object.__setattr__(self, "memory_limit_mb", float(self.memory_limit_mb))
+        # The same rules as a loaded file, so that a profile built in code cannot be wrong either.
+        _check(self.to_dict(), self.source)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    # -- construction -------------------------------------------------------------------
+    @classmethod
+    def uniform(cls, num_stages: int, forward: float = 1.0, backward_input: float = 1.0,
+                backward_weight: float = 1.0, activation_mb: float = 1.0, w_hold_mb: float = 0.0,
+                p2p_latency: float = 0.0, memory_limit_mb: float | Sequence[float] | None = None,
+                source: str | None = None) -> "CostProfile":
+        """Every stage costs the same. The defaults are unit costs: F = I = W = 1 (B = 2)."""
+        if num_stages < 1:
+            raise ProfileError(f"uniform profile: num_stages must be >= 1, got {num_stages}")
+        stage = StageCost(forward, backward_input, backward_weight, activation_mb, w_hold_mb)
+        limit = tuple(memory_limit_mb) if isinstance(memory_limit_mb, (list, tuple)) else memory_limit_mb
+        return cls((stage,) * num_stages, p2p_latency, limit, source or f"<uniform x{num_stages}>")
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "<profile>") -> "CostProfile":
+        """Validate a parsed profile. Errors name `source` and the field (`stages[3].forward`)."""
+        _check(data, source)
+        stages = tuple(StageCost(*(float(entry[name]) for name in STAGE_FIELDS)) for entry in data["stages"])
+        limit = data.get("memory_limit_mb")
+        if isinstance(limit, list):
+            limit = tuple(float(x) for x in limit)
+        elif limit is not None:
+            limit = float(limit)
+        return cls(stages, float(data["p2p_latency"]), limit, source)
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "<profile>") -> "CostProfile":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ProfileError(f"{source}:{exc.lineno}:{exc.colno}: not a JSON file ({exc.msg}); "
+                               f"a cost profile is JSON with fields {', '.join(TOP_FIELDS)}") from None
+        return cls.from_dict(data, source)
+
+    def to_dict(self) -> dict:
+        out: dict[str, Any] = {"version": PROFILE_VERSION, "stages": [s.to_dict() for s in self.stages],
+                               "p2p_latency": self.p2p_latency}
+        if self.memory_limit_mb is not None:
+            limit = self.memory_limit_mb
+            out["memory_limit_mb"] = list(limit) if isinstance(limit, tuple) else limit
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    # -- queries ------------------------------------------------------------------------
+    def memory_limit_for(self, rank: int, p: int) -> float | None:
+        """The memory limit of `rank` out of `p` ranks, or None when there is none."""
+        limit = self.memory_limit_mb
+        if limit is None:
+            return None
+        if isinstance(limit, tuple):
+            if len(limit) != p:
+                raise ProfileError(f"{self.source}: field 'memory_limit_mb' lists {len(limit)} ranks "
+                                   f"but the schedule has p={p}; give one number or {p} numbers")
+            return limit[rank]
+        return limit
+
+    def memory_limits(self, p: int) -> tuple[float | None, ...]:
+        return tuple(self.memory_limit_for(r, p) for r in range(p))
+
+    def stage_costs(self, num_stages: int, pipelines: int = 1, what: str = "the schedule") -> tuple[StageCost, ...]:
+        """The cost of each of `num_stages` virtual stages.
+
+        A profile has one entry per virtual stage. With `pipelines` > 1 (bidirectional schedules
+        such as Chimera) it may instead describe the stages of one pipeline, which every
+        pipeline then uses."""
+        n = len(self.stages)
+        if n == num_stages:
+            return self.stages
+        per_pipeline = num_stages // pipelines
+        if pipelines > 1 and n == per_pipeline:
+            return tuple(self.stages[s % per_pipeline] for s in range(num_stages))
+        expected = f"{num_stages}" if pipelines == 1 else f"{per_pipeline} (one pipeline) or {num_stages}"
+        raise ProfileError(f"{self.source}: field 'stages' has {n} entries but {what} has {num_stages} virtual "
+                           f"stages ({pipelines} pipeline{'s' if pipelines > 1 else ''}); the profile needs "
+                           f"{expected} entries, one per virtual stage in pipeline order")
+
+
+def _check(data: Any, source: str) -> None:
+    if not isinstance(data, dict):
+        raise ProfileError(f"{source}: a cost profile is a JSON object with fields {', '.join(TOP_FIELDS)}, "
+                           f"got {type(data).__name__}")
+    unknown = [k for k in data if k not in TOP_FIELDS and k not in FREE_FIELDS]
+    if unknown:
+        raise ProfileError(f"{source}: unknown field {unknown[0]!r}; known fields: "
+                           f"{', '.join(TOP_FIELDS + FREE_FIELDS)}")
+    for name in ("version", "stages", "p2p_latency"):
+        if name not in data:
+            raise ProfileError(f"{source}: missing field {name!r}")
+    if data["version"] != PROFILE_VERSION:
+        raise ProfileError(f"{source}: field 'version' is {data['version']!r}; this koala-ds reads version "
+                           f"{PROFILE_VERSION}")
+    stages = data["stages"]
+    if not isinstance(stages, list) or not stages:
+        raise ProfileError(f"{source}: field 'stages' must be a non-empty list, one entry per virtual stage")
+    for i, entry in enumerate(stages):
+        where = f"{source}: stages[{i}]"
+        if not isinstance(entry, dict):
+            raise ProfileError(f"{where}: expected an object with fields {', '.join(STAGE_FIELDS)}")
+        for name in STAGE_FIELDS:
+            if name not in entry:
+                raise ProfileError(f"{where}: missing field {name!r}")
+            _number(entry[name], f"{where}.{name}")
+        extra = [k for k in entry if k not in STAGE_FIELDS]
+        if extra:
+            raise ProfileError(f"{where}: unknown field {extra[0]!r}; known fields: {', '.join(STAGE_FIELDS)}")
+        if entry["w_hold_mb"] > entry["activation_mb"]:
+            raise ProfileError(f"{where}.w_hold_mb: {entry['w_hold_mb']} is more than activation_mb "
+                               f"{entry['activation_mb']} (W holds part of the activation memory)")
+    _number(data["p2p_latency"], f"{source}: p2p_latency")
+    limit = data.get("memory_limit_mb")
+    if isinstance(limit, (list, tuple)):
+        if not limit:
+            raise ProfileError(f"{source}: memory_limit_mb: an empty list; give a number or one per rank")
+        for r, value in enumerate(limit):
+            _number(value, f"{source}: memory_limit_mb[{r}]", allow_inf=True)
+    elif limit is not None:
+        _number(limit, f"{source}: memory_limit_mb", allow_inf=True)
+
+
+# -- files and bundled profiles ----------------------------------------------------------
+def bundled_profiles() -> list[str]:
+    """Names of the example profiles shipped in koala_ds/profiles/."""
+    folder = resources.files("koala_ds") / "profiles"
+    return sorted(item.name[:-5] for item in folder.iterdir() if item.name.endswith(".json"))
+
+
+def resolve_profile(name_or_path: str | os.PathLike) -> Path:
+    """A path to an existing file, or the name of a bundled profile (`uniform-4`)."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    text = str(name_or_path)
+    looks_like_path = os.sep in text or "/" in text
+    if not looks_like_path:
+        stem = text[:-5] if text.endswith(".json") else text
+        bundled = resources.files("koala_ds") / "profiles" / f"{stem}.json"
+        if bundled.is_file():
+            return Path(str(bundled))
+    raise ProfileError(f"profile {text!r}: no such file, and not a bundled profile "
+                       f"(bundled: {', '.join(bundled_profiles())})")
+
+
+def load_profile(path_or_name: str | os.PathLike) -> CostProfile:
+    """Load and validate a profile file, or a bundled profile by name."""
+    path = resolve_profile(path_or_name)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ProfileError(f"{path}: not a JSON file (not UTF-8 text)") from None
+    except OSError as exc:
+        raise ProfileError(f"{path}: cannot read ({exc.strerror})") from None
+    profile = CostProfile.from_json(text, source=str(path))
+    log.debug("loaded profile %s: %d stages", path, profile.num_stages)
+    return profile

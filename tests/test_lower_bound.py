@@ -1,0 +1,159 @@
+"""The lower bound: no schedule beats it (random profiles, random and library schedules), and
+it is tight where theory says it must be."""
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from koala_ds import library
+from koala_ds.ir import KoalaError, Placement, ScheduleError
+from koala_ds.sim import CostProfile, StageCost, lower_bound, lower_bound_for, random_schedule, simulate
+
+TOL = 1e-9  # floating-point rounding: the bound and the makespan add the same numbers in different orders
+
+time_ = st.floats(0.0, 4.0, allow_nan=False).map(lambda x: round(x, 3))
+
+
+@st.composite
+def profiles(draw, n: int):
+    stages = []
+    for _ in range(n):
+        act = draw(st.floats(0.0, 100.0, allow_nan=False))
+        stages.append(StageCost(draw(time_), draw(time_), draw(time_), act, act * draw(st.floats(0.0, 1.0))))
+    return CostProfile(tuple(stages), draw(time_) / 4)
+
+
+def assert_not_beaten(schedule, profile, memory_limit=None):
+    bound = lower_bound_for(schedule, profile, memory_limit)
+    assert bound.feasible
+    for mode in ("async", "rendezvous"):
+        try:
+            r = simulate(schedule, profile, mode=mode, timeline=False)
+        except ScheduleError:
+            assert mode == "rendezvous"
+            continue
+        assert bound.value <= r.makespan * (1 + TOL) + TOL, (schedule.name, mode, bound, r.makespan)
+        assert max(bound.work) <= r.makespan * (1 + TOL) + TOL
+    return bound
+
+
+@st.composite
+def random_cases(draw):
+    style = draw(st.sampled_from(["linear", "interleaved", "vshape", "bidirectional"]))
+    p = draw(st.integers(1, 4))
+    v = 1 if style in ("linear", "bidirectional") else draw(st.integers(1, 3))
+    placement = Placement.named(style, p, v)
+    m = draw(st.integers(1, 7))
+    backward = draw(st.sampled_from(["full", "split"]))
+    schedule = random_schedule(placement, m, backward, seed=draw(st.integers(0, 2 ** 31)),
+                               split_probability=draw(st.sampled_from([0.0, 0.5, 1.0])))
+    return schedule, draw(profiles(placement.num_stages))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_cases())
+def test_no_random_schedule_beats_the_bound(case):
+    schedule, profile = case
+    assert_not_beaten(schedule, profile)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_cases(), st.floats(1.0, 1.5))
+def test_memory_term_holds_for_schedules_that_fit(case, slack):
+    """Give each schedule a limit just above its own peak: the bound with the memory term
+    must still not exceed its makespan (it fits that limit)."""
+    schedule, profile = case
+    peaks = simulate(schedule, profile, timeline=False).peak_memory_mb
+    limit = [peak * slack for peak in peaks]
+    bound = assert_not_beaten(schedule, profile, limit)
+    assert bound.memory is not None and len(bound.memory) == schedule.p
+
+
+@functools.lru_cache(maxsize=None)
+def library_schedules() -> list:
+    out = []
+    for name in library.names():
+        for p, m, v in [(1, 3, 1), (2, 2, 1), (2, 5, 1), (4, 4, 1), (4, 9, 1), (3, 6, 2), (4, 8, 2), (2, 6, 2)]:
+            if library.get(name).supports(p, m, v) is None:
+                try:
+                    out.append(library.load_schedule(name, p, m, v))
+                except KoalaError:  # a library bug; the library's own tests report it
+                    continue
+    return out
+
+
+def test_every_library_schedule_is_in_the_property_test():
+    names = {s.name for s in library_schedules()}
+    assert names == set(library.names()), "a library schedule is never checked against the bound"
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_no_library_schedule_beats_the_bound(data):
+    schedule = data.draw(st.sampled_from(library_schedules()))
+    n = schedule.placement.stages_per_pipeline if schedule.placement.pipelines > 1 else schedule.num_stages
+    profile = data.draw(profiles(n))
+    assert_not_beaten(schedule, profile)
+    peaks = simulate(schedule, profile, timeline=False).peak_memory_mb
+    assert_not_beaten(schedule, profile, list(peaks))
+
+
+# -- tightness: the bound equals the optimum where the optimum is known --------------------
+@pytest.mark.parametrize("p, m, lat", [(4, 8, 0.0), (4, 8, 0.3), (3, 2, 0.1), (6, 12, 0.05), (5, 3, 0.0)])
+def test_1f1b_fill_drain_bound_with_full_backward_and_uniform_costs(p, m, lat):
+    profile = CostProfile.uniform(p, forward=1.0, backward_input=1.2, backward_weight=0.8, p2p_latency=lat)
+    schedule = library.load_schedule("1f1b", p, m)
+    bound = lower_bound_for(schedule, profile)
+    # The last rank starts after the fill (p-1 forwards and hops), works m (F + B), and its
+    # last B must flow back down: (m + p - 1) (F + B) plus one latency each way per hop.
+    assert bound.value == pytest.approx((m + p - 1) * 3.0 + 2 * (p - 1) * lat)
+    assert bound.binding == "fill_drain"
+    makespan = simulate(schedule, profile).makespan
+    if lat == 0:
+        assert makespan == pytest.approx(bound.value)  # 1F1B is optimal here
+    else:
+        assert makespan >= bound.value * (1 - TOL)  # with m >= p, 1F1B waits for latencies in its steady state
+
+
+def test_split_backward_bound_is_below_the_full_one():
+    profile = CostProfile.uniform(4, p2p_latency=0.1)
+    full = lower_bound(profile, 4, 8, 1, "linear", "full")
+    split = lower_bound(profile, 4, 8, 1, "linear", "split")
+    assert split.value < full.value
+    # with split backward the last rank can start at the end of the fill and never stop
+    assert split.value == pytest.approx(3 * (1 + 0.1) + 8 * 3)
+
+
+def test_memory_for_one_activation_forces_one_microbatch_at_a_time():
+    p, m = 4, 5
+    profile = CostProfile.uniform(p, activation_mb=100.0, p2p_latency=0.2)
+    schedule = library.load_schedule("1f1b", p, m)
+    no_limit = lower_bound_for(schedule, profile)
+    one = lower_bound_for(schedule, profile, memory_limit=100.0)
+    round_trip = p * 1.0 + p * 2.0 + 2 * (p - 1) * 0.2
+    assert one.binding == "memory" and one.value == pytest.approx(m * round_trip)
+    assert one.value > no_limit.value
+    # one microbatch at a time through the whole pipeline reaches it exactly
+    serial = random_schedule(Placement.named("linear", p), 1, seed=0)
+    assert simulate(serial, profile).makespan == pytest.approx(round_trip)
+
+
+def test_an_activation_larger_than_the_limit_is_infeasible():
+    profile = CostProfile.uniform(2, activation_mb=100.0)
+    bound = lower_bound(profile, 2, 4, 1, "linear", "full", memory_limit=[1000.0, 99.0])
+    assert not bound.feasible and math.isinf(bound.value)
+    assert "rank 1" in bound.reason and "stage 1" in bound.reason
+
+
+def test_bad_arguments():
+    profile = CostProfile.uniform(4)
+    with pytest.raises(ScheduleError, match="placement has 4 ranks but p=2"):
+        lower_bound(profile, 2, 4, 1, Placement.named("linear", 4))
+    with pytest.raises(Exception, match="'stages' has 4 entries"):
+        lower_bound(profile, 4, 4, 2, "interleaved")
+    with pytest.raises(ScheduleError, match="backward must be"):
+        lower_bound(profile, 4, 4, 1, "linear", "half")
