@@ -1,0 +1,132 @@
+"""`koala search`: find a schedule for a cost profile and configuration, print how it compares
+with every library schedule and the lower bound, and write it as a .koala program."""
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from ..dsl import print_schedule
+from ..ir import KoalaError
+from ..sim import bundled_profiles, load_profile, simulate
+
+log = logging.getLogger(__name__)
+
+
+def _table(rows: list[tuple], header: tuple, align: str) -> str:
+    cells = [tuple(str(c) for c in header)] + [tuple(str(c) for c in r) for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = []
+    for n, row in enumerate(cells):
+        parts = [f"{c:<{w}}" if a == "<" else f"{c:>{w}}" for c, w, a in zip(row, widths, align)]
+        lines.append("  ".join(parts).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def result_table(result, limit: float | None) -> str:
+    """The result and every library schedule valid for the configuration."""
+    base = next((r.makespan for r in result.library if r.name == "1f1b"), None)
+
+    def row(name: str, ms: float, bubble: float, peak: float, fits: bool) -> tuple:
+        return (name, f"{ms:.6g}", "-" if base is None else f"{base / ms:.3f}x", f"{bubble:.1%}", f"{peak:.6g}",
+                "-" if limit is None else ("yes" if fits else "NO"),
+                f"{ms / result.lower_bound - 1:+.2%}" if result.lower_bound > 0 else "-")
+
+    rows = [row("searched *", result.makespan, result.bubble, result.peak, result.fits)]
+    rows += [row(r.name, r.makespan, r.bubble, r.peak, r.fits) for r in result.library]
+    return _table(rows, ("schedule", "makespan ms", "vs 1f1b", "bubble", "peak MB", "fits", "over bound"),
+                  "<>>>>>>")
+
+
+def cmd_search(args: argparse.Namespace) -> int:
+    from ..search import SearchProblem, search
+    from ..search.problem import SearchError
+
+    profile = load_profile(args.profile)
+    v = args.v
+    p = args.p
+    if p is None:
+        if profile.num_stages % v:
+            raise SearchError(f"{profile.source} has {profile.num_stages} stages, not a multiple of -v {v}: give -p")
+        p = profile.num_stages // v
+    if args.m is None or args.m < 1:
+        raise SearchError(f"-m must be >= 1 (microbatches per step), got {args.m}")
+    problem = SearchProblem(profile, p, args.m, v, args.backward, args.memory_limit)
+    out = Path(args.output)
+    if out.suffix != ".koala":
+        raise KoalaError(f"-o {out}: the result is written as a .koala program; use a name ending in .koala")
+    if not args.quiet:
+        lim = problem.memory_limit_mb
+        print(f"searching {profile.source}: p={p} m={args.m} v={v} backward={args.backward}, memory limit "
+              f"{'none' if lim is None else f'{lim:.6g} MB'} ({problem.memory_limit_source}), "
+              f"budget {args.time_budget:g} s" + (f" / {args.generations} generations" if args.generations else ""))
+    result = search(problem, time_budget=args.time_budget, generations=args.generations, seed=args.seed,
+                    workers=args.workers, progress=not args.quiet)
+    schedule = result.schedule
+    # write first: an interrupted search still leaves the best schedule so far on disk
+    out.write_text(print_schedule(schedule), encoding="utf-8")
+    exact_line = None
+    if args.exact:
+        from ..search.exact import solve_exact
+
+        part = problem.part_for(schedule.placement)
+        ex = solve_exact(problem, part, hint=schedule, time_limit=args.exact_time_limit,
+                         workers=max(1, args.workers), seed=args.seed)
+        if ex.schedule is not None and ex.makespan is not None and ex.makespan < result.makespan - 1e-9:
+            schedule = ex.schedule.with_name("searched")
+            out.write_text(print_schedule(schedule), encoding="utf-8")
+            res = simulate(schedule, problem.search_profile, timeline=False)
+            result.makespan, result.bubble, result.peak, result.fits = (res.makespan, res.bubble_ratio,
+                                                                         res.peak_memory_max, res.fits_memory)
+            result.schedule = schedule
+            result.origin = "exact solver"
+        if ex.status == "optimal":
+            exact_line = (f"exact (CP-SAT, placement {part.placement.describe()}): optimal {ex.bound:.6g} ms, "
+                          f"proved in {ex.wall_s:.1f} s")
+        else:
+            exact_line = (f"exact (CP-SAT, placement {part.placement.describe()}): {ex.status} after {ex.wall_s:.1f} s; "
+                          f"proven bound {ex.bound:.6g} ms" +
+                          (f", best found {ex.makespan:.6g} ms" if ex.makespan is not None else ""))
+    if result.interrupted:
+        print(f"interrupted: wrote the best schedule so far to {out}")
+    print(result_table(result, problem.memory_limit_mb))
+    print(f"lower bound {result.lower_bound:.6g} ms; searched schedule {result.gap:+.2%} over it "
+          f"(placement {schedule.placement.describe()}, found by {result.origin}; {result.generations} generations, "
+          f"{result.evaluations} try-tests, {result.wall_s:.1f} s, stopped: {result.stopped})")
+    if exact_line:
+        print(exact_line)
+    print(f"wrote {out}")
+    if args.gantt:
+        from ..viz.gantt import write_gantt
+
+        res = simulate(schedule, problem.search_profile, timeline=True)
+        path = write_gantt(res, args.gantt, schedule)
+        print(f"wrote Gantt chart {path}")
+    return 130 if result.interrupted else 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("search", help="search for the fastest schedule under a cost profile and memory limit")
+    p.add_argument("--profile", required=True, metavar="P.json",
+                   help=f"cost profile: a JSON file or a bundled name ({', '.join(bundled_profiles())})")
+    p.add_argument("-p", type=int, default=None, help="pipeline ranks (default: the profile's stages / v)")
+    p.add_argument("-m", type=int, required=True, help="microbatches per step")
+    p.add_argument("-v", type=int, default=1, help="model chunks per rank (default 1)")
+    p.add_argument("--backward", choices=("split", "full"), default="split",
+                   help="split: backward as I + W (zero-bubble style, default); full: B only")
+    p.add_argument("--memory-limit", type=float, default=None, metavar="MB",
+                   help="per-rank activation memory limit (default: the profile's, else 1F1B's peak)")
+    p.add_argument("--time-budget", type=float, default=10.0, metavar="S", help="wall-clock budget (default 10 s)")
+    p.add_argument("--generations", type=int, default=None, metavar="N", help="generation budget (default none)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--workers", type=int, default=1, help="processes evaluating candidates (default 1)")
+    p.add_argument("--exact", action="store_true",
+                   help="then run the exact CP-SAT solver (extra 'exact') hinted with the result")
+    p.add_argument("--exact-time-limit", type=float, default=60.0, metavar="S",
+                   help="time limit of --exact (default 60 s)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("-o", "--output", required=True, metavar="best.koala", help="write the result here")
+    p.add_argument("--gantt", metavar="best.png", help="also draw a Gantt chart of the result")
+    p.set_defaults(func=cmd_search)

@@ -1,0 +1,468 @@
+"""The Dynamic Try-Test genetic algorithm over BTT walks, and the top-level `search()`.
+
+Population: every library schedule valid for the configuration, the greedy list scheduler's
+walks (one per tie-break policy), and random walks. Each generation makes `trials` children
+(crossover of two tournament winners, then a mutation of `strength` moves on the BTT choice
+sequence), *try-tests* each on the simulator (the decoder repairs local order and memory; a
+child that still deadlocks is rejected) and keeps the best `size` distinct walks.
+
+The dynamic rule (documented in docs/search.md):
+- strength follows the 1/5 success rule: after a generation that improved the best walk it is
+  divided by 1.5, otherwise multiplied by 1.5 ** (1/4) (so it is steady when one generation in
+  five succeeds), and kept in [1, strength_max];
+- trials (the try-test rate, children tested per generation) resets to its base after an
+  improvement and doubles (up to 8x) after every `patience` generations without one;
+- after 4 * patience generations without improvement the worse half of the population is
+  replaced by strongly mutated copies of the best walks (a restart), and strength resets.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from .. import library
+from ..ir import KoalaError, Schedule
+from ..sim import CostProfile, random_schedule, simulate
+from .encoding import W_K
+from .greedy import greedy_seeds
+from .problem import INFEASIBLE, PlacementProblem, SearchError, SearchProblem
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Individual:
+    part: int                      # index into problem.parts
+    tokens: list[list[int]]
+    makespan: float
+    peak: float
+    origin: str
+    key: tuple = field(default=(), repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.key:
+            self.key = (self.part, tuple(tuple(t) for t in self.tokens))
+
+
+@dataclass
+class LibraryRow:
+    """One library schedule valid for the configuration, as simulated under the search's profile."""
+
+    name: str
+    schedule: Schedule | None
+    makespan: float
+    peak: float
+    bubble: float
+    fits: bool
+    note: str = ""
+
+
+@dataclass
+class SearchResult:
+    """The search's answer and what it measured."""
+
+    schedule: Schedule
+    makespan: float
+    peak: float
+    bubble: float
+    fits: bool
+    origin: str                      # which seed or generation found it
+    lower_bound: float
+    memory_limit: float | None
+    memory_limit_source: str
+    library: list[LibraryRow]
+    generations: int
+    evaluations: int
+    wall_s: float
+    stopped: str                     # lower-bound | time | generations | interrupted
+    interrupted: bool = False
+    history: list[tuple[float, float]] = field(default_factory=list)  # (seconds, best makespan)
+    per_placement: list[tuple[Schedule, float]] = field(default_factory=list)  # best of each placement
+
+    def best_for(self, placement) -> Schedule | None:
+        for sched, _ in self.per_placement:
+            if sched.placement.stage_ranks == placement.stage_ranks and \
+                    sched.placement.pipelines == placement.pipelines:
+                return sched
+        return None
+
+    @property
+    def gap(self) -> float:
+        return self.makespan / self.lower_bound - 1 if self.lower_bound > 0 else 0.0
+
+
+# -- library seeds ------------------------------------------------------------------------
+def library_rows(problem: SearchProblem) -> list[LibraryRow]:
+    """Every library schedule valid for (p, m, v) and the backward mode, simulated as written."""
+    rows = []
+    for name in library.names():
+        try:
+            program = library.get(name)
+            reason = program.supports(problem.p, problem.m, problem.v)
+        except KoalaError as exc:
+            log.info("library %s skipped: %s", name, exc)
+            continue
+        if reason is not None:
+            continue
+        try:
+            schedule = program.compile(problem.p, problem.m, problem.v)
+        except KoalaError as exc:
+            log.info("library %s does not compile for p=%d m=%d v=%d: %s", name, problem.p, problem.m, problem.v,
+                     str(exc).splitlines()[0])
+            continue
+        if schedule.backward == "split" and problem.backward == "full":
+            continue
+        try:
+            res = simulate(schedule, problem.search_profile, timeline=False)
+        except KoalaError as exc:
+            log.info("library %s does not simulate: %s", name, str(exc).splitlines()[0])
+            continue
+        rows.append(LibraryRow(name, schedule, res.makespan, res.peak_memory_max, res.bubble_ratio, res.fits_memory))
+    rows.sort(key=lambda r: (r.makespan, r.name))
+    return rows
+
+
+# -- variation operators ------------------------------------------------------------------
+def _move(tokens: list[int], rng: random.Random, scale: float) -> None:
+    n = len(tokens)
+    if n < 2:
+        return
+    i = rng.randrange(n)
+    d = max(1, int(rng.expovariate(1.0 / scale)) + 1)
+    j = i + d if rng.random() < 0.5 else i - d
+    j = min(max(j, 0), n - 1)
+    if i == j:
+        return
+    t = tokens.pop(i)
+    tokens.insert(j, t)
+
+
+def _swap(tokens: list[int], rng: random.Random) -> None:
+    n = len(tokens)
+    if n < 2:
+        return
+    for _ in range(4):
+        i = rng.randrange(n - 1)
+        if tokens[i] != tokens[i + 1]:
+            tokens[i], tokens[i + 1] = tokens[i + 1], tokens[i]
+            return
+
+
+def _shift_w(tokens: list[int], rng: random.Random, chunks: int, scale: float) -> None:
+    ws = [i for i, t in enumerate(tokens) if t // chunks == W_K]
+    if not ws:
+        _move(tokens, rng, scale)
+        return
+    i = rng.choice(ws)
+    d = max(1, int(rng.expovariate(1.0 / scale)) + 1)
+    j = min(max(i + (d if rng.random() < 0.5 else -d), 0), len(tokens) - 1)
+    t = tokens.pop(i)
+    tokens.insert(j, t)
+
+
+def mutate(tokens: list[list[int]], rng: random.Random, strength: float, chunks: int) -> list[list[int]]:
+    out = [list(t) for t in tokens]
+    moves = max(1, int(rng.expovariate(1.0 / strength)) + 1) if strength > 1 else 1
+    focus = rng.randrange(len(out))
+    for _ in range(moves):
+        r = focus if rng.random() < 0.6 else rng.randrange(len(out))
+        x = rng.random()
+        if x < 0.4:
+            _move(out[r], rng, 2.0 + strength)
+        elif x < 0.7:
+            _swap(out[r], rng)
+        else:
+            _shift_w(out[r], rng, chunks, 2.0 + strength)
+    return out
+
+
+def crossover(a: list[list[int]], b: list[list[int]], rng: random.Random) -> list[list[int]]:
+    """Per rank: take the walk of a or of b; one rank gets an order crossover (a's prefix, then
+    the rest of its tokens in b's order)."""
+    child = [list(x) if rng.random() < 0.5 else list(y) for x, y in zip(a, b)]
+    r = rng.randrange(len(a))
+    x, y = a[r], b[r]
+    if x and len(x) == len(y):
+        cut = rng.randrange(len(x))
+        prefix = x[:cut]
+        counts: dict[int, int] = {}
+        for t in prefix:
+            counts[t] = counts.get(t, 0) + 1
+        rest = []
+        for t in y:
+            if counts.get(t, 0):
+                counts[t] -= 1
+            else:
+                rest.append(t)
+        child[r] = prefix + rest
+    return child
+
+
+# -- parallel try-test --------------------------------------------------------------------
+_WORKER: SearchProblem | None = None
+
+
+def _worker_init(args: tuple) -> None:
+    global _WORKER
+    profile, p, m, v, backward, limit, placements = args
+    _WORKER = SearchProblem(profile, p, m, v, backward, limit, placements)
+
+
+def _worker_eval(job: tuple[int, list[list[int]]]) -> tuple[float, float, list[list[int]]]:
+    assert _WORKER is not None
+    ev = _WORKER.parts[job[0]].evaluate(job[1])
+    return ev.makespan, ev.peak, ev.tokens
+
+
+class _Evaluator:
+    def __init__(self, problem: SearchProblem, workers: int):
+        self.problem = problem
+        self.pool = None
+        self.count = 0
+        if workers > 1:
+            import concurrent.futures as cf
+            import multiprocessing as mp
+
+            limit = problem.memory_limit if problem.memory_limit is not None else list(problem.limits)
+            if isinstance(limit, list) and len(set(limit)) == 1:
+                limit = limit[0]
+            args = (problem.profile if problem.memory_limit is not None else problem.search_profile,
+                    problem.p, problem.m, problem.v, problem.backward,
+                    limit if not isinstance(limit, list) else None, [pt.placement for pt in problem.parts])
+            self.pool = cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"),
+                                               initializer=_worker_init, initargs=(args,))
+            self.workers = workers
+
+    def __call__(self, jobs: list[tuple[int, list[list[int]]]]) -> list[tuple[float, float, list[list[int]]]]:
+        self.count += len(jobs)
+        if self.pool is None or len(jobs) < 4:
+            out = []
+            for part, toks in jobs:
+                ev = self.problem.parts[part].evaluate(toks)
+                out.append((ev.makespan, ev.peak, ev.tokens))
+            return out
+        chunk = max(1, len(jobs) // (self.workers * 2))
+        return list(self.pool.map(_worker_eval, jobs, chunksize=chunk))
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
+            self.pool = None
+
+
+# -- the search ---------------------------------------------------------------------------
+@dataclass
+class GAConfig:
+    population: int = 24
+    trials: int = 16             # base try-test count per generation
+    strength_max: float = 24.0
+    patience: int = 15
+    crossover_rate: float = 0.3
+    random_walks: int = 4
+    greedy: bool = True
+
+
+def search(problem: SearchProblem, *, time_budget: float | None = 10.0, generations: int | None = None,
+           seed: int = 0, workers: int = 1, progress: bool = False, config: GAConfig | None = None,
+           on_generation: Callable[[int, float], None] | None = None) -> SearchResult:
+    """Search the schedule space of `problem`; the best schedule found within the budgets.
+
+    Deterministic for a given `seed` when `time_budget` is None (a generation budget) or does
+    not bind: the random stream and the evaluation order do not depend on timing or workers.
+    Ctrl-C (KeyboardInterrupt) ends the search and returns the best schedule so far."""
+    if time_budget is not None and time_budget <= 0:
+        raise SearchError(f"--time-budget must be positive, got {time_budget}")
+    if generations is not None and generations < 0:
+        raise SearchError(f"--generations must be >= 0, got {generations}")
+    if workers < 1:
+        raise SearchError(f"--workers must be >= 1, got {workers}")
+    cfg = config or GAConfig()
+    t0 = time.perf_counter()
+    rng = random.Random(seed)
+    lib = library_rows(problem)
+    for row in lib:  # the library's placements (bidirectional ones, say) join the search space
+        assert row.schedule is not None
+        problem.part_for(row.schedule.placement)
+    lb = problem.lower_bound
+    stop_at = lb * (1 + 1e-9)
+    evaluator = _Evaluator(problem, workers)
+    pop: list[Individual] = []
+    seen: dict[tuple, float] = {}
+    history: list[tuple[float, float]] = []
+    best: Individual | None = None
+    interrupted = False
+    stopped = "generations"
+    gen = 0
+    bar = None
+
+    part_best: dict[int, Individual] = {}
+
+    def consider(ind: Individual) -> bool:
+        nonlocal best
+        if ind.key in seen or ind.makespan == INFEASIBLE:
+            return False
+        seen[ind.key] = ind.makespan
+        pop.append(ind)
+        if ind.part not in part_best or ind.makespan < part_best[ind.part].makespan:
+            part_best[ind.part] = ind
+        if best is None or ind.makespan < best.makespan - 1e-12:
+            best = ind
+            history.append((time.perf_counter() - t0, ind.makespan))
+            return True
+        return False
+
+    def out_of_time() -> bool:
+        return time_budget is not None and time.perf_counter() - t0 >= time_budget
+
+    try:
+        # seeds: library, greedy, random walks
+        jobs, origins = [], []
+        for row in lib:
+            sched = row.schedule
+            assert sched is not None
+            part = problem.part_for(sched.placement)
+            idx = problem.parts.index(part)
+            jobs.append((idx, part.tokens_of(sched)))
+            origins.append(f"library {row.name}")
+        if cfg.greedy:
+            for idx, part in enumerate(problem.parts[:len(problem.placements or [])]):
+                for pol, walk in greedy_seeds(part):
+                    jobs.append((idx, walk))
+                    origins.append(pol.label() + f" {part.placement.describe()}")
+                if out_of_time():
+                    break
+        for k in range(cfg.random_walks):
+            idx = k % len(problem.parts)
+            part = problem.parts[idx]
+            sched = random_schedule(part.placement, problem.m, problem.backward, seed=rng.randrange(2 ** 31))
+            jobs.append((idx, part.tokens_of(sched)))
+            origins.append("random walk")
+        for (idx, _), (ms, pk, toks), origin in zip(jobs, evaluator(jobs), origins):
+            consider(Individual(idx, toks, ms, pk, origin))
+        if best is None:
+            raise SearchError("no seed schedule fits the memory limit and runs without deadlock; "
+                              "raise --memory-limit")
+        pop.sort(key=lambda x: x.makespan)
+        del pop[cfg.population:]
+        if progress:
+            try:
+                from tqdm import tqdm
+                bar = tqdm(total=generations, desc="koala search", unit="gen", file=sys.stderr, leave=False,
+                           dynamic_ncols=True)
+            except ImportError:  # pragma: no cover
+                bar = None
+        strength = 2.0
+        trials = cfg.trials
+        since = 0
+        while True:
+            if best.makespan <= stop_at:
+                stopped = "lower-bound"
+                break
+            if generations is not None and gen >= generations:
+                stopped = "generations"
+                break
+            if out_of_time():
+                stopped = "time"
+                break
+            gen += 1
+            children = []
+            for _ in range(trials):
+                a = _tournament(pop, rng)
+                toks = a.tokens
+                if rng.random() < cfg.crossover_rate:
+                    mates = [x for x in pop if x.part == a.part and x is not a]
+                    if mates:
+                        b = _tournament(mates, rng)
+                        toks = crossover(a.tokens, b.tokens, rng)
+                chunks = problem.parts[a.part].placement.chunks_per_rank
+                # exploit: a share of the children are one-move neighbours of the best walk
+                if rng.random() < 0.25 and a.part == best.part:
+                    toks = mutate(best.tokens, rng, 1.0, chunks)
+                else:
+                    toks = mutate(toks, rng, strength, chunks)
+                children.append((a.part, toks))
+            improved = False
+            for (idx, _), (ms, pk, toks) in zip(children, evaluator(children)):
+                if consider(Individual(idx, toks, ms, pk, f"generation {gen}")):
+                    improved = True
+            pop.sort(key=lambda x: x.makespan)
+            del pop[cfg.population:]
+            if improved:
+                strength = max(1.0, strength / 1.5)
+                trials = cfg.trials
+                since = 0
+            else:
+                strength = min(cfg.strength_max, strength * 1.5 ** 0.25)
+                since += 1
+                if since % cfg.patience == 0:
+                    trials = min(cfg.trials * 8, trials * 2)
+                if since % (4 * cfg.patience) == 0:
+                    keep = pop[: max(2, len(pop) // 2)]
+                    fresh = []
+                    for _ in range(len(pop) - len(keep)):
+                        a = rng.choice(keep[:4])
+                        fresh.append((a.part, mutate(a.tokens, rng, cfg.strength_max,
+                                                     problem.parts[a.part].placement.chunks_per_rank)))
+                    pop[:] = keep
+                    for (idx, _), (ms, pk, toks) in zip(fresh, evaluator(fresh)):
+                        consider(Individual(idx, toks, ms, pk, f"restart {gen}"))
+                    strength = 2.0
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix_str(f"best {best.makespan:.6g} ms, gap {best.makespan / lb - 1:+.2%}"
+                                    if lb > 0 else f"best {best.makespan:.6g} ms")
+            if on_generation is not None:
+                on_generation(gen, best.makespan)
+    except KeyboardInterrupt:
+        interrupted = True
+        stopped = "interrupted"
+        if best is None:
+            raise
+    finally:
+        evaluator.close()
+        if bar is not None:
+            bar.close()
+    assert best is not None
+    part = problem.parts[best.part]
+    # the repaired walk's own codes
+    ev = part.evaluate(best.tokens)
+    schedule = part.schedule(ev.codes, "searched")
+    res = part.sim.run(schedule.ranks, timeline=False)
+    chosen_makespan, origin = res.makespan, best.origin
+    fit_lib = [row for row in lib if row.fits]
+    if fit_lib and fit_lib[0].makespan < chosen_makespan - 1e-12 and fit_lib[0].schedule is not None:
+        # the decoder takes microbatches in order; a library order that does not may still win
+        schedule = fit_lib[0].schedule
+        res = simulate(schedule, problem.search_profile, timeline=False)
+        chosen_makespan, origin = res.makespan, f"library {fit_lib[0].name}"
+    schedule = schedule.with_name("searched")
+    schedule.meta["description"] = (f"found by koala search: makespan {chosen_makespan:.6g} ms under "
+                                    f"{problem.profile.source}, lower bound {lb:.6g} ms")
+    per_placement = []
+    for idx, part_i in enumerate(problem.parts):
+        if idx not in part_best:
+            continue
+        top = part_best[idx]
+        ev_i = part_i.evaluate(top.tokens)
+        per_placement.append((part_i.schedule(ev_i.codes, "searched"), top.makespan))
+    wall = time.perf_counter() - t0
+    log.info("search: best %.6g ms (%s) after %d generations, %d evaluations, %.2f s; stopped: %s",
+             chosen_makespan, origin, gen, evaluator.count, wall, stopped)
+    return SearchResult(schedule, chosen_makespan, res.peak_memory_max, res.bubble_ratio, res.fits_memory,
+                        origin, lb, problem.memory_limit_mb, problem.memory_limit_source, lib, gen,
+                        evaluator.count, wall, stopped, interrupted, history, per_placement)
+
+
+def _tournament(pop: Sequence[Individual], rng: random.Random, k: int = 3) -> Individual:
+    best = None
+    for _ in range(k):
+        x = pop[rng.randrange(len(pop))]
+        if best is None or x.makespan < best.makespan:
+            best = x
+    assert best is not None
+    return best

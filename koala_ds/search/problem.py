@@ -1,0 +1,212 @@
+"""A search problem: one configuration (profile, p, m, v, backward, memory limit) and the
+machinery to evaluate candidate walks on the simulator."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from ..ir import KoalaError, Placement, Schedule, ScheduleError
+from ..sim import CostProfile, Simulator, lower_bound
+from ..sim.profile import ProfileError
+from .encoding import B_K, F_K, I_K, W_K, GenomeDecoder, encode
+
+log = logging.getLogger(__name__)
+
+INFEASIBLE = float("inf")
+
+
+class SearchError(KoalaError):
+    """Bad input to the search (configuration, memory limit, budgets)."""
+
+
+def one_f_one_b_peak(profile: CostProfile, p: int, m: int, v: int = 1) -> float:
+    """Peak activation memory (MB, the worst rank) of 1F1B for this model on p ranks.
+
+    With v > 1 the model is the same (p * v virtual stages) but 1F1B has one stage per rank:
+    rank r holds the v consecutive virtual stages r*v .. r*v+v-1 as one stage, and rank r keeps
+    min(p - r, m) microbatches in flight, as 1F1B does."""
+    S = p * v
+    if profile.num_stages != S:
+        raise SearchError(f"{profile.source} has {profile.num_stages} stages but p * v = {p} * {v} = {S}; "
+                          f"change -p / -v to match the profile (one profile entry per virtual stage)")
+    peak = 0.0
+    for r in range(p):
+        act = sum(profile.stages[s].activation_mb for s in range(r * v, (r + 1) * v))
+        peak = max(peak, min(p - r, m) * act)
+    return peak
+
+
+def default_placements(p: int, v: int) -> list[Placement]:
+    """The placements the search explores: linear for v = 1; interleaved and V-shape for v = 2;
+    interleaved for v > 2 (V-shape generalizes to a zig-zag, also tried)."""
+    if v == 1:
+        return [Placement.named("linear", p, 1)]
+    out = [Placement.named("vshape", p, v), Placement.named("interleaved", p, v)]
+    seen, uniq = set(), []
+    for pl in out:
+        if pl.stage_ranks not in seen:
+            seen.add(pl.stage_ranks)
+            uniq.append(pl)
+    return uniq
+
+
+@dataclass
+class Evaluation:
+    """What the try-test of one candidate found."""
+
+    makespan: float            # inf when it deadlocks or does not fit
+    peak: float                # the worst rank's peak memory (MB)
+    fits: bool
+    tokens: list[list[int]]    # the repaired walk
+    codes: list[list[int]]
+
+
+@dataclass
+class PlacementProblem:
+    """One placement of the configuration: simulator, decoder, lower bound."""
+
+    placement: Placement
+    sim: Simulator
+    decoder: GenomeDecoder
+    lower_bound: float
+    lower_bound_binding: str
+
+    def evaluate(self, tokens: Sequence[Sequence[int]], memory_repair: bool = True) -> Evaluation:
+        rep, codes, peaks = [], [], []
+        for r in range(self.placement.p):
+            t, c, pk = self.decoder.decode_rank(r, tokens[r], memory_repair)
+            rep.append(t)
+            codes.append(c)
+            peaks.append(pk)
+        fits = all(pk <= lim for pk, lim in zip(peaks, self.decoder.limits))
+        if not fits:
+            return Evaluation(INFEASIBLE, max(peaks), False, rep, codes)
+        try:
+            ms = self.sim.makespan(codes, check=False)
+        except ScheduleError:  # deadlock
+            return Evaluation(INFEASIBLE, max(peaks), True, rep, codes)
+        return Evaluation(ms, max(peaks), True, rep, codes)
+
+    def schedule(self, codes: Sequence[Sequence[int]], name: str) -> Schedule:
+        ranks = tuple(tuple(self.sim.decode(c) for c in order) for order in codes)
+        v = self.placement.chunks_per_rank // self.placement.pipelines
+        return Schedule(self.placement.p, self.sim.m, v, self.placement, ranks, self.sim.backward, name)
+
+    def tokens_of(self, schedule: Schedule) -> list[list[int]]:
+        """Plain token lists of a schedule (microbatch exceptions dropped; the decoder then takes
+        microbatches in order)."""
+        enc = encode(schedule)
+        C = self.placement.chunks_per_rank
+        out = []
+        for walk in enc.walks:
+            toks = []
+            for t in walk.tokens:
+                kind, c = divmod(t, C)
+                if self.sim.backward == "split" and kind == B_K:
+                    toks += [I_K * C + c, W_K * C + c]
+                else:
+                    toks.append(t)
+            out.append(toks)
+        return out
+
+
+@dataclass
+class SearchProblem:
+    """The configuration to search, built and checked once."""
+
+    profile: CostProfile
+    p: int
+    m: int
+    v: int = 1
+    backward: str = "split"
+    memory_limit: float | None = None   # MB per rank; None: the profile's, else 1F1B's peak
+    placements: list[Placement] | None = None
+    memory_limit_source: str = field(default="", init=False)
+    limits: tuple[float | None, ...] = field(default=(), init=False)
+    parts: list[PlacementProblem] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        if self.p < 1:
+            raise SearchError(f"-p must be >= 1, got p={self.p}")
+        if self.m < 1:
+            raise SearchError(f"-m must be >= 1, got m={self.m}")
+        if self.v < 1:
+            raise SearchError(f"-v must be >= 1, got v={self.v}")
+        if self.backward not in ("full", "split"):
+            raise SearchError(f"--backward must be full or split, got {self.backward!r}")
+        S = self.p * self.v
+        if self.profile.num_stages != S:
+            raise SearchError(f"{self.profile.source} has {self.profile.num_stages} stages but p * v = "
+                              f"{self.p} * {self.v} = {S}; change -p / -v to match the profile (one entry per "
+                              f"virtual stage)")
+        if self.memory_limit is not None:
+            if not self.memory_limit > 0:
+                raise SearchError(f"--memory-limit must be positive, got {self.memory_limit}")
+            limit: float | tuple | None = float(self.memory_limit)
+            self.memory_limit_source = "--memory-limit"
+        elif self.profile.memory_limit_mb is not None:
+            limit = self.profile.memory_limit_mb
+            self.memory_limit_source = "the profile"
+        else:
+            limit = one_f_one_b_peak(self.profile, self.p, self.m, self.v)
+            self.memory_limit_source = "1F1B's peak"
+        try:
+            profile = dataclasses.replace(self.profile, memory_limit_mb=limit)
+            self.limits = profile.memory_limits(self.p)
+        except ProfileError as exc:
+            raise SearchError(str(exc)) from None
+        self.search_profile = profile
+        if self.placements is None:
+            self.placements = default_placements(self.p, self.v)
+        self._check_memory()
+        for pl in self.placements:
+            self.parts.append(self._part(pl))
+
+    def _check_memory(self) -> None:
+        """Reject a limit below what any schedule needs. For every microbatch, a rank holds the
+        activations of all its stages (of that microbatch's pipeline) at once: the backward of
+        its earliest stage waits for the backward of its later ones, which wait for their
+        forwards. One microbatch at a time needs no more, so this is exact."""
+        for pl in self.placements or []:
+            for r in range(self.p):
+                lim = self.limits[r]
+                if lim is None:
+                    continue
+                need = 0.0
+                for k in range(pl.pipelines):
+                    need = max(need, sum(self.profile.stage_costs(pl.num_stages, pl.pipelines)[s].activation_mb
+                                         for s in pl.stages_of(r) if pl.pipeline_of(s) == k))
+                if need > lim * (1 + 1e-9) + 1e-9:
+                    raise SearchError(f"memory limit {lim:g} MB on rank {r} is below what any schedule needs "
+                                      f"there ({need:g} MB: one activation of each of its stages, placement "
+                                      f"{pl.describe()}); raise --memory-limit to at least {need:g} MB")
+
+    def _part(self, placement: Placement) -> PlacementProblem:
+        sim = Simulator(self.search_profile, placement, self.m, self.backward)
+        costs = self.search_profile.stage_costs(placement.num_stages, placement.pipelines)
+        mem = [(c.activation_mb, c.activation_mb - c.w_hold_mb, c.w_hold_mb) for c in costs]
+        dec = GenomeDecoder(placement, self.m, self.backward, (placement.num_stages, self.m), mem, self.limits)
+        lb = lower_bound(self.search_profile, self.p, self.m, self.v, placement, self.backward,
+                         memory_limit=list(self.limits))
+        return PlacementProblem(placement, sim, dec, lb.value, lb.binding)
+
+    def part_for(self, placement: Placement) -> PlacementProblem:
+        for part in self.parts:
+            if part.placement.stage_ranks == placement.stage_ranks and \
+                    part.placement.pipelines == placement.pipelines:
+                return part
+        part = self._part(placement)
+        self.parts.append(part)
+        return part
+
+    @property
+    def lower_bound(self) -> float:
+        """The bound over every placement searched (the smallest of their bounds)."""
+        return min(part.lower_bound for part in self.parts)
+
+    @property
+    def memory_limit_mb(self) -> float | None:
+        lims = [x for x in self.limits if x is not None]
+        return max(lims) if lims else None

@@ -1,0 +1,63 @@
+"""The exact CP-SAT solver against the simulator and the GA (small cases)."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("ortools")
+
+from koala_ds.sim import CostProfile, simulate  # noqa: E402
+from koala_ds.search import SearchProblem, search  # noqa: E402
+from koala_ds.search.exact import solve_exact  # noqa: E402
+from koala_ds.validate import validate  # noqa: E402
+
+#: How far above the proven optimum the GA may end on these small cases with a fixed seed.
+GA_TOLERANCE = 0.01
+
+
+def _profile(p: int) -> CostProfile:
+    stages = CostProfile.uniform(p, forward=1.0, backward_input=1.2, backward_weight=0.9,
+                                 activation_mb=10.0, w_hold_mb=4.0, p2p_latency=0.1).stages
+    # a heavier last stage
+    from koala_ds.sim import StageCost
+    last = StageCost(1.5, 1.7, 1.3, 12.0, 5.0)
+    return CostProfile(stages[:-1] + (last,), 0.1)
+
+
+@pytest.mark.parametrize("p,m,backward,tight", [(3, 4, "split", False), (3, 5, "full", False),
+                                                 (3, 6, "split", True)])
+def test_exact_solution_simulates_to_its_objective_and_ga_reaches_it(p, m, backward, tight):
+    profile = _profile(p)
+    limit = None
+    if tight:
+        from koala_ds.search import one_f_one_b_peak
+        limit = 0.6 * one_f_one_b_peak(profile, p, m, 1)
+    problem = SearchProblem(profile, p, m, 1, backward, limit)
+    ga = search(problem, time_budget=None, generations=60, seed=0)
+    exact = solve_exact(problem, problem.parts[0], hint=ga.best_for(problem.parts[0].placement),
+                        time_limit=60, workers=2)
+    assert exact.status == "optimal"
+    validate(exact.schedule)
+    sim = simulate(exact.schedule, problem.search_profile, timeline=False)
+    assert sim.makespan == pytest.approx(exact.objective, rel=1e-9, abs=1e-9)
+    assert sim.fits_memory
+    assert exact.bound <= ga.makespan + 1e-9
+    assert exact.bound >= ga.lower_bound - 1e-9
+    linear = [ms for s, ms in ga.per_placement if s.placement.style == "linear"][0]
+    assert linear <= exact.objective * (1 + GA_TOLERANCE)
+
+
+def test_exact_without_ortools_message(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def fake(name, *args, **kwargs):
+        if name.startswith("ortools"):
+            raise ImportError("no ortools")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", fake)
+    problem = SearchProblem(_profile(3), 3, 4, 1, "split")
+    from koala_ds.search.problem import SearchError
+    with pytest.raises(SearchError, match="ortools"):
+        solve_exact(problem, time_limit=1)

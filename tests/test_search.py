@@ -1,0 +1,162 @@
+"""The schedule search: BTT encoding, greedy seeds, the GA, the CLI (fast cases only)."""
+from __future__ import annotations
+
+import pytest
+
+from koala_ds import library
+from koala_ds.cli import main
+from koala_ds.ir import KoalaError
+from koala_ds.sim import CostProfile, load_profile, simulate
+from koala_ds.sim.profile import ProfileError
+from koala_ds.search import (SearchError, SearchProblem, decode, encode, greedy_seeds, one_f_one_b_peak,
+                             search)
+from koala_ds.validate import validate
+
+
+def _library_cases():
+    for name in library.names():
+        for p, m, v in [(2, 4, 1), (4, 8, 1), (4, 8, 2), (3, 7, 2), (4, 12, 2), (8, 16, 1)]:
+            try:
+                prog = library.get(name)
+                if prog.supports(p, m, v) is not None:
+                    continue
+                yield pytest.param(name, p, m, v, id=f"{name}-p{p}m{m}v{v}")
+            except KoalaError:
+                continue
+
+
+@pytest.mark.parametrize("name,p,m,v", list(_library_cases()))
+def test_every_library_schedule_is_a_point_of_the_btt_space(name, p, m, v):
+    try:
+        schedule = library.get(name).compile(p, m, v)
+    except KoalaError:
+        pytest.skip(f"{name} does not compile for p={p} m={m} v={v} (library issue, not the encoding's)")
+    enc = encode(schedule)
+    assert len(enc.walks) == p
+    back = decode(enc, schedule.name)
+    assert back.same_order(schedule)
+
+
+def _problem(p=4, m=8, v=1, backward="split", limit=None, profile=None):
+    prof = profile or load_profile("uniform-4") if (p * v == 4 and profile is None) else profile
+    if prof is None:
+        prof = CostProfile.uniform(p * v, forward=1.0, backward_input=1.0, backward_weight=0.8,
+                                   activation_mb=10.0, w_hold_mb=3.0, p2p_latency=0.05)
+    return SearchProblem(prof, p, m, v, backward, limit)
+
+
+def test_search_returns_a_valid_schedule_within_memory_and_no_worse_than_seeds():
+    problem = _problem(4, 8)
+    result = search(problem, time_budget=None, generations=15, seed=3)
+    validate(result.schedule)
+    sim = simulate(result.schedule, problem.search_profile, timeline=False)
+    assert sim.fits_memory
+    assert sim.peak_memory_max <= problem.memory_limit_mb * (1 + 1e-9)
+    assert sim.makespan == pytest.approx(result.makespan)
+    assert result.makespan >= result.lower_bound * (1 - 1e-9)
+    fitting = [row.makespan for row in result.library if row.fits]
+    assert fitting, "some library schedule fits 1F1B's memory (1f1b itself)"
+    assert result.makespan <= min(fitting) + 1e-9
+    for part in problem.parts[:1]:
+        for _, walk in greedy_seeds(part):
+            ev = part.evaluate(walk)
+            assert result.makespan <= ev.makespan + 1e-9
+
+
+def test_default_memory_limit_is_1f1b_peak():
+    profile = CostProfile.uniform(4, activation_mb=10.0, w_hold_mb=2.0)
+    problem = SearchProblem(profile, 4, 8, 1, "split")
+    peak = simulate(library.get("1f1b").compile(4, 8, 1), profile, timeline=False).peak_memory_max
+    assert problem.memory_limit_mb == pytest.approx(peak)
+    assert one_f_one_b_peak(profile, 4, 8, 1) == pytest.approx(peak)
+    assert problem.memory_limit_source.startswith("1F1B")
+
+
+def test_memory_tight_search_respects_the_limit():
+    profile = CostProfile.uniform(4, activation_mb=10.0, w_hold_mb=2.0, p2p_latency=0.1)
+    limit = 0.6 * one_f_one_b_peak(profile, 4, 8, 1)
+    problem = SearchProblem(profile, 4, 8, 1, "split", limit)
+    result = search(problem, time_budget=None, generations=10, seed=0)
+    sim = simulate(result.schedule, problem.search_profile, timeline=False)
+    assert sim.peak_memory_max <= limit * (1 + 1e-9)
+    validate(result.schedule)
+
+
+def test_search_is_deterministic_for_a_seed():
+    a = search(_problem(4, 8), time_budget=None, generations=12, seed=7)
+    b = search(_problem(4, 8), time_budget=None, generations=12, seed=7)
+    assert a.schedule.same_order(b.schedule)
+    assert a.makespan == b.makespan
+
+
+def test_chunks_search_v2():
+    profile = CostProfile.uniform(8, activation_mb=10.0, w_hold_mb=2.0, p2p_latency=0.05)
+    problem = SearchProblem(profile, 4, 8, 2, "split")
+    result = search(problem, time_budget=None, generations=5, seed=1)
+    validate(result.schedule)
+    assert result.schedule.v == 2
+    assert result.fits
+
+
+def test_bad_input_errors():
+    profile = CostProfile.uniform(4, activation_mb=10.0)
+    with pytest.raises(SearchError, match="-m"):
+        SearchProblem(profile, 4, 0, 1)
+    with pytest.raises(SearchError, match="memory-limit"):
+        SearchProblem(profile, 4, 8, 1, "split", memory_limit=5.0)  # below one activation
+    with pytest.raises(SearchError, match="-p"):
+        SearchProblem(profile, 3, 8, 1)
+    with pytest.raises(ProfileError, match="no-such-profile"):
+        load_profile("no-such-profile")
+
+
+def test_cli_bad_input(tmp_path, capsys):
+    out = str(tmp_path / "best.koala")
+    assert main(["search", "--profile", "no-such-profile", "-m", "8", "-o", out, "--quiet"]) == 2
+    assert "no-such-profile" in capsys.readouterr().err
+    assert main(["search", "--profile", "uniform-4", "-m", "0", "-o", out, "--quiet"]) == 2
+    assert "-m" in capsys.readouterr().err
+    assert main(["search", "--profile", "uniform-4", "-m", "8", "--memory-limit", "1", "-o", out, "--quiet"]) == 2
+    assert "--memory-limit" in capsys.readouterr().err
+
+
+def test_ctrl_c_returns_the_best_so_far():
+    def interrupt(gen, best):
+        if gen == 3:
+            raise KeyboardInterrupt
+
+    result = search(_problem(4, 8), time_budget=None, generations=50, seed=0, on_generation=interrupt)
+    assert result.interrupted and result.stopped == "interrupted"
+    assert result.generations == 3
+    validate(result.schedule)
+
+
+def test_cli_writes_koala_that_round_trips_and_ctrl_c_writes_best(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "best.koala"
+    rc = main(["search", "--profile", "uniform-4", "-m", "8", "--generations", "5", "--seed", "1",
+               "-o", str(out), "--quiet"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "searched *" in text and "lower bound" in text and "1f1b" in text
+    loaded = library.load_schedule(str(out), 4, 8, 1)
+    validate(loaded)
+    profile = load_profile("uniform-4")
+    assert simulate(loaded, profile, timeline=False).makespan > 0
+
+    import koala_ds.search as search_pkg
+    real = search_pkg.search
+
+    def interrupted(*args, **kwargs):
+        def stop(gen, best):
+            if gen == 2:
+                raise KeyboardInterrupt
+        kwargs["on_generation"] = stop
+        kwargs["generations"] = 100
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(search_pkg, "search", interrupted)
+    out2 = tmp_path / "interrupted.koala"
+    rc = main(["search", "--profile", "uniform-4", "-m", "8", "-o", str(out2), "--quiet"])
+    assert rc == 130
+    assert "interrupted" in capsys.readouterr().out
+    validate(library.load_schedule(str(out2), 4, 8, 1))
