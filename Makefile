@@ -16,7 +16,9 @@ $(STAMP): setup.py
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/koala show zb-h1 -p 4 -m 8
+	mkdir -p out
+	$(VENV)/bin/koala search --profile gpt-lmhead-8 -m 16 --time-budget 10 --seed 0 --quiet \
+		-o out/best.koala --gantt out/best.png
 
 test: $(STAMP)
 	$(PY) -m pytest -q
