@@ -1,0 +1,265 @@
+"""Train a small GPT (megatron-core GPTModel, local layer spec) with a Koala pipeline schedule.
+
+    torchrun --nproc-per-node 2 examples/megatron_gpt/pretrain_gpt.py \
+        --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 \
+        --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 \
+        --micro-batch-size 2 --global-batch-size 16 --train-iters 50 --lr 1e-3 --seed 1234 \
+        --pipeline-schedule koala --koala-schedule zb-h1
+
+Megatron's flag names; data parallel size = world size / (TP x PP). CPU + gloo by default,
+NCCL when CUDA is present. The corpus is synthetic: sequences drawn from a fixed random
+Markov chain (a learnable next-token distribution), the same for every layout and schedule.
+Weights are initialised per parameter from its global name, so every schedule, chunking and
+pipeline size starts from the same model: with the same seed, the loss of every iteration is
+the same whichever schedule runs it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+import zlib
+from datetime import timedelta
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+from koala_ds.megatron import add_arguments, install  # noqa: E402
+from koala_ds.megatron.resolve import resolve  # noqa: E402
+
+log = logging.getLogger("pretrain_gpt")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    g = ap.add_argument_group("megatron")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
+    g.add_argument("--num-layers", type=int, default=4)
+    g.add_argument("--hidden-size", type=int, default=64)
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--seq-length", type=int, default=32)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--vocab-size", type=int, default=128, help="synthetic corpus vocabulary")
+    g.add_argument("--micro-batch-size", type=int, default=2)
+    g.add_argument("--global-batch-size", type=int, default=16)
+    g.add_argument("--train-iters", type=int, default=50)
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--loss-log", default=None, metavar="FILE", help="write the loss of every iteration as JSON")
+    add_arguments(ap)
+    args = ap.parse_args(argv)
+    args.max_position_embeddings = args.max_position_embeddings or args.seq_length
+    return args
+
+
+# -- data ---------------------------------------------------------------------------------------
+class MarkovCorpus:
+    """Sequences from a fixed random Markov chain over the vocabulary (peaked transitions)."""
+
+    def __init__(self, vocab: int, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        logits = torch.randn(vocab, vocab, generator=g) * 3.0
+        self.probs = torch.softmax(logits, dim=-1)
+        self.vocab, self.seed = vocab, seed
+
+    def sample(self, index: int, length: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 7919 + index)
+        seq = torch.empty(length + 1, dtype=torch.long)
+        seq[0] = torch.randint(0, self.vocab, (1,), generator=g)
+        for t in range(length):
+            seq[t + 1] = torch.multinomial(self.probs[seq[t]], 1, generator=g)
+        return seq
+
+    def microbatches(self, iteration: int, dp_rank: int, dp: int, m: int, mbs: int, length: int):
+        out = []
+        for k in range(m):
+            first = ((iteration * dp + dp_rank) * m + k) * mbs
+            seqs = torch.stack([self.sample(first + i, length) for i in range(mbs)])
+            out.append((seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()))
+        return out
+
+
+# -- model --------------------------------------------------------------------------------------
+def build_model(args, config, schedule_stages, S, device):
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    tp_rank, tp = ps.get_tensor_model_parallel_rank(), args.tensor_model_parallel_size
+    lps = args.num_layers // S
+    v = len(schedule_stages)
+    chunks = []
+    for c, stage in enumerate(schedule_stages):
+        chunk = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=args.vocab_size,
+                         max_sequence_length=args.max_position_embeddings, pre_process=stage == 0,
+                         post_process=stage == S - 1, share_embeddings_and_output_weights=False,
+                         vp_stage=c if v > 1 else None)
+        with torch.no_grad():
+            for name, prm in chunk.named_parameters():
+                prm.copy_(init_value(name, stage, lps, prm, args.seed, tp_rank, tp))
+        chunks.append(chunk.to(device))
+    return chunks
+
+
+def init_value(local_name: str, stage: int, lps: int, prm, seed: int, tp_rank: int, tp: int) -> torch.Tensor:
+    """The initial value of a parameter, from its global name (layout-independent)."""
+    name = local_name
+    if name.startswith("decoder.layers."):
+        idx, tail = name[len("decoder.layers."):].split(".", 1)
+        name = f"decoder.layers.{stage * lps + int(idx)}.{tail}"
+    sharded = tp > 1 and getattr(prm, "tensor_model_parallel", False)
+    shape = list(prm.shape)
+    if sharded:
+        shape[prm.partition_dim] *= tp
+    if "norm" in name:
+        full = torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)
+    elif name.endswith("bias"):
+        full = torch.zeros(shape)
+    else:
+        g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        full = torch.randn(shape, generator=g) * 0.02
+    if sharded:
+        full = full.chunk(tp, dim=prm.partition_dim)[tp_rank]
+    return full.to(prm.dtype)
+
+
+def forward_step_func(seq_length, data_iterator, model):
+    tokens, labels = next(data_iterator) if data_iterator is not None else (None, None)
+    device = next(model.parameters()).device
+    mbs = (tokens if tokens is not None else labels).shape[0] if (tokens is not None or labels is not None) else 1
+    pos = torch.arange(seq_length, device=device).unsqueeze(0).expand(mbs, seq_length)
+    mask = torch.ones(1, 1, seq_length, seq_length, dtype=torch.bool, device=device).tril().logical_not()
+    out = model(tokens.to(device) if model.pre_process else None, pos, mask,
+                labels=labels.to(device) if model.post_process else None)
+
+    def loss_func(output):
+        loss = output.float().mean()
+        return loss, {"lm loss": loss.detach().clone()}
+
+    return out, loss_func
+
+
+# -- main ---------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(world, 1)))
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=300))
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    v = args.virtual_pipeline_model_parallel_size or 1
+    if world % (tp * pp):
+        raise SystemExit(f"world size {world} is not a multiple of TP x PP = {tp * pp}")
+    dp = world // (tp * pp)
+    args.data_parallel_size = dp
+    m = args.global_batch_size // (args.micro_batch_size * dp)
+    if m * args.micro_batch_size * dp != args.global_batch_size:
+        raise SystemExit("--global-batch-size must be a multiple of --micro-batch-size x data-parallel size")
+    if args.num_layers % (pp * v):
+        raise SystemExit(f"--num-layers {args.num_layers} must be a multiple of PP x VP = {pp * v}")
+
+    report = install(args)  # routes megatron's get_forward_backward_func to the Koala runtime
+    if rank == 0:
+        print(report, flush=True)
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func  # patched by install()
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from koala_ds.megatron.cpu import prepare_cpu
+
+    if report.schedule is None and not cuda and pp > 1:
+        raise SystemExit("megatron-core's own pipeline schedules need CUDA; on CPU use --pipeline-schedule koala")
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 virtual_pipeline_model_parallel_size=v if v > 1 else None)
+    prepare_cpu(seed=args.seed)
+    if cuda:
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(args.seed)
+    pp_rank, dp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank()
+    if report.schedule is not None:
+        schedule = resolve(report.schedule, pp, m, v)
+        stages = list(schedule.placement.stages_of(pp_rank))
+    else:  # megatron's own layout: chunk c of rank r is stage c * pp + r
+        stages = [c * pp + pp_rank for c in range(v)]
+    config = TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        use_cpu_initialization=True, pipeline_dtype=torch.float32, params_dtype=torch.float32,
+        hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=v if v > 1 else None, bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False, deallocate_pipeline_outputs=True)
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    chunks = build_model(args, config, stages, pp * v, device)
+    dp_group = ps.get_data_parallel_group()
+
+    def finalize_model_grads(model_list, num_tokens=None, pg_collection=None, force_all_reduce=False):
+        """Data-parallel gradient reduction with plain all-reduce (Megatron's DDP needs CUDA)."""
+        if dp > 1:
+            for chunk in model_list:
+                for prm in chunk.parameters():
+                    if prm.grad is not None:
+                        dist.all_reduce(prm.grad, group=dp_group)
+                        prm.grad /= dp
+
+    config.finalize_model_grads_func = finalize_model_grads
+    params = [q for c in chunks for q in c.parameters()]
+    optimizer = torch.optim.Adam(params, lr=args.lr)
+    corpus = MarkovCorpus(args.vocab_size, args.seed)
+    forward_backward_func = get_forward_backward_func()
+    is_logger = pp_rank == pp - 1 and ps.get_tensor_model_parallel_rank() == 0 and dp_rank == 0
+    losses_log = []
+    for it in range(args.train_iters):
+        t0 = time.time()
+        data = corpus.microbatches(it, dp_rank, dp, m, args.micro_batch_size, args.seq_length)
+        iters = [iter(data) for _ in chunks]
+        optimizer.zero_grad(set_to_none=True)
+        losses = forward_backward_func(
+            forward_step_func=partial(forward_step_func, args.seq_length),
+            data_iterator=iters if v > 1 else iters[0], model=chunks if v > 1 else chunks[0],
+            num_microbatches=m, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size)
+        optimizer.step()
+        if pp_rank == pp - 1:
+            loss = torch.stack([d["lm loss"] for d in losses]).mean()
+            if dp > 1:
+                dist.all_reduce(loss, group=dp_group)
+                loss /= dp
+            losses_log.append(loss.item())
+            if is_logger and (it + 1) % args.log_interval == 0:
+                ms = (time.time() - t0) * 1000
+                print(f" iteration {it + 1:8d}/{args.train_iters:8d} | consumed samples: "
+                      f"{(it + 1) * args.global_batch_size:10d} | elapsed time per iteration (ms): {ms:.1f} | "
+                      f"learning rate: {args.lr:.6E} | global batch size: {args.global_batch_size:5d} | "
+                      f"lm loss: {loss.item():.6E} |", flush=True)
+    if is_logger and args.loss_log:
+        with open(args.loss_log, "w") as fh:
+            json.dump({"schedule": report.schedule or "default", "tp": tp, "pp": pp, "dp": dp, "v": v,
+                       "losses": losses_log}, fh)
+    dist.barrier()
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except Exception as exc:  # a KoalaError is a user error: print it without a traceback
+        from koala_ds.ir import KoalaError
+
+        if isinstance(exc, KoalaError):
+            print(f"pretrain_gpt: error: {exc}", file=sys.stderr)
+            sys.exit(2)
+        raise

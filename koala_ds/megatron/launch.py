@@ -1,0 +1,143 @@
+"""Launch flags for Megatron-style scripts: `--pipeline-schedule koala --koala-schedule NAME|FILE`.
+
+    from koala_ds.megatron import add_arguments, install
+    pretrain(..., extra_args_provider=add_arguments)      # Megatron-LM
+    install(get_args())                                    # route training to the Koala runtime
+
+`install` replaces `get_forward_backward_func` where Megatron looks it up: in
+megatron.core.pipeline_parallel (and its schedules module) and, when Megatron-LM is
+importable, in megatron.training.training, which imported the name at module level.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+from dataclasses import dataclass, field
+
+from .resolve import MegatronScheduleError, check_spec, looks_like_path
+
+log = logging.getLogger(__name__)
+
+#: where Megatron looks the function up (module, attribute)
+PATCH_TARGETS = (
+    ("megatron.core.pipeline_parallel", "get_forward_backward_func"),
+    ("megatron.core.pipeline_parallel.schedules", "get_forward_backward_func"),
+    ("megatron.training.training", "get_forward_backward_func"),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron extra_args_provider: adds the koala flags (and returns the parser)."""
+    group = parser.add_argument_group(title="koala pipeline schedule")
+    group.add_argument("--pipeline-schedule", choices=("default", "koala"), default="default",
+                       help="'koala' runs the pipeline with a Koala schedule (default: megatron-core's own)")
+    group.add_argument("--koala-schedule", default=None, metavar="NAME|FILE",
+                       help="library schedule name (1f1b, zb-h1, interleaved-1f1b, zb-v, ...) or a "
+                            ".koala / .json / .csv schedule file")
+    group.add_argument("--koala-profile", default=None, metavar="FILE", help="cost profile JSON (version 1)")
+    group.add_argument("--koala-p2p-timeout", type=float, default=None, metavar="SECONDS",
+                       help="deadline of every pipeline send/receive (default $KOALA_P2P_TIMEOUT or 600)")
+    return parser
+
+
+def schedule_from_args(args) -> str | None:
+    """The schedule the flags ask for, checked; None for the default (megatron-core) schedule."""
+    if getattr(args, "pipeline_schedule", "default") != "koala":
+        if getattr(args, "koala_schedule", None):
+            raise MegatronScheduleError("--koala-schedule is set but --pipeline-schedule is not 'koala'")
+        return None
+    spec = getattr(args, "koala_schedule", None)
+    if not spec:
+        raise MegatronScheduleError("--pipeline-schedule koala needs --koala-schedule NAME|FILE")
+    check_spec(spec)
+    _check_sizes(spec, args)
+    return spec
+
+
+def _check_sizes(spec: str, args) -> None:
+    """Check p and v against the flags now, before any process group exists."""
+    p = getattr(args, "pipeline_model_parallel_size", None)
+    v = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+    if p is None:
+        return
+    if spec.endswith(".json"):
+        import json
+
+        with open(spec, encoding="utf-8") as fh:
+            try:
+                data = json.load(fh)
+            except json.JSONDecodeError as exc:
+                raise MegatronScheduleError(f"--koala-schedule {spec}:{exc.lineno}: not JSON ({exc.msg})") from None
+        sp, sv = data.get("p"), data.get("v", 1)
+        if sp is not None and sp != p:
+            raise MegatronScheduleError(f"--koala-schedule {spec} is for p={sp} pipeline ranks but "
+                                        f"--pipeline-model-parallel-size is {p}")
+        if sv != v:
+            raise MegatronScheduleError(f"--koala-schedule {spec} needs v={sv} model chunks per rank but "
+                                        f"--virtual-pipeline-model-parallel-size is {v if v > 1 else 'not set'}")
+        return
+    if looks_like_path(spec):
+        return
+    from ..library import get
+
+    m = None
+    gbs, mbs = getattr(args, "global_batch_size", None), getattr(args, "micro_batch_size", None)
+    dp = getattr(args, "data_parallel_size", None)
+    if gbs and mbs and dp:
+        m = gbs // (mbs * dp)
+    reason = get(spec).supports(p, m if m else max(p * v, 1) * 2, v)
+    if reason is not None:
+        raise MegatronScheduleError(f"--koala-schedule {spec} with --pipeline-model-parallel-size {p} and "
+                                    f"--virtual-pipeline-model-parallel-size {v}: {reason}")
+
+
+@dataclass
+class InstallReport:
+    """What `install` did, for the log and for tests."""
+
+    schedule: str | None
+    patched: list = field(default_factory=list)  # "module.attribute"
+    skipped: list = field(default_factory=list)  # "module (why)"
+    func: object = None
+
+    def __str__(self) -> str:
+        if self.schedule is None:
+            return "koala: --pipeline-schedule default: megatron-core's own schedule runs (nothing patched)"
+        text = f"koala: schedule {self.schedule!r} routed through {', '.join(self.patched)}"
+        if self.skipped:
+            text += f"; not present: {', '.join(self.skipped)}"
+        return text
+
+
+def install(args) -> InstallReport:
+    """Route Megatron's training loop to the Koala runtime when `--pipeline-schedule koala`.
+
+    Patches `get_forward_backward_func` in every module of PATCH_TARGETS that is importable
+    (megatron-core from PyPI has no megatron.training: then only megatron-core is patched and
+    the report says so). Safe to call twice."""
+    spec = schedule_from_args(args)
+    report = InstallReport(spec)
+    if spec is None:
+        log.info("%s", report)
+        return report
+    from .runtime import get_forward_backward_func
+
+    func = get_forward_backward_func(spec, getattr(args, "koala_profile", None),
+                                     timeout_s=getattr(args, "koala_p2p_timeout", None))
+
+    def koala_get_forward_backward_func(pp_size=None, vp_size=None):
+        return func
+
+    koala_get_forward_backward_func.koala_func = func
+    for module_name, attr in PATCH_TARGETS:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            report.skipped.append(f"{module_name} ({exc.__class__.__name__}: {exc})")
+            continue
+        setattr(module, attr, koala_get_forward_backward_func)
+        report.patched.append(f"{module_name}.{attr}")
+    report.func = func
+    log.info("%s", report)
+    return report

@@ -1,0 +1,521 @@
+"""The Megatron-core interpreter of Koala schedules: a drop-in forward_backward_func.
+
+One interpreter for every schedule: it walks this rank's action list (F, B, I, W on virtual
+stages), calls megatron-core's own `forward_step` / `backward_step` helpers, moves tensors with
+`koala_ds.megatron.p2p`, and keeps megatron-core's contract (loss dicts on the last pipeline
+rank, `[]` elsewhere; set_input_tensor, loss scaling, no_sync / grad_sync,
+finalize_model_grads_func).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable, Iterator, List, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from ..ir import Op, Schedule
+from . import resolve as _resolve
+from .p2p import ACT, GRAD, ChannelGroups, CommPlan, MessageKey, P2P, schedule_channels
+from .resolve import MegatronScheduleError
+from .split_backward import backward_input, backward_weight
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("KOALA_P2P_TIMEOUT", "600"))
+
+
+class _ReorderingIterator:
+    """Serves microbatch `current` of an in-order data iterator, for schedules that run a
+    data-reading stage's forwards out of microbatch order."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.cache: dict[int, object] = {}
+        self.pulled = 0
+        self.current = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        while self.pulled <= self.current:
+            self.cache[self.pulled] = next(self.inner)
+            self.pulled += 1
+        return self.cache.pop(self.current)
+
+
+@dataclass
+class _Prepared:
+    schedule: Schedule
+    actions: tuple
+    plan: CommPlan
+    chunks_reading_data: tuple
+    last_weight_action: dict  # chunk -> index of its last action producing weight gradients
+
+
+class KoalaForwardBackward:
+    """Callable with megatron-core's forward_backward_func keyword signature."""
+
+    def __init__(self, schedule, profile=None, timeout_s: float | None = None, per_direction_groups: bool | None = None):
+        _resolve.check_spec(schedule)
+        self.schedule_spec = schedule
+        self.profile = profile
+        self.timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s)
+        self.per_direction_groups = per_direction_groups
+        self._channels: dict = {}
+        self._prepared: dict = {}
+        self.last_schedule: Schedule | None = None
+        if profile is not None:
+            self._check_profile(profile)
+
+    def __repr__(self) -> str:
+        name = self.schedule_spec.name if isinstance(self.schedule_spec, Schedule) else self.schedule_spec
+        return f"<koala forward_backward_func schedule={name!r}>"
+
+    @staticmethod
+    def _check_profile(profile) -> None:
+        import json
+
+        if isinstance(profile, str):
+            if not os.path.isfile(profile):
+                raise MegatronScheduleError(f"--koala-profile {profile}: no such file")
+            with open(profile, encoding="utf-8") as fh:
+                try:
+                    data = json.load(fh)
+                except json.JSONDecodeError as exc:
+                    raise MegatronScheduleError(f"--koala-profile {profile}:{exc.lineno}: not JSON ({exc.msg})") from None
+        else:
+            data = profile
+        if not isinstance(data, dict) or data.get("version") != 1 or not isinstance(data.get("stages"), list):
+            raise MegatronScheduleError(f"--koala-profile: expected a version 1 cost profile with a 'stages' list")
+
+    # ------------------------------------------------------------------------------------
+    def __call__(
+        self,
+        *,
+        forward_step_func,
+        data_iterator: Union[Iterator, List[Iterator]],
+        model: Union[torch.nn.Module, List[torch.nn.Module]],
+        num_microbatches: int,
+        seq_length: int,
+        micro_batch_size: int,
+        decoder_seq_length: Optional[int] = None,
+        forward_only: bool = False,
+        collect_non_loss_data: bool = False,
+        first_val_step: Optional[bool] = None,
+        adjust_tensor_shapes_fn: Optional[Callable] = None,
+        p2p_communicator=None,
+        pg_collection=None,
+        force_all_reduce: Optional[bool] = False,
+    ):
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import schedules as mcs
+        from megatron.core.utils import get_model_config, get_model_type
+
+        models = list(model) if isinstance(model, (list, tuple)) else [model]
+        v = len(models)
+        if isinstance(data_iterator, (list, tuple)):
+            iterators = list(data_iterator)
+            if len(iterators) != v:
+                raise MegatronScheduleError(f"data_iterator is a list of {len(iterators)} but the model has {v} chunks: "
+                                            f"give one data iterator per model chunk")
+        elif v == 1:
+            iterators = [data_iterator]
+        else:
+            raise MegatronScheduleError(f"the model has {v} chunks: data_iterator must be a list of {v} iterators "
+                                        f"(one per chunk, as for megatron-core's interleaved schedule)")
+        config = get_model_config(models[0])
+        model_type = get_model_type(models[0])
+
+        if pg_collection is not None:
+            pp_group, tp_group, cp_group = pg_collection.pp, pg_collection.tp, pg_collection.cp
+        else:
+            pp_group = parallel_state.get_pipeline_model_parallel_group()
+            tp_group = parallel_state.get_tensor_model_parallel_group()
+            cp_group = parallel_state.get_context_parallel_group()
+            from megatron.core.process_groups_config import ProcessGroupCollection
+
+            pg_collection = ProcessGroupCollection()
+            pg_collection.tp = tp_group
+            pg_collection.cp = cp_group
+            pg_collection.pp = pp_group
+            pg_collection.embd = parallel_state.get_embedding_group(check_initialized=False)
+            pg_collection.pos_embd = parallel_state.get_position_embedding_group(check_initialized=False)
+            pg_collection.dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True,
+                                                                         partial_data_parallel=False)
+        p, rank = pp_group.size(), pp_group.rank()
+
+        # -- everything that can be wrong is checked here, before any communication --
+        schedule = _resolve.resolve(self.schedule_spec, p, num_microbatches, v)
+        split = any(a.op in (Op.I, Op.W) for a in schedule.ranks[rank])
+        self._check_config(config, split, forward_only, p)
+        prep = self._prepare(schedule, rank, forward_only)
+        self.last_schedule = schedule
+
+        shape = [decoder_seq_length or seq_length, micro_batch_size, config.hidden_size]
+        shape[0] //= cp_group.size()
+        if config.sequence_parallel:
+            shape[0] //= tp_group.size()
+        if adjust_tensor_shapes_fn is not None:
+            recv_shapes, send_shapes = adjust_tensor_shapes_fn([tuple(shape)], [tuple(shape)])
+            if len(recv_shapes) != 1:
+                raise MegatronScheduleError("adjust_tensor_shapes_fn: the koala runtime sends one tensor per stage")
+            shape = list(recv_shapes[0])
+        dtype = config.pipeline_dtype
+        if dtype is None and p > 1:
+            raise MegatronScheduleError("config.pipeline_dtype must be set for pipeline parallelism "
+                                        "(TransformerConfig(pipeline_dtype=...), e.g. torch.float32)")
+        backend = dist.get_backend(pp_group) if p > 1 else "gloo"
+        gloo = backend == "gloo"
+        model_device = next((q.device for q in models[0].parameters()), torch.device("cpu"))
+        comm_device = torch.device("cpu") if gloo else (model_device if model_device.type == "cuda"
+                                                        else torch.device("cuda", torch.cuda.current_device()))
+        channels = self._channel_groups(schedule, pp_group, gloo)
+        comm = P2P(prep.plan, channels, lambda key: (tuple(shape), dtype), self.timeout_s, comm_device, gloo)
+
+        runner = _StepRunner(
+            mcs=mcs, schedule=schedule, prep=prep, comm=comm, models=models, iterators=iterators,
+            config=config, model_type=model_type, forward_step_func=forward_step_func,
+            num_microbatches=num_microbatches, forward_only=forward_only,
+            collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
+            cp_size=cp_group.size(), model_device=model_device, rank=rank)
+
+        if config.timers is not None:
+            config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
+        holds_last = schedule.placement.rank_of(schedule.num_stages - 1) == rank
+        embedding_module = None
+        if config.finalize_model_grads_func is not None and not forward_only:
+            last_chunk = schedule.placement.chunk_of(schedule.num_stages - 1) if holds_last else v - 1
+            embedding_module = mcs.clear_embedding_activation_buffer(config, [models[last_chunk]], holds_last)
+        runner.run()
+        losses = runner.losses()
+        comm.finish()
+        # megatron-LM reads the losses on the last pipeline rank; a V-shape puts the loss elsewhere
+        if schedule.placement.rank_of(schedule.num_stages - 1) != p - 1:
+            if holds_last:
+                comm.send_object(losses, p - 1)
+                losses = []
+            elif rank == p - 1:
+                losses = comm.recv_object(schedule.placement.rank_of(schedule.num_stages - 1), model_device)
+
+        if config.finalize_model_grads_func is not None and not forward_only:
+            mcs.finish_embedding_wgrad_compute(config, embedding_module, holds_last, tp_group)
+            config.finalize_model_grads_func(
+                models, runner.total_num_tokens if config.calculate_per_token_loss else None,
+                pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+        if config.timers is not None:
+            config.timers("forward-backward").stop()
+        return losses
+
+    # ------------------------------------------------------------------------------------
+    @staticmethod
+    def _check_config(config, split: bool, forward_only: bool, p: int) -> None:
+        problems = []
+        if getattr(config, "variable_seq_lengths", False):
+            problems.append("variable_seq_lengths=True (the koala runtime sends fixed shapes): turn it off")
+        if getattr(config, "overlap_moe_expert_parallel_comm", False):
+            problems.append("overlap_moe_expert_parallel_comm=True: not supported with --pipeline-schedule koala")
+        if split and not forward_only:
+            if getattr(config, "gradient_accumulation_fusion", False):
+                problems.append("the schedule splits backward (I/W) but gradient_accumulation_fusion=True writes "
+                                "weight gradients inside the input-gradient pass: use --no-gradient-accumulation-fusion "
+                                "or a schedule with full backward (B)")
+            if getattr(config, "defer_embedding_wgrad_compute", False):
+                problems.append("the schedule splits backward (I/W): turn off defer_embedding_wgrad_compute")
+        if problems:
+            raise MegatronScheduleError("koala schedule runtime: " + "; ".join(problems))
+
+    def _prepare(self, schedule: Schedule, rank: int, forward_only: bool) -> _Prepared:
+        key = (id(schedule), rank, forward_only)
+        if key in self._prepared and self._prepared[key].schedule is schedule:
+            return self._prepared[key]
+        pl = schedule.placement
+        actions = tuple(a for a in schedule.ranks[rank] if a.op is Op.F or not forward_only)
+        plan = CommPlan.build(schedule, rank, forward_only)
+        reading = []
+        for chunk, stage in enumerate(pl.stages_of(rank)):
+            order = [a.microbatch for a in actions if a.op is Op.F and a.stage == stage]
+            reading.append(order != sorted(order))
+        last_w: dict = {}
+        for i, a in enumerate(actions):
+            if a.op in (Op.B, Op.W):
+                last_w[pl.chunk_of(a.stage)] = i
+        prep = _Prepared(schedule, actions, plan, tuple(reading), last_w)
+        self._prepared[key] = prep
+        return prep
+
+    def _channel_groups(self, schedule: Schedule, pp_group, gloo: bool) -> ChannelGroups:
+        per_direction = (not gloo) if self.per_direction_groups is None else self.per_direction_groups
+        pairs = tuple(schedule_channels(schedule))
+        key = (id(pp_group), pairs, per_direction)
+        if key not in self._channels:
+            self._channels[key] = ChannelGroups(pp_group, list(pairs), per_direction, self.timeout_s)
+        return self._channels[key]
+
+
+class _StepRunner:
+    """State of one call: walks the action list of this rank."""
+
+    LOOKAHEAD = 2  # post the receives of this many upcoming actions early
+
+    def __init__(self, *, mcs, schedule, prep, comm, models, iterators, config, model_type, forward_step_func,
+                 num_microbatches, forward_only, collect_non_loss_data, first_val_step, cp_size, model_device, rank):
+        self.mcs = mcs
+        self.schedule = schedule
+        self.pl = schedule.placement
+        self.prep = prep
+        self.comm = comm
+        self.models = models
+        self.config = config
+        self.model_type = model_type
+        self.forward_step_func = forward_step_func
+        self.m = num_microbatches
+        self.forward_only = forward_only
+        self.collect_non_loss_data = collect_non_loss_data
+        self.first_val_step = first_val_step
+        self.cp_size = cp_size
+        self.model_device = model_device
+        self.rank = rank
+        self.v = len(models)
+        self.iterators = [(_ReorderingIterator(it) if reorder and it is not None else it)
+                          for it, reorder in zip(iterators, prep.chunks_reading_data)]
+        self.inputs: dict = {}
+        self.outputs: dict = {}
+        self.local_acts: dict = {}
+        self.local_grads: dict = {}
+        self.deferred: dict = {}
+        self.deallocated: set = set()
+        self.loss_slots: dict = {}
+        self.forwards_done = [0] * self.v
+        self.total_num_tokens = torch.zeros([], dtype=torch.int)
+        self.dealloc = bool(config.deallocate_pipeline_outputs) and not forward_only
+        # grad sync (DDP no_sync / grad_sync_func), as megatron-core's interleaved schedule
+        nsf = config.no_sync_func
+        if isinstance(nsf, list):
+            funcs = nsf
+
+            def multi():
+                stack = contextlib.ExitStack()
+                for f in funcs:
+                    stack.enter_context(f())
+                return stack
+
+            nsf = multi
+        self.no_sync_func = nsf or contextlib.nullcontext
+        self.no_sync_ctx = None
+        gsf = config.grad_sync_func
+        self.grad_sync_funcs = None if gsf is None else (gsf if isinstance(gsf, list) else [gsf] * self.v)
+        psf = config.param_sync_func
+        self.param_sync_funcs = None if psf is None else (psf if isinstance(psf, list) else [psf] * self.v)
+
+    # -- grad sync ---------------------------------------------------------------------------
+    def _disable_sync(self):
+        if self.no_sync_ctx is None:
+            self.no_sync_ctx = self.no_sync_func()
+            self.no_sync_ctx.__enter__()
+
+    def _enable_sync(self):
+        if self.no_sync_ctx is not None:
+            self.no_sync_ctx.__exit__(None, None, None)
+            self.no_sync_ctx = None
+
+    # -- main loop -------------------------------------------------------------------------
+    def run(self) -> None:
+        actions = self.prep.actions
+        last_w = {i: c for c, i in self.prep.last_weight_action.items()}
+        synced = set()
+        if not self.forward_only:
+            self._disable_sync()
+        for i, a in enumerate(actions):
+            for b in actions[i:i + 1 + self.LOOKAHEAD]:
+                key = self._incoming_key(b)
+                if key is not None:
+                    self.comm.post(key)
+            chunk = self.pl.chunk_of(a.stage)
+            sync_now = i in last_w and not self.forward_only
+            if sync_now and self.grad_sync_funcs is None:
+                self._enable_sync()
+            if a.op is Op.F:
+                self._forward(a, chunk)
+            elif a.op is Op.B:
+                self._backward_full(a)
+            elif a.op is Op.I:
+                self._backward_input(a)
+            else:
+                self._backward_weight(a)
+            if sync_now:
+                if self.grad_sync_funcs is not None:
+                    self._enable_sync()
+                    self.grad_sync_funcs[chunk](self.models[chunk].parameters())
+                synced.add(chunk)
+                self._disable_sync()
+            for key in self.comm.reap():
+                self._maybe_deallocate(key)
+        if not self.forward_only:
+            self._enable_sync()
+            if self.grad_sync_funcs is not None:
+                for c in range(self.v):
+                    if c not in synced:
+                        self.grad_sync_funcs[c](self.models[c].parameters())
+        leftovers = [k for k, d in (("inputs", self.inputs), ("deferred W", self.deferred)) if d]
+        if leftovers:  # validate() rules this out; kept as a guard for hand-made schedules
+            raise RuntimeError(f"koala runtime: rank {self.rank} ended with pending {leftovers}")
+
+    def losses(self) -> list:
+        if not self.loss_slots:
+            return []
+        return [item for mb in sorted(self.loss_slots) for item in self.loss_slots[mb]]
+
+    def _incoming_key(self, a) -> MessageKey | None:
+        if a.op is Op.F:
+            prev = self.pl.prev_stage(a.stage)
+            if prev is not None and self.pl.rank_of(prev) != self.rank:
+                return MessageKey(ACT, a.stage, a.microbatch)
+        elif a.op in (Op.B, Op.I):
+            nxt = self.pl.next_stage(a.stage)
+            if nxt is not None and self.pl.rank_of(nxt) != self.rank:
+                return MessageKey(GRAD, a.stage, a.microbatch)
+        return None
+
+    # -- actions ---------------------------------------------------------------------------
+    def _forward(self, a, chunk: int) -> None:
+        s, mb = a.stage, a.microbatch
+        prev = self.pl.prev_stage(s)
+        if prev is None:
+            input_tensor = None
+        elif self.pl.rank_of(prev) == self.rank:
+            input_tensor = self.local_acts.pop((s, mb))
+        else:
+            input_tensor = self.comm.recv(MessageKey(ACT, s, mb))
+            if input_tensor.device != self.model_device:
+                input_tensor = input_tensor.to(self.model_device)
+            input_tensor.requires_grad_(not self.forward_only)
+        if self.param_sync_funcs is not None and self.v > 1 and self.forwards_done[chunk] == 0 \
+                and not self.forward_only:
+            self.param_sync_funcs[chunk](self.models[chunk].parameters())
+        it = self.iterators[chunk]
+        if isinstance(it, _ReorderingIterator):
+            it.current = mb
+        is_last = self.pl.is_last(s)
+        store: list = []
+        first = self.forwards_done[chunk] == 0
+        output_tensor, num_tokens = self.mcs.forward_step(
+            self.forward_step_func, it, self.models[chunk], self.m, input_tensor, store, self.config,
+            self.cp_size, self.collect_non_loss_data, None,
+            is_first_microbatch=self.mcs.check_first_val_step(self.first_val_step, self.forward_only, first),
+            current_microbatch=mb, vp_stage=chunk if self.v > 1 else None, is_last_stage=is_last)
+        self.forwards_done[chunk] += 1
+        if isinstance(num_tokens, torch.Tensor):
+            self.total_num_tokens = self.total_num_tokens.to(num_tokens.device) + num_tokens
+        if is_last:
+            self.loss_slots[mb] = store
+        nxt = self.pl.next_stage(s)
+        if nxt is not None:
+            if self.pl.rank_of(nxt) == self.rank:
+                passed = output_tensor.detach()
+                if self.dealloc:
+                    passed = passed.clone()
+                self.local_acts[(nxt, mb)] = passed.requires_grad_(not self.forward_only)
+            else:
+                self.comm.send(MessageKey(ACT, nxt, mb), self.pl.rank_of(nxt), output_tensor)
+        if not self.forward_only:
+            self.inputs[(s, mb)] = input_tensor
+            self.outputs[(s, mb)] = output_tensor
+            if self.dealloc and (nxt is None or self.pl.rank_of(nxt) == self.rank):
+                self._deallocate(s, mb)
+
+    def _maybe_deallocate(self, key: MessageKey) -> None:
+        if self.dealloc and key.kind == ACT:
+            self._deallocate(self.pl.prev_stage(key.stage), key.microbatch)
+
+    def _deallocate(self, s: int, mb: int) -> None:
+        out = self.outputs.get((s, mb))
+        if out is not None and (s, mb) not in self.deallocated:
+            self.mcs.deallocate_output_tensor(out, True)
+            self.deallocated.add((s, mb))
+
+    def _ensure_deallocated(self, s: int, mb: int) -> None:
+        """deallocate_pipeline_outputs: megatron's custom_backward expects a freed output."""
+        if self.dealloc and (s, mb) not in self.deallocated:
+            nxt = self.pl.next_stage(s)
+            self.comm.wait_send(MessageKey(ACT, nxt, mb))
+            self._deallocate(s, mb)
+
+    def _output_grad(self, s: int, mb: int):
+        nxt = self.pl.next_stage(s)
+        if nxt is None:
+            return None
+        if self.pl.rank_of(nxt) == self.rank:
+            return self.local_grads.pop((s, mb))
+        grad = self.comm.recv(MessageKey(GRAD, s, mb))
+        return grad.to(self.model_device) if grad.device != self.model_device else grad
+
+    def _send_input_grad(self, s: int, mb: int, grad) -> None:
+        prev = self.pl.prev_stage(s)
+        if prev is None:
+            return
+        if grad is None:
+            raise RuntimeError(f"koala runtime: stage {s} microbatch {mb} produced no input gradient; "
+                               f"does the model chunk use its input tensor (set_input_tensor)?")
+        if self.pl.rank_of(prev) == self.rank:
+            self.local_grads[(prev, mb)] = grad
+        else:
+            self.comm.send(MessageKey(GRAD, prev, mb), self.pl.rank_of(prev), grad)
+
+    def _backward_full(self, a) -> None:
+        s, mb = a.stage, a.microbatch
+        output_grad = self._output_grad(s, mb)
+        self._ensure_deallocated(s, mb)
+        input_tensor = self.inputs.pop((s, mb))
+        output_tensor = self.outputs.pop((s, mb))
+        self.deallocated.discard((s, mb))
+        grad = self.mcs.backward_step(input_tensor, output_tensor, output_grad, self.model_type, self.config)
+        self._send_input_grad(s, mb, grad)
+
+    def _backward_input(self, a) -> None:
+        s, mb = a.stage, a.microbatch
+        output_grad = self._output_grad(s, mb)
+        self._ensure_deallocated(s, mb)
+        input_tensor = self.inputs.pop((s, mb))
+        output_tensor = self.outputs.pop((s, mb))
+        deallocated = (s, mb) in self.deallocated
+        self.deallocated.discard((s, mb))
+        config = self.config
+        if config.timers is not None:
+            config.timers("backward-compute", log_level=2).start()
+        if output_grad is None and config.grad_scale_func is not None:
+            output_tensor = config.grad_scale_func(output_tensor)
+        if output_grad is None and deallocated:
+            output_grad = torch.ones((), dtype=output_tensor.dtype, device=output_tensor.device)
+        chunk = self.pl.chunk_of(s)
+        params = [q for q in self.models[chunk].parameters() if q.requires_grad]
+        grad, state = backward_input(input_tensor, output_tensor, output_grad, params, deallocated)
+        self.deferred[(s, mb)] = state
+        if config.timers is not None:
+            config.timers("backward-compute").stop()
+        self._send_input_grad(s, mb, grad)
+
+    def _backward_weight(self, a) -> None:
+        config = self.config
+        if config.timers is not None:
+            config.timers("backward-compute", log_level=2).start()
+        backward_weight(self.deferred.pop((a.stage, a.microbatch)))
+        if config.timers is not None:
+            config.timers("backward-compute").stop()
+
+
+def get_forward_backward_func(schedule="1f1b", profile=None, *, timeout_s: float | None = None,
+                              per_direction_groups: bool | None = None) -> KoalaForwardBackward:
+    """A drop-in for megatron-core's `get_forward_backward_func()` that runs a Koala schedule.
+
+    `schedule`: a `koala_ds.Schedule`, a library name (compiled for the pipeline size, the
+    number of model chunks and the number of microbatches of each call), or a .koala / .json
+    / .csv file. `profile`: a cost profile (path or dict) kept for reporting. `timeout_s`:
+    deadline of every p2p wait (default $KOALA_P2P_TIMEOUT or 600 s).
+    `per_direction_groups`: one communicator per direction of each pipeline link (default: on
+    for NCCL, off for gloo)."""
+    return KoalaForwardBackward(schedule, profile, timeout_s, per_direction_groups)

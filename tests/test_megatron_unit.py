@@ -1,0 +1,212 @@
+"""Single-process checks of the Megatron adapter: flags, install, signature, split backward,
+the communication plan. Fast; no process group."""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+
+import pytest
+
+from koala_ds.ir import Action, Op, Placement, schedule_from_ranks
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+
+def test_flags_parse_and_install_selects_our_function(tmp_path):
+    import megatron.core.pipeline_parallel as mpp
+    from megatron.core.pipeline_parallel import schedules as mcs
+
+    from koala_ds.megatron import add_arguments, install
+    from koala_ds.megatron.runtime import KoalaForwardBackward
+
+    sched = schedule_from_ranks("mine", Placement.named("linear", 2), 1,
+                                [[Action(Op.F, 0, 0), Action(Op.B, 0, 0)], [Action(Op.F, 1, 0), Action(Op.B, 1, 0)]])
+    path = tmp_path / "mine.json"
+    path.write_text(sched.to_json())
+    parser = add_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    args = parser.parse_args(["--pipeline-schedule", "koala", "--koala-schedule", str(path)])
+    args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size = 2, None
+    saved = (mpp.get_forward_backward_func, mcs.get_forward_backward_func)
+    try:
+        report = install(args)
+        func = mpp.get_forward_backward_func()
+        assert isinstance(func, KoalaForwardBackward) and mcs.get_forward_backward_func() is func
+        assert "megatron.core.pipeline_parallel.get_forward_backward_func" in report.patched
+        # megatron-core from PyPI has no megatron.training: install says so instead of failing
+        assert any(s.startswith("megatron.training.training") for s in report.skipped + report.patched)
+        assert "mine.json" in str(report)
+    finally:
+        mpp.get_forward_backward_func, mcs.get_forward_backward_func = saved
+    default = install(parser.parse_args([]))
+    assert default.patched == [] and "nothing patched" in str(default)
+
+
+def test_flag_errors_are_clear(tmp_path):
+    from koala_ds.megatron import MegatronScheduleError, add_arguments, install
+
+    parser = add_arguments(argparse.ArgumentParser())
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--pipeline-schedule", "fancy"])
+    with pytest.raises(MegatronScheduleError, match="needs --koala-schedule"):
+        install(parser.parse_args(["--pipeline-schedule", "koala"]))
+    with pytest.raises(MegatronScheduleError, match="no such file"):
+        install(parser.parse_args(["--pipeline-schedule", "koala", "--koala-schedule", str(tmp_path / "x.json")]))
+    bad = tmp_path / "p4.json"
+    bad.write_text(json.dumps({"p": 4, "v": 1}))
+    args = parser.parse_args(["--pipeline-schedule", "koala", "--koala-schedule", str(bad)])
+    args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size = 2, None
+    with pytest.raises(MegatronScheduleError, match="p=4 .* --pipeline-model-parallel-size is 2"):
+        install(args)
+
+
+def test_signature_is_megatron_cores():
+    from megatron.core.pipeline_parallel import schedules as mcs
+
+    from koala_ds.megatron import get_forward_backward_func
+
+    ours = inspect.signature(get_forward_backward_func("1f1b" if _has_library() else _tiny_json()))
+    for theirs in (mcs.forward_backward_pipelining_without_interleaving, mcs.forward_backward_pipelining_with_interleaving):
+        ref = inspect.signature(theirs)
+        assert [(p.name, p.kind, p.default) for p in ours.parameters.values()] == \
+               [(p.name, p.kind, p.default) for p in ref.parameters.values()]
+
+
+def _has_library():
+    try:
+        import koala_ds.library  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def _tiny_json(tmp=[]):  # noqa: B006 - cached path
+    import tempfile
+
+    if not tmp:
+        sched = schedule_from_ranks("t", Placement.named("linear", 1), 1, [[Action(Op.F, 0, 0), Action(Op.B, 0, 0)]])
+        fh = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
+        fh.write(sched.to_json())
+        fh.close()
+        tmp.append(fh.name)
+    return tmp[0]
+
+
+class _Branchy(torch.nn.Module):
+    """Shared weights, a residual, a parameter used twice, one used apart from the input."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(6)
+        self.a = torch.nn.Linear(6, 12)
+        self.b = torch.nn.Linear(12, 6)
+        self.scale = torch.nn.Parameter(torch.randn(6))
+        self.bias_only = torch.nn.Parameter(torch.randn(6))
+
+    def forward(self, x):
+        h = self.b(torch.tanh(self.a(self.norm(x)))) * self.scale
+        h = h + self.b(torch.relu(self.a(h)))  # a and b used twice
+        return h + x + self.bias_only.exp()
+
+
+@pytest.mark.parametrize("first_stage", [False, True])
+def test_split_backward_equals_full_backward(first_stage):
+    from koala_ds.megatron.split_backward import backward_input, backward_weight
+
+    torch.manual_seed(0)
+    mod = _Branchy().double()
+    xs = [torch.randn(3, 6, dtype=torch.double) for _ in range(3)]
+    gs = [torch.randn(3, 6, dtype=torch.double) for _ in range(3)]
+    ref_dx = []
+    for x, g in zip(xs, gs):
+        xx = x.clone().requires_grad_(not first_stage)
+        mod(xx).backward(g)
+        ref_dx.append(xx.grad)
+    ref = [p.grad.clone() for p in mod.parameters()]
+    mod.zero_grad(set_to_none=True)
+    states, dxs = [], []
+    for x, g in zip(xs, gs):  # all I first, then all W (as a zero-bubble schedule may)
+        xx = x.clone().requires_grad_(not first_stage)
+        dx, st = backward_input(xx, mod(xx), g, list(mod.parameters()), False)
+        dxs.append(dx)
+        states.append(st)
+    assert all(p.grad is None for p in mod.parameters())  # I computed no weight gradient
+    for st in states:
+        backward_weight(st)
+    for p, r in zip(mod.parameters(), ref):
+        assert torch.allclose(p.grad, r, atol=1e-12), (p.shape, (p.grad - r).abs().max())
+    for dx, r in zip(dxs, ref_dx):
+        assert (dx is None and r is None) or torch.allclose(dx, r, atol=1e-12)
+
+
+def test_plan_orders_a_shared_channel_by_the_sender():
+    """pp=2, v=2 interleaved: rank 0 sends activations (0->1) and gradients (2->1) to rank 1.
+    The receiver must post them in rank 0's order even where it needs them in another."""
+    from koala_ds.megatron.p2p import ACT, GRAD, CommPlan
+
+    pl = Placement.named("interleaved", 2, 2)  # stages 0,2 on rank 0; 1,3 on rank 1
+    F, B = Op.F, Op.B
+    r0 = [Action(F, 0, 0), Action(F, 0, 1), Action(F, 2, 0), Action(F, 0, 2), Action(F, 2, 1), Action(B, 2, 0),
+          Action(F, 0, 3), Action(B, 2, 1), Action(F, 2, 2), Action(B, 0, 0), Action(B, 2, 2), Action(F, 2, 3),
+          Action(B, 0, 1), Action(B, 2, 3), Action(B, 0, 2), Action(B, 0, 3)]
+    r1 = [Action(F, 1, 0), Action(F, 1, 1), Action(F, 3, 0), Action(B, 3, 0), Action(F, 3, 1), Action(B, 3, 1),
+          Action(B, 1, 0), Action(F, 1, 2), Action(F, 3, 2), Action(B, 3, 2), Action(B, 1, 1), Action(F, 1, 3),
+          Action(F, 3, 3), Action(B, 3, 3), Action(B, 1, 2), Action(B, 1, 3)]
+    from koala_ds.validate import validate
+
+    sched = schedule_from_ranks("il", pl, 4, [r0, r1])
+    validate(sched)
+    plan = CommPlan.build(sched, 1)
+    seq = plan.incoming[0]
+    kinds = {k.kind for k in seq}
+    assert kinds == {ACT, GRAD}
+    sender_order = [k for k in seq]
+    need_order = [k for k in _need(sched, 1) if k in set(seq)]
+    assert sorted(sender_order, key=str) == sorted(need_order, key=str)
+    assert sender_order != need_order  # the crossing that breaks order-matched p2p if ignored
+    assert [plan.recv_index[k][1] for k in sender_order] == list(range(len(seq)))
+
+
+def _need(sched, rank):
+    from koala_ds.megatron.p2p import ACT, GRAD, MessageKey
+
+    pl = sched.placement
+    for a in sched.ranks[rank]:
+        if a.op is Op.F and pl.prev_stage(a.stage) is not None and pl.rank_of(pl.prev_stage(a.stage)) != rank:
+            yield MessageKey(ACT, a.stage, a.microbatch)
+        if a.op in (Op.B, Op.I) and pl.next_stage(a.stage) is not None and pl.rank_of(pl.next_stage(a.stage)) != rank:
+            yield MessageKey(GRAD, a.stage, a.microbatch)
+
+
+def test_megatron_lm_patch_is_a_well_formed_unified_diff():
+    """Megatron-LM is not on PyPI: check the patch's structure (hunk sizes, targets, wiring)."""
+    import os
+    import re
+
+    path = os.path.join(os.path.dirname(__file__), "..", "patches", "megatron-lm", "0001-koala-pipeline-schedule.patch")
+    text = open(path, encoding="utf-8").read()
+    lines = text.splitlines()
+    start = next(i for i, l in enumerate(lines) if l.startswith("diff --git"))
+    files, i, hunks = [], start, 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("+++ b/"):
+            files.append(line[6:])
+        m = re.match(r"^@@ -(\d+),(\d+) \+(\d+),(\d+) @@", line)
+        if m:
+            hunks += 1
+            old, new = int(m.group(2)), int(m.group(4))
+            i += 1
+            while i < len(lines) and (old or new):
+                tag = lines[i][:1] if lines[i] else " "
+                assert tag in " +-", f"line {i + 1}: {lines[i]!r}"
+                old -= tag in " -"
+                new -= tag in " +"
+                i += 1
+            assert old == 0 and new == 0, f"hunk {hunks} sizes do not match its header"
+            continue
+        i += 1
+    assert files == ["pretrain_gpt.py"] and hunks == 3
+    added = "\n".join(l[1:] for l in lines if l.startswith("+") and not l.startswith("+++"))
+    assert "koala_megatron.add_arguments(parser)" in added and "koala_megatron.install(get_args())" in added
