@@ -4,8 +4,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from koala_ds.dsl import KoalaCompileError, KoalaSyntaxError, parse_program, print_schedule, python_program
-from koala_ds.ir import Action, Op
-from schedule_strategies import random_schedule
+from koala_ds.ir import Action, Op, Placement
+from koala_ds.sim import random_schedule
 
 ONE_F_ONE_B = """\
 schedule my-1f1b
@@ -162,7 +162,7 @@ def test_printer_normal_form_is_readable():
        backward=st.sampled_from(["full", "split"]))
 def test_print_parse_round_trip_random_schedules(seed, p, m, layout, backward):
     style, v = layout
-    s = random_schedule(random.Random(seed), p, m, v, style, backward)
+    s = random_schedule(Placement.named(style, p, v), m, backward, seed=random.Random(seed), split_probability=0.8)
     back = parse_program(print_schedule(s)).compile(s.p, s.m, s.v)
     assert back.same_order(s)
 

@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 
 from koala_ds.ir import Action, Op, Placement, Schedule, ScheduleError
 from koala_ds.library import get
-from schedule_strategies import random_schedule
+from koala_ds.sim import random_schedule
 
 
 def test_action_text_form():
@@ -93,7 +93,7 @@ def test_csv_errors():
        backward=st.sampled_from(["full", "split"]))
 def test_random_schedules_survive_json_and_csv(seed, p, m, layout, backward):
     style, v = layout
-    s = random_schedule(random.Random(seed), p, m, v, style, backward)
+    s = random_schedule(Placement.named(style, p, v), m, backward, seed=random.Random(seed), split_probability=0.8)
     assert Schedule.from_json(s.to_json()) == s
     back = Schedule.from_torch_csv(s.to_torch_csv(), name=s.name)
     if backward == "split" and not any(a.op in (Op.I, Op.W) for r in s.ranks for a in r):
