@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 from koala_ds.sim import CostProfile, StageCost
-from koala_ds.search import SearchProblem, one_f_one_b_peak, search
+from koala_ds.search import SearchProblem, best_predefined, one_f_one_b_peak, search
 from koala_ds.search.exact import solve_exact
 
 
@@ -90,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--exact-max-actions", type=int, default=400,
                     help="run CP-SAT only when the configuration has at most this many actions")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--placement", default="default",
+                    help="placements searched (default: the single-copy ones); 'any' adds bidirectional")
     ap.add_argument("--only", type=int, nargs="*", help="row numbers to run")
     args = ap.parse_args(argv)
     rows, gaps = [], []
@@ -100,12 +102,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.only and i not in args.only:
             continue
         limit = 0.6 * one_f_one_b_peak(cfg.profile, cfg.p, cfg.m, cfg.v) if cfg.tight else None
-        problem = SearchProblem(cfg.profile, cfg.p, cfg.m, cfg.v, "split", limit)
+        problem = SearchProblem(cfg.profile, cfg.p, cfg.m, cfg.v, "split", limit, placement=args.placement)
         t0 = time.perf_counter()
         res = search(problem, time_budget=budget(cfg, args.quick), seed=args.seed)
         wall = time.perf_counter() - t0
-        fits = [r for r in res.library if r.fits]
-        pred = fits[0] if fits else None
+        pred = best_predefined(res.library)
         base = next((r.makespan for r in res.library if r.name == "1f1b"), None)
         exact_txt, ref = "-", res.lower_bound
         actions = cfg.p * cfg.m * cfg.v * 3

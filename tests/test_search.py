@@ -8,8 +8,8 @@ from koala_ds.cli import main
 from koala_ds.ir import KoalaError
 from koala_ds.sim import CostProfile, load_profile, simulate
 from koala_ds.sim.profile import ProfileError
-from koala_ds.search import (SearchError, SearchProblem, decode, encode, greedy_seeds, one_f_one_b_peak,
-                             search)
+from koala_ds.search import (SearchError, SearchProblem, best_predefined, decode, encode, greedy_seeds,
+                             one_f_one_b_peak, placements_for, search)
 from koala_ds.validate import validate
 
 
@@ -160,3 +160,128 @@ def test_cli_writes_koala_that_round_trips_and_ctrl_c_writes_best(tmp_path, monk
     assert rc == 130
     assert "interrupted" in capsys.readouterr().out
     validate(library.load_schedule(str(out2), 4, 8, 1))
+
+
+# -- placements: single copy of the weights by default ---------------------------------------
+def test_default_search_keeps_one_copy_of_the_weights():
+    problem = _problem(4, 8)
+    assert all(pl.pipelines == 1 for pl in problem.placements)
+    assert not problem.allows_two_copies
+    result = search(problem, time_budget=None, generations=3, seed=0)
+    assert result.schedule.placement.pipelines == 1
+    assert all(s.placement.pipelines == 1 for s, _ in result.per_placement)
+    chimera = [row for row in result.library if row.name == "chimera"]
+    assert chimera, "chimera is valid for p=4, m=8"
+    assert chimera[0].weight_copies == 2 and "2x weights" in chimera[0].note
+    assert not chimera[0].comparable and not chimera[0].eligible
+    best = best_predefined(result.library)
+    assert best is not None and best.weight_copies == 1
+    assert result.makespan <= best.makespan + 1e-9
+
+
+def test_placement_any_allows_bidirectional():
+    problem = _problem(4, 8)
+    problem_any = SearchProblem(problem.profile, 4, 8, 1, "split", placement="any")
+    assert problem_any.allows_two_copies
+    assert {pl.pipelines for pl in problem_any.placements} == {1, 2}
+    result = search(problem_any, time_budget=None, generations=2, seed=0)
+    chimera = [row for row in result.library if row.name == "chimera"][0]
+    assert chimera.comparable
+    only = SearchProblem(problem.profile, 4, 8, 1, "split", placement="bidirectional")
+    assert [pl.pipelines for pl in only.placements] == [2]
+
+
+@pytest.mark.parametrize("choice,v,expected", [("default", 1, {"linear"}), ("default", 2, {"vshape", "interleaved"}),
+                                               ("vshape", 2, {"vshape"}), ("interleaved", 2, {"interleaved"}),
+                                               ("linear", 1, {"linear"})])
+def test_placements_for(choice, v, expected):
+    assert {pl.style for pl in placements_for(4, v, choice)} == expected
+
+
+@pytest.mark.parametrize("choice,v", [("linear", 2), ("vshape", 1), ("interleaved", 1), ("diagonal", 1)])
+def test_bad_placement_names_the_option(choice, v):
+    with pytest.raises(SearchError, match="--placement"):
+        placements_for(4, v, choice)
+
+
+def test_cli_placement_option_and_two_copies_note(tmp_path, capsys):
+    out = tmp_path / "best.koala"
+    rc = main(["search", "--profile", "uniform-4", "-m", "8", "--generations", "2", "--seed", "0",
+               "--placement", "linear", "-o", str(out), "--quiet"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    chimera_line = [line for line in text.splitlines() if line.startswith("chimera")]
+    assert chimera_line and "2x weights" in chimera_line[0]
+    assert library.load_schedule(str(out), 4, 8, 1).placement.pipelines == 1
+    assert main(["search", "--profile", "uniform-4", "-m", "8", "--placement", "vshape", "-o", str(out),
+                 "--quiet"]) == 2
+    assert "--placement" in capsys.readouterr().err
+
+
+# -- local search ------------------------------------------------------------------------------
+def test_timing_agrees_with_the_simulator():
+    from koala_ds.search.local import Timing
+
+    for p, m, v, backward in [(4, 8, 1, "split"), (4, 8, 2, "split"), (4, 6, 1, "full"), (3, 5, 2, "full")]:
+        problem = _problem(p, m, v, backward)
+        for part in problem.parts:
+            timing = Timing(part)
+            for _, walk in greedy_seeds(part)[:5]:
+                ev = part.evaluate(walk)
+                if ev.makespan == float("inf"):
+                    continue
+                free, starts = timing.run(ev.codes)
+                assert max(free) == pytest.approx(ev.makespan, abs=1e-9)
+                assert [len(s) for s in starts] == [len(c) for c in ev.codes]
+
+
+def test_local_search_never_worsens_and_stays_valid():
+    import random
+
+    from koala_ds.search.local import LocalSearch
+
+    profile = CostProfile.uniform(4, activation_mb=10.0, w_hold_mb=2.0, p2p_latency=0.1)
+    limit = 0.6 * one_f_one_b_peak(profile, 4, 8, 1)
+    problem = SearchProblem(profile, 4, 8, 1, "split", limit)
+    part = problem.parts[0]
+    ls = LocalSearch(part)
+    for _, walk in greedy_seeds(part)[:4]:
+        start = part.evaluate(walk)
+        res = ls.descend(walk, random.Random(0), lambda: False, max_evals=300)
+        assert res is not None
+        ev = part.evaluate(res.tokens)
+        assert ev.fits and ev.makespan == pytest.approx(res.makespan)
+        assert res.makespan <= start.makespan + 1e-9
+        schedule = part.schedule(ev.codes, "ls")
+        validate(schedule)
+        assert simulate(schedule, problem.search_profile, timeline=False).peak_memory_max <= limit * (1 + 1e-9)
+
+
+# -- the release/tail bound -------------------------------------------------------------------
+@pytest.mark.parametrize("p,m,v,backward,tight,style", [
+    (4, 8, 1, "split", False, "linear"), (4, 8, 1, "split", True, "linear"), (3, 7, 1, "full", True, "linear"),
+    (4, 8, 2, "split", True, "vshape"), (4, 6, 2, "full", False, "interleaved"),
+    (4, 8, 1, "split", False, "bidirectional")])
+def test_release_tail_bound_is_below_every_schedule(p, m, v, backward, tight, style):
+    from koala_ds.ir import Placement
+    from koala_ds.search.bound import jackson_bound
+    from koala_ds.sim import StageCost, random_schedule
+
+    stages = [StageCost(1.0, 1.1, 0.9, 10.0, 3.0)] * (p * v - 1) + [StageCost(1.6, 1.7, 1.2, 14.0, 4.0)]
+    profile = CostProfile(tuple(stages), 0.3)
+    limit = (0.6 if tight else 10.0) * one_f_one_b_peak(profile, p, m, v)
+    problem = SearchProblem(profile, p, m, v, backward, limit, placement=style)
+    part = problem.parts[0]
+    bound = jackson_bound(problem.search_profile, part.placement, m, backward, problem.limits).value
+    assert bound > 0
+    checked = 0
+    walks = [w for _, w in greedy_seeds(part)]
+    walks += [part.tokens_of(random_schedule(part.placement, m, backward, seed=k)) for k in range(20)]
+    for walk in walks:
+        ev = part.evaluate(walk)
+        if ev.makespan == float("inf"):
+            continue
+        checked += 1
+        assert ev.makespan >= bound - 1e-9
+    assert checked > 0
+    assert part.lower_bound >= bound - 1e-12

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..dsl import print_schedule
 from ..ir import KoalaError
+from ..search.problem import PLACEMENT_CHOICES
 from ..sim import bundled_profiles, load_profile, simulate
 
 log = logging.getLogger(__name__)
@@ -29,15 +30,21 @@ def result_table(result, limit: float | None) -> str:
     """The result and every library schedule valid for the configuration."""
     base = next((r.makespan for r in result.library if r.name == "1f1b"), None)
 
-    def row(name: str, ms: float, bubble: float, peak: float, fits: bool) -> tuple:
+    def row(name: str, ms: float, bubble: float, peak: float, fits: bool, note: str) -> tuple:
         return (name, f"{ms:.6g}", "-" if base is None else f"{base / ms:.3f}x", f"{bubble:.1%}", f"{peak:.6g}",
                 "-" if limit is None else ("yes" if fits else "NO"),
-                f"{ms / result.lower_bound - 1:+.2%}" if result.lower_bound > 0 else "-")
+                f"{ms / result.lower_bound - 1:+.2%}" if result.lower_bound > 0 else "-", note)
 
-    rows = [row("searched *", result.makespan, result.bubble, result.peak, result.fits)]
-    rows += [row(r.name, r.makespan, r.bubble, r.peak, r.fits) for r in result.library]
-    return _table(rows, ("schedule", "makespan ms", "vs 1f1b", "bubble", "peak MB", "fits", "over bound"),
-                  "<>>>>>>")
+    copies = result.schedule.placement.pipelines
+    rows = [row("searched *", result.makespan, result.bubble, result.peak, result.fits,
+                "2x weights" if copies > 1 else "")]
+    for r in result.library:
+        note = r.note
+        if r.fits and not r.comparable:
+            note += " (not compared: --placement bidirectional/any allows it)"
+        rows.append(row(r.name, r.makespan, r.bubble, r.peak, r.fits, note))
+    return _table(rows, ("schedule", "makespan ms", "vs 1f1b", "bubble", "peak MB", "fits", "over bound", "note"),
+                  "<>>>>>><")
 
 
 def cmd_search(args: argparse.Namespace) -> int:
@@ -53,14 +60,15 @@ def cmd_search(args: argparse.Namespace) -> int:
         p = profile.num_stages // v
     if args.m is None or args.m < 1:
         raise SearchError(f"-m must be >= 1 (microbatches per step), got {args.m}")
-    problem = SearchProblem(profile, p, args.m, v, args.backward, args.memory_limit)
+    problem = SearchProblem(profile, p, args.m, v, args.backward, args.memory_limit, placement=args.placement)
     out = Path(args.output)
     if out.suffix != ".koala":
         raise KoalaError(f"-o {out}: the result is written as a .koala program; use a name ending in .koala")
     if not args.quiet:
         lim = problem.memory_limit_mb
         print(f"searching {profile.source}: p={p} m={args.m} v={v} backward={args.backward}, memory limit "
-              f"{'none' if lim is None else f'{lim:.6g} MB'} ({problem.memory_limit_source}), "
+              f"{'none' if lim is None else f'{lim:.6g} MB'} ({problem.memory_limit_source}), placements "
+              f"{', '.join(pl.describe() for pl in problem.placements or [])}, "
               f"budget {args.time_budget:g} s" + (f" / {args.generations} generations" if args.generations else ""))
     result = search(problem, time_budget=args.time_budget, generations=args.generations, seed=args.seed,
                     workers=args.workers, progress=not args.quiet)
@@ -118,6 +126,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="split: backward as I + W (zero-bubble style, default); full: B only")
     p.add_argument("--memory-limit", type=float, default=None, metavar="MB",
                    help="per-rank activation memory limit (default: the profile's, else 1F1B's peak)")
+    p.add_argument("--placement", choices=PLACEMENT_CHOICES, default="default",
+                   help="placements to search: default = the single-copy ones valid for -v (linear for v=1; "
+                        "interleaved and vshape for v>=2); bidirectional keeps two copies of the weights "
+                        "(Chimera; not charged by the memory model, not runnable by the engine adapters); "
+                        "any = default + bidirectional")
     p.add_argument("--time-budget", type=float, default=10.0, metavar="S", help="wall-clock budget (default 10 s)")
     p.add_argument("--generations", type=int, default=None, metavar="N", help="generation budget (default none)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")

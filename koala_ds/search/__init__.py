@@ -1,13 +1,15 @@
 """Automatic schedule search: the BTT encoding, greedy seeds, the Dynamic Try-Test GA and an
 exact CP-SAT solver (optional extra `exact`). No torch here."""
 from .encoding import Encoding, EncodingError, GenomeDecoder, Walk, decode, encode
-from .ga import GAConfig, LibraryRow, SearchResult, library_rows, search
+from .ga import GAConfig, LibraryRow, SearchResult, best_predefined, library_rows, search
 from .greedy import Policy, greedy_seeds, greedy_walk, policies
-from .problem import SearchError, SearchProblem, default_placements, one_f_one_b_peak
+from .problem import (PLACEMENT_CHOICES, SearchError, SearchProblem, default_placements, one_f_one_b_peak,
+                      placements_for, weight_copies)
 
 __all__ = [
     "Encoding", "EncodingError", "GenomeDecoder", "Walk", "decode", "encode",
-    "GAConfig", "LibraryRow", "SearchResult", "library_rows", "search",
+    "GAConfig", "LibraryRow", "SearchResult", "best_predefined", "library_rows", "search",
     "Policy", "greedy_seeds", "greedy_walk", "policies",
-    "SearchError", "SearchProblem", "default_placements", "one_f_one_b_peak",
+    "PLACEMENT_CHOICES", "SearchError", "SearchProblem", "default_placements", "one_f_one_b_peak",
+    "placements_for", "weight_copies",
 ]

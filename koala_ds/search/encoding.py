@@ -204,15 +204,22 @@ class GenomeDecoder:
         hit = self._cache.get(key)
         if hit is not None:
             return hit
-        out = self._fast(rank, key[2], memory_repair)
-        if out is None:
-            out = self._repair(rank, tokens, memory_repair)
-        if len(self._cache) > self.cache_size:
+        out = self.decode_rank_nocache(rank, key[2], memory_repair)
+        # bound the cache by the tokens it holds (~2M), not by entries: long walks are big
+        if len(self._cache) * max(1, len(tokens)) > self.cache_tokens:
             self._cache.clear()
         self._cache[key] = out
         return out
 
-    cache_size = 50000
+    def decode_rank_nocache(self, rank: int, tokens: Sequence[int], memory_repair: bool = True
+                            ) -> tuple[list[int], list[int], float]:
+        """`decode_rank` without the cache (for one-off neighbours in local search)."""
+        out = self._fast(rank, tuple(tokens), memory_repair)
+        if out is None:
+            out = self._repair(rank, tokens, memory_repair)
+        return out
+
+    cache_tokens = 2_000_000
 
     @property
     def _cache(self) -> dict:

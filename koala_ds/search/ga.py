@@ -4,7 +4,9 @@ Population: every library schedule valid for the configuration, the greedy list 
 walks (one per tie-break policy), and random walks. Each generation makes `trials` children
 (crossover of two tournament winners, then a mutation of `strength` moves on the BTT choice
 sequence), *try-tests* each on the simulator (the decoder repairs local order and memory; a
-child that still deadlocks is rejected) and keeps the best `size` distinct walks.
+child that still deadlocks is rejected) and keeps the best `size` distinct walks. Each
+generation also polishes the best unpolished walk with the timeline-guided local search
+(`local.py`) and makes one iterated-local-search step (kick + descent) from one of the best four.
 
 The dynamic rule (documented in docs/search.md):
 - strength follows the 1/5 success rule: after a generation that improved the best walk it is
@@ -30,7 +32,8 @@ from ..ir import KoalaError, Schedule
 from ..sim import CostProfile, random_schedule, simulate
 from .encoding import W_K
 from .greedy import greedy_seeds
-from .problem import INFEASIBLE, PlacementProblem, SearchError, SearchProblem
+from .local import LocalSearch
+from .problem import INFEASIBLE, PlacementProblem, SearchError, SearchProblem, weight_copies
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +63,21 @@ class LibraryRow:
     bubble: float
     fits: bool
     note: str = ""
+    weight_copies: int = 1      # 2 for bidirectional schedules (Chimera): two copies of the weights
+    comparable: bool = True     # counts as a "predefined schedule" competitor of the search result
+
+    @property
+    def eligible(self) -> bool:
+        """Fits the memory limit and is a fair competitor (one copy of the weights, unless the
+        search itself was allowed two)."""
+        return self.fits and self.comparable
+
+
+def best_predefined(rows: Sequence[LibraryRow]) -> LibraryRow | None:
+    """The fastest library schedule that fits the limit and keeps as many copies of the weights
+    as the search was allowed (so Chimera counts only when bidirectional placements are)."""
+    ok = [r for r in rows if r.eligible]
+    return min(ok, key=lambda r: (r.makespan, r.name)) if ok else None
 
 
 @dataclass
@@ -122,7 +140,10 @@ def library_rows(problem: SearchProblem) -> list[LibraryRow]:
         except KoalaError as exc:
             log.info("library %s does not simulate: %s", name, str(exc).splitlines()[0])
             continue
-        rows.append(LibraryRow(name, schedule, res.makespan, res.peak_memory_max, res.bubble_ratio, res.fits_memory))
+        copies = weight_copies(schedule.placement)
+        rows.append(LibraryRow(name, schedule, res.makespan, res.peak_memory_max, res.bubble_ratio, res.fits_memory,
+                               note="2x weights" if copies > 1 else "", weight_copies=copies,
+                               comparable=copies == 1 or problem.allows_two_copies))
     rows.sort(key=lambda r: (r.makespan, r.name))
     return rows
 
@@ -259,12 +280,16 @@ class _Evaluator:
 @dataclass
 class GAConfig:
     population: int = 24
-    trials: int = 16             # base try-test count per generation
+    trials: int = 4              # base try-test count per generation (plus one polish and one kick)
     strength_max: float = 24.0
     patience: int = 15
     crossover_rate: float = 0.3
     random_walks: int = 4
     greedy: bool = True
+    local_search: bool = True    # timeline-guided descent (koala_ds/search/local.py) on the best walks
+    local_seeds: int = 2         # seeds polished per placement before the first generation
+    local_evals: int = 4000      # evaluation cap of one descent
+    kick_strength: float = 3.0   # mutation strength of an iterated-local-search kick
 
 
 def search(problem: SearchProblem, *, time_budget: float | None = 10.0, generations: int | None = None,
@@ -285,9 +310,8 @@ def search(problem: SearchProblem, *, time_budget: float | None = 10.0, generati
     t0 = time.perf_counter()
     rng = random.Random(seed)
     lib = library_rows(problem)
-    for row in lib:  # the library's placements (bidirectional ones, say) join the search space
-        assert row.schedule is not None
-        problem.part_for(row.schedule.placement)
+    # library schedules seed the search when their placement is one the problem searches
+    seeds_lib = [row for row in lib if row.schedule is not None and problem.allows(row.schedule.placement)]
     lb = problem.lower_bound
     stop_at = lb * (1 + 1e-9)
     evaluator = _Evaluator(problem, workers)
@@ -319,10 +343,34 @@ def search(problem: SearchProblem, *, time_budget: float | None = 10.0, generati
     def out_of_time() -> bool:
         return time_budget is not None and time.perf_counter() - t0 >= time_budget
 
+    searchers: dict[int, LocalSearch] = {}
+    polished: set[tuple] = set()
+
+    def polish(ind: Individual, origin: str, kick: bool = False,
+               deadline: Callable[[], bool] = out_of_time) -> bool:
+        """Local search from `ind` (after a random kick when `kick`); True if it found a new best."""
+        polished.add(ind.key)
+        part = problem.parts[ind.part]
+        ls = searchers.get(ind.part)
+        if ls is None:
+            ls = searchers[ind.part] = LocalSearch(part)
+        toks = ind.tokens
+        if kick:
+            toks = mutate(toks, rng, cfg.kick_strength, part.placement.chunks_per_rank)
+        before = ls.evaluations
+        res = ls.descend(toks, rng, deadline, cfg.local_evals)
+        evaluator.count += ls.evaluations - before
+        if res is None:
+            return False
+        ev = part.evaluate(res.tokens)
+        new = Individual(ind.part, ev.tokens, ev.makespan, ev.peak, origin)
+        polished.add(new.key)
+        return consider(new)
+
     try:
         # seeds: library, greedy, random walks
         jobs, origins = [], []
-        for row in lib:
+        for row in seeds_lib:
             sched = row.schedule
             assert sched is not None
             part = problem.part_for(sched.placement)
@@ -348,6 +396,19 @@ def search(problem: SearchProblem, *, time_budget: float | None = 10.0, generati
             raise SearchError("no seed schedule fits the memory limit and runs without deadlock; "
                               "raise --memory-limit")
         pop.sort(key=lambda x: x.makespan)
+        if cfg.local_search and best.makespan > stop_at:
+            # polish the best seeds of each placement (at most half of the wall-clock budget)
+            half = (lambda: time.perf_counter() - t0 >= time_budget / 2) if time_budget is not None \
+                else (lambda: False)
+            firsts = []
+            for idx in range(len(problem.parts)):
+                firsts += [x for x in pop if x.part == idx][:cfg.local_seeds]
+            firsts.sort(key=lambda x: x.makespan)
+            for ind in firsts:
+                if half() or best.makespan <= stop_at:
+                    break
+                polish(ind, f"{ind.origin} + local search", deadline=half)
+            pop.sort(key=lambda x: x.makespan)
         del pop[cfg.population:]
         if progress:
             try:
@@ -389,6 +450,15 @@ def search(problem: SearchProblem, *, time_budget: float | None = 10.0, generati
             improved = False
             for (idx, _), (ms, pk, toks) in zip(children, evaluator(children)):
                 if consider(Individual(idx, toks, ms, pk, f"generation {gen}")):
+                    improved = True
+            if cfg.local_search:
+                pop.sort(key=lambda x: x.makespan)
+                # polish the best walk not yet polished, then one iterated-local-search kick
+                fresh_top = [x for x in pop[:3] if x.key not in polished]
+                if fresh_top and polish(fresh_top[0], f"generation {gen} + local search"):
+                    improved = True
+                if not out_of_time() and polish(_tournament(pop[:4], rng), f"generation {gen} kick + local search",
+                                                kick=True):
                     improved = True
             pop.sort(key=lambda x: x.makespan)
             del pop[cfg.population:]
@@ -434,7 +504,7 @@ def search(problem: SearchProblem, *, time_budget: float | None = 10.0, generati
     schedule = part.schedule(ev.codes, "searched")
     res = part.sim.run(schedule.ranks, timeline=False)
     chosen_makespan, origin = res.makespan, best.origin
-    fit_lib = [row for row in lib if row.fits]
+    fit_lib = sorted((row for row in seeds_lib if row.fits), key=lambda r: (r.makespan, r.name))
     if fit_lib and fit_lib[0].makespan < chosen_makespan - 1e-12 and fit_lib[0].schedule is not None:
         # the decoder takes microbatches in order; a library order that does not may still win
         schedule = fit_lib[0].schedule

@@ -10,6 +10,7 @@ from typing import Sequence
 from ..ir import KoalaError, Placement, Schedule, ScheduleError
 from ..sim import CostProfile, Simulator, lower_bound
 from ..sim.profile import ProfileError
+from .bound import jackson_bound
 from .encoding import B_K, F_K, I_K, W_K, GenomeDecoder, encode
 
 log = logging.getLogger(__name__)
@@ -38,9 +39,13 @@ def one_f_one_b_peak(profile: CostProfile, p: int, m: int, v: int = 1) -> float:
     return peak
 
 
+#: Values of `--placement` (and of `SearchProblem.placement`).
+PLACEMENT_CHOICES = ("default", "linear", "interleaved", "vshape", "bidirectional", "any")
+
+
 def default_placements(p: int, v: int) -> list[Placement]:
-    """The placements the search explores: linear for v = 1; interleaved and V-shape for v = 2;
-    interleaved for v > 2 (V-shape generalizes to a zig-zag, also tried)."""
+    """The single-copy placements valid for v: linear for v = 1; V-shape and interleaved for
+    v >= 2 (for v > 2 the V-shape is the zig-zag)."""
     if v == 1:
         return [Placement.named("linear", p, 1)]
     out = [Placement.named("vshape", p, v), Placement.named("interleaved", p, v)]
@@ -50,6 +55,34 @@ def default_placements(p: int, v: int) -> list[Placement]:
             seen.add(pl.stage_ranks)
             uniq.append(pl)
     return uniq
+
+
+def placements_for(p: int, v: int, choice: str = "default") -> list[Placement]:
+    """The placements a search explores for `--placement choice`.
+
+    default: the single-copy placements valid for v (`default_placements`); linear,
+    interleaved, vshape: that one (linear needs v = 1; interleaved and vshape need v >= 2, with
+    one chunk they are the linear placement); bidirectional: Chimera's two pipelines, which keep
+    TWO copies of the weights (the profile's memory figures leave weights out, so the model does
+    not charge for them, and the DeepSpeed and Megatron adapters cannot run it); any: the
+    default ones and the bidirectional one."""
+    if choice not in PLACEMENT_CHOICES:
+        raise SearchError(f"--placement must be one of {', '.join(PLACEMENT_CHOICES)}, got {choice!r}")
+    if choice == "default":
+        return default_placements(p, v)
+    if choice == "any":
+        return default_placements(p, v) + [Placement.named("bidirectional", p, v)]
+    if choice == "linear" and v != 1:
+        raise SearchError(f"--placement linear needs -v 1 (got -v {v}); use --placement interleaved or vshape")
+    if choice in ("interleaved", "vshape") and v == 1:
+        raise SearchError(f"--placement {choice} needs -v >= 2 (with one chunk per rank it is the linear "
+                          f"placement); use --placement linear or raise -v")
+    return [Placement.named(choice, p, v)]
+
+
+def weight_copies(placement: Placement) -> int:
+    """How many copies of the weights a placement keeps (2 for bidirectional schedules)."""
+    return placement.pipelines
 
 
 @dataclass
@@ -122,7 +155,8 @@ class SearchProblem:
     v: int = 1
     backward: str = "split"
     memory_limit: float | None = None   # MB per rank; None: the profile's, else 1F1B's peak
-    placements: list[Placement] | None = None
+    placements: list[Placement] | None = None   # explicit list; overrides `placement`
+    placement: str = "default"                  # one of PLACEMENT_CHOICES
     memory_limit_source: str = field(default="", init=False)
     limits: tuple[float | None, ...] = field(default=(), init=False)
     parts: list[PlacementProblem] = field(default_factory=list, init=False)
@@ -159,7 +193,9 @@ class SearchProblem:
             raise SearchError(str(exc)) from None
         self.search_profile = profile
         if self.placements is None:
-            self.placements = default_placements(self.p, self.v)
+            self.placements = placements_for(self.p, self.v, self.placement)
+        else:
+            self.placements = list(self.placements)
         self._check_memory()
         for pl in self.placements:
             self.parts.append(self._part(pl))
@@ -190,7 +226,21 @@ class SearchProblem:
         dec = GenomeDecoder(placement, self.m, self.backward, (placement.num_stages, self.m), mem, self.limits)
         lb = lower_bound(self.search_profile, self.p, self.m, self.v, placement, self.backward,
                          memory_limit=list(self.limits))
+        # a second provable bound (docs/search.md, "A tighter bound"); the larger one holds
+        jb = jackson_bound(self.search_profile, placement, self.m, self.backward, self.limits)
+        if jb.value > lb.value:
+            return PlacementProblem(placement, sim, dec, jb.value, "release/tail one-machine")
         return PlacementProblem(placement, sim, dec, lb.value, lb.binding)
+
+    def allows(self, placement: Placement) -> bool:
+        """Whether `placement` is one of the placements this problem searches."""
+        return any(pl.stage_ranks == placement.stage_ranks and pl.pipelines == placement.pipelines
+                   for pl in self.placements or [])
+
+    @property
+    def allows_two_copies(self) -> bool:
+        """Whether a placement with two copies of the weights (bidirectional) is searched."""
+        return any(weight_copies(pl) > 1 for pl in self.placements or [])
 
     def part_for(self, placement: Placement) -> PlacementProblem:
         for part in self.parts:

@@ -1,0 +1,148 @@
+"""A second provable lower bound for the search: release times, tails and a per-rank
+one-machine relaxation (Jackson's preemptive schedule), with a memory term.
+
+The proof is in docs/search.md ("A tighter bound"). In short, for one placement:
+
+1. Order statistics of start times. For a group g = (op, stage), let R_g[k] bound from below
+   the k-th smallest start time (k = 0, 1, ...) of the group's actions, over all valid
+   schedules. Valid recurrences (microbatches are interchangeable, and a pointwise bound on
+   a multiset bounds its order statistics):
+   - the actions of one group run on one rank, one at a time: R_g[k] >= R_g[k-1] + d_g;
+   - F(s) needs F(prev) plus the hop: R_F(s)[k] >= R_F(prev)[k] + d_F(prev) + hop;
+   - I/B(s) needs F(s) and I/B(next): R_I(s)[k] >= max(R_F(s)[k] + d_F(s),
+     R_I(next)[k] + d_I(next) + hop); W(s) needs I(s): R_W(s)[k] >= R_I(s)[k] + d_I(s);
+   - memory: when the k-th F(s) starts, rank r holds activation_mb(s) for each F(s) begun
+     (k + 1 with this one) whose I/B(s) has not run yet, and every other term of its level is
+     non-negative; so at least k + 1 - c of the I/B(s) ran before it, c = floor(limit_r /
+     activation_mb(s)), and R_F(s)[k] >= R_I(s)[k - c] + d_I(s).
+2. Tails: q_g, the least time from the end of any action of group g to the end of the
+   schedule (its chain of successors: the forward chain to the last stage, the backward
+   chain to the first, the W after each I).
+3. Each rank runs its actions one at a time. Give the k-th group-g action to start the
+   release R_g[k]; the schedule restricted to the rank is a non-preemptive schedule of these
+   jobs that respects the releases, and T >= C_j + q_j for every job j. So T is at least the
+   optimum of the preemptive one-machine problem with releases and tails, which Jackson's
+   preemptive schedule (always run the released job with the largest tail) attains.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..ir import Placement
+from ..sim import CostProfile
+from ..sim.simulator import MEMORY_RTOL
+
+
+@dataclass(frozen=True)
+class JacksonBound:
+    value: float
+    per_rank: tuple[float, ...]
+
+
+def jackson_bound(profile: CostProfile, placement: Placement, m: int, backward: str,
+                  limits: Sequence[float | None]) -> JacksonBound:
+    """The bound of the module docstring for one placement (ms)."""
+    S = placement.num_stages
+    costs = profile.stage_costs(S, placement.pipelines)
+    lat = float(profile.p2p_latency)
+    split = backward == "split"
+    rank = placement.stage_ranks
+    dF = [c.forward for c in costs]
+    dI = [c.backward_input if split else c.backward_input + c.backward_weight for c in costs]
+    dW = [c.backward_weight if split else 0.0 for c in costs]
+    n = [len(placement.microbatches_of(s, m)) for s in range(S)]
+    prev = [placement.prev_stage(s) for s in range(S)]
+    nxt = [placement.next_stage(s) for s in range(S)]
+
+    def hop(a: int, b: int) -> float:
+        return lat if rank[a] != rank[b] else 0.0
+
+    cap = []
+    for s in range(S):
+        lim = limits[rank[s]]
+        act = costs[s].activation_mb
+        if lim is None or act <= 0:
+            cap.append(math.inf)
+        else:
+            cap.append(max(1, math.floor(lim * (1 + MEMORY_RTOL) / act + MEMORY_RTOL)))
+    # tails
+    qI = [0.0] * S
+    for s in range(S):  # prev stages first (pipeline order)
+        t = dW[s]
+        if prev[s] is not None:
+            p_ = prev[s]
+            t = max(t, hop(s, p_) + dI[p_] + qI[p_])
+        qI[s] = t
+    qF = [0.0] * S
+    for s in reversed(range(S)):
+        t = dI[s] + qI[s]
+        if nxt[s] is not None:
+            x = nxt[s]
+            t = max(t, hop(s, x) + dF[x] + qF[x])
+        qF[s] = t
+    # releases (order statistics), k outer so the memory term can look back
+    N = max(n) if n else 0
+    RF = [[0.0] * n[s] for s in range(S)]
+    RI = [[0.0] * n[s] for s in range(S)]
+    RW = [[0.0] * n[s] for s in range(S)]
+    fwd_order = sorted(range(S), key=lambda s: (placement.pipeline_of(s), s))
+    for k in range(N):
+        for s in fwd_order:
+            if k >= n[s]:
+                continue
+            r = RF[s][k - 1] + dF[s] if k else 0.0
+            if prev[s] is not None:
+                p_ = prev[s]
+                r = max(r, RF[p_][k] + dF[p_] + hop(p_, s))
+            if k - cap[s] >= 0:
+                r = max(r, RI[s][k - cap[s]] + dI[s])
+            RF[s][k] = r
+        for s in reversed(fwd_order):
+            if k >= n[s]:
+                continue
+            r = RF[s][k] + dF[s]
+            if k:
+                r = max(r, RI[s][k - 1] + dI[s])
+            if nxt[s] is not None:
+                x = nxt[s]
+                r = max(r, RI[x][k] + dI[x] + hop(x, s))
+            RI[s][k] = r
+            if split:
+                RW[s][k] = max(r + dI[s], RW[s][k - 1] + dW[s] if k else 0.0)
+    per_rank = []
+    for rr in range(placement.p):
+        jobs = []
+        for s in placement.stages_of(rr):
+            for k in range(n[s]):
+                jobs.append((RF[s][k], dF[s], qF[s]))
+                jobs.append((RI[s][k], dI[s], qI[s]))
+                if split:
+                    jobs.append((RW[s][k], dW[s], 0.0))
+        per_rank.append(_jackson(jobs))
+    return JacksonBound(max(per_rank) if per_rank else 0.0, tuple(per_rank))
+
+
+def _jackson(jobs: list[tuple[float, float, float]]) -> float:
+    """Optimum of max(C_j + q_j) on one machine with releases, preemption allowed."""
+    jobs.sort()
+    heap: list[tuple[float, float]] = []
+    t, i, best, nj = 0.0, 0, 0.0, len(jobs)
+    while i < nj or heap:
+        if not heap:
+            t = max(t, jobs[i][0])
+        while i < nj and jobs[i][0] <= t:
+            heapq.heappush(heap, (-jobs[i][2], jobs[i][1]))
+            i += 1
+        negq, rem = heapq.heappop(heap)
+        nxt_r = jobs[i][0] if i < nj else math.inf
+        run = min(rem, nxt_r - t)
+        t += run
+        rem -= run
+        if rem > 1e-12:
+            heapq.heappush(heap, (negq, rem))
+        else:
+            best = max(best, t - negq)
+    return best

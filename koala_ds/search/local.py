@@ -1,0 +1,288 @@
+"""Local search guided by the simulated timeline (critical path and idle gaps).
+
+The GA's mutations are blind; near the optimum almost every random move makes a schedule worse
+or leaves the makespan unchanged. This module improves one walk by moves that the timeline says
+can matter:
+
+- **critical path**: walk back from the action that ends last; each action on the path either
+  started when the previous action of its rank ended (*rank-bound*) or when its input arrived
+  (*dependency-bound*). For every rank-bound link Y -> X the only ways to start X earlier are to
+  move X before Y (1..K places earlier) or to move Y after X (1..K places later: a W shifted
+  into a later bubble, or a forward that was taken too early);
+- **idle gaps**: for an action that waits for its input, move one of the next K actions of
+  its rank in front of it (an F whose input is there, or a W) to fill the gap;
+- moves act on the BTT tokens of one rank; the decoder repairs them (a move that breaks a local
+  dependency or the memory limit is deferred to where it can run), so every candidate is valid.
+
+Candidates are compared on (makespan, sum of the ranks' finish times): the second term lets the
+search cross the plateaus where no single move shortens the makespan but one rank finishes
+earlier, which gives the critical path slack. Both terms only decrease, so the search ends.
+`iterated_local_search` alternates this descent with random kicks (a few BTT mutations),
+keeping the best walk.
+
+The timeline here is the simulator's asynchronous model (`koala_ds.sim.simulator`): an action
+starts when its rank is free and its input has arrived (`p2p_latency` after it was computed on
+another rank); tests check that the makespans agree with `Simulator.makespan`.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from .problem import PlacementProblem
+
+log = logging.getLogger(__name__)
+
+EPS = 1e-9
+
+
+class Timing:
+    """The asynchronous timing model on the simulator's integer codes, with start times."""
+
+    def __init__(self, part: PlacementProblem):
+        sim, pl = part.sim, part.placement
+        S, m = pl.num_stages, sim.m
+        costs = sim.profile.stage_costs(S, pl.pipelines)
+        lat = float(sim.profile.p2p_latency)
+        split = sim.backward == "split"
+        n = 4 * S * m
+        self.dur = [0.0] * n
+        self.dep = [-1] * n      # the code whose output this action needs (another stage), -1 if none
+        self.lat = [0.0] * n     # latency on that dependency
+        ranks = pl.stage_ranks
+        bk = 2 if split else 1   # the backward kind that passes the gradient on: I (split) or B (full)
+        for s in range(S):
+            c = costs[s]
+            prev, nxt = pl.prev_stage(s), pl.next_stage(s)
+            for mb in range(m):
+                f, b, i, w = ((k * S + s) * m + mb for k in range(4))
+                self.dur[f], self.dur[b] = c.forward, c.backward_input + c.backward_weight
+                self.dur[i], self.dur[w] = c.backward_input, c.backward_weight
+                if prev is not None:
+                    self.dep[f] = prev * m + mb
+                    self.lat[f] = lat if ranks[prev] != ranks[s] else 0.0
+                if nxt is not None:
+                    for code in (b, i):
+                        self.dep[code] = (bk * S + nxt) * m + mb
+                        self.lat[code] = lat if ranks[nxt] != ranks[s] else 0.0
+        self.p = pl.p
+
+    def run(self, codes: Sequence[Sequence[int]]) -> tuple[list[float], list[list[float]]] | None:
+        """(finish time of each rank, start time of each action per rank), or None on a deadlock."""
+        dur, dep, lat = self.dur, self.dep, self.lat
+        p = self.p
+        end: dict[int, float] = {}
+        waiter: dict[int, int] = {}
+        pos = [0] * p
+        free = [0.0] * p
+        starts: list[list[float]] = [[] for _ in range(p)]
+        stack = list(range(p - 1, -1, -1))
+        while stack:
+            r = stack.pop()
+            order = codes[r]
+            n = len(order)
+            i = pos[r]
+            t = free[r]
+            rec = starts[r].append
+            while i < n:
+                c = order[i]
+                d = dep[c]
+                if d >= 0:
+                    e = end.get(d)
+                    if e is None:
+                        waiter[d] = r
+                        break
+                    a = e + lat[c]
+                    if a > t:
+                        t = a
+                rec(t)
+                t += dur[c]
+                end[c] = t
+                w = waiter.pop(c, -1)
+                if w >= 0:
+                    stack.append(w)
+                i += 1
+            pos[r] = i
+            free[r] = t
+        if any(pos[r] < len(codes[r]) for r in range(p)):
+            return None
+        return free, starts
+
+
+@dataclass
+class LocalResult:
+    tokens: list[list[int]]
+    codes: list[list[int]]
+    makespan: float
+    evaluations: int
+    moves: int
+
+
+Move = tuple[int, int, int]   # (rank, from index, to index)
+
+
+class LocalSearch:
+    """Descent on (makespan, sum of finish times) with timeline-guided moves."""
+
+    def __init__(self, part: PlacementProblem, reach: int = 3, gap_reach: int = 4):
+        self.part = part
+        self.timing = Timing(part)
+        self.reach = reach
+        self.gap_reach = gap_reach
+        self.limits = part.decoder.limits
+        self.evaluations = 0
+
+    # -- evaluation ---------------------------------------------------------------------
+    def decode(self, rank: int, tokens: Sequence[int]) -> tuple[list[int], list[int]] | None:
+        dec = self.part.decoder
+        out = dec.decode_rank_nocache(rank, tokens)
+        toks, codes, peak = out
+        if peak > self.limits[rank]:
+            return None
+        return toks, codes
+
+    def key(self, codes: Sequence[Sequence[int]]) -> tuple[float, float] | None:
+        self.evaluations += 1
+        res = self.timing.run(codes)
+        if res is None:
+            return None
+        free = res[0]
+        return max(free), sum(free)
+
+    # -- moves --------------------------------------------------------------------------
+    def critical_moves(self, codes: list[list[int]], starts: list[list[float]], free: list[float]) -> list[Move]:
+        dur, dep, lat = self.timing.dur, self.timing.dep, self.timing.lat
+        where = {}
+        for r, order in enumerate(codes):
+            for i, c in enumerate(order):
+                where[c] = (r, i)
+        r = max(range(len(free)), key=lambda q: free[q])
+        i = len(codes[r]) - 1
+        moves: list[Move] = []
+        K = self.reach
+        steps = 0
+        while i >= 0 and steps < 100000:
+            steps += 1
+            c = codes[r][i]
+            st = starts[r][i]
+            prev_end = starts[r][i - 1] + dur[codes[r][i - 1]] if i > 0 else 0.0
+            d = dep[c]
+            arrival = -1.0
+            if d >= 0 and d in where:
+                q, j = where[d]
+                arrival = starts[q][j] + dur[d] + lat[c]
+            if d >= 0 and arrival >= prev_end - EPS and arrival >= st - EPS:
+                r, i = where[d]      # dependency-bound: the path continues at the producer
+                continue
+            if i == 0:
+                break
+            # rank-bound link (r, i-1) -> (r, i)
+            for k in range(1, K + 1):
+                if i - k >= 0:
+                    moves.append((r, i, i - k))
+                if i - 1 + k < len(codes[r]):
+                    moves.append((r, i - 1, i - 1 + k))
+            i -= 1
+        return moves
+
+    def gap_moves(self, codes: list[list[int]], starts: list[list[float]]) -> list[Move]:
+        dur = self.timing.dur
+        moves: list[Move] = []
+        for r, order in enumerate(codes):
+            for i in range(1, len(order)):
+                if starts[r][i] > starts[r][i - 1] + dur[order[i - 1]] + EPS:
+                    for k in range(1, self.gap_reach + 1):
+                        if i + k < len(order):
+                            moves.append((r, i + k, i))
+        return moves
+
+    # -- descent ------------------------------------------------------------------------
+    def descend(self, tokens: Sequence[Sequence[int]], rng: random.Random,
+                deadline: Callable[[], bool], max_evals: int | None = None) -> LocalResult | None:
+        """First-improvement descent from `tokens`; None when `tokens` does not evaluate."""
+        cur_t, cur_c = [], []
+        for r, t in enumerate(tokens):
+            d = self.decode(r, t)
+            if d is None:
+                return None
+            cur_t.append(d[0])
+            cur_c.append(d[1])
+        res = self.timing.run(cur_c)
+        if res is None:
+            return None
+        free, starts = res
+        cur_key = (max(free), sum(free))
+        start_evals = self.evaluations
+        moves_done = 0
+        while True:
+            improved = False
+            for phase in (0, 1):
+                cand = self.critical_moves(cur_c, starts, free) if phase == 0 else self.gap_moves(cur_c, starts)
+                cand = list(dict.fromkeys(cand))
+                rng.shuffle(cand)
+                for r, i, j in cand:
+                    if deadline() or (max_evals is not None and self.evaluations - start_evals >= max_evals):
+                        return LocalResult(cur_t, cur_c, cur_key[0], self.evaluations - start_evals, moves_done)
+                    toks = list(cur_t[r])
+                    if i >= len(toks):
+                        continue
+                    x = toks.pop(i)
+                    toks.insert(j, x)
+                    if toks == cur_t[r]:
+                        continue
+                    d = self.decode(r, toks)
+                    if d is None or d[1] == cur_c[r]:
+                        continue
+                    codes = list(cur_c)
+                    codes[r] = d[1]
+                    k = self.key(codes)
+                    if k is None:
+                        continue
+                    if k[0] < cur_key[0] - EPS or (k[0] <= cur_key[0] + EPS and k[1] < cur_key[1] - EPS):
+                        cur_t[r], cur_c[r] = d[0], d[1]
+                        cur_key = k
+                        res = self.timing.run(cur_c)
+                        assert res is not None
+                        free, starts = res
+                        moves_done += 1
+                        improved = True
+                        break
+                if improved:
+                    break
+            if not improved:
+                return LocalResult(cur_t, cur_c, cur_key[0], self.evaluations - start_evals, moves_done)
+
+
+def iterated_local_search(part: PlacementProblem, tokens: Sequence[Sequence[int]], rng: random.Random,
+                          deadline: Callable[[], bool], kicks: int = 20,
+                          kick: Callable[[list[list[int]], random.Random], list[list[int]]] | None = None,
+                          searcher: LocalSearch | None = None) -> LocalResult | None:
+    """Descend from `tokens`, then `kicks` times: perturb the best walk with `kick`, descend, and keep
+    the result if it is at least as good (equal makespans move the search along the plateau)."""
+    ls = searcher or LocalSearch(part)
+    best = ls.descend(tokens, rng, deadline)
+    if best is None:
+        return None
+    total = best.evaluations
+    for _ in range(kicks if kick is not None else 0):
+        if deadline():
+            break
+        assert kick is not None
+        cand = ls.descend(kick(best.tokens, rng), rng, deadline)
+        if cand is None:
+            continue
+        total += cand.evaluations
+        if cand.makespan <= best.makespan + EPS:
+            best = cand
+    best.evaluations = total
+    return best
+
+
+def wall_deadline(seconds: float | None) -> Callable[[], bool]:
+    if seconds is None:
+        return lambda: False
+    stop = time.perf_counter() + seconds
+    return lambda: time.perf_counter() >= stop
