@@ -1,0 +1,88 @@
+"""Train a small PipelineModule with a Koala schedule on DeepSpeed.
+
+On CPU (gloo), two pipeline ranks:
+
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 examples/deepspeed_pipe/train.py --schedule zb-h1
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 examples/deepspeed_pipe/train.py --schedule zb-v \
+        --chunks 2 --placement vshape
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node 4 examples/deepspeed_pipe/train.py --pp 2 --schedule 1f1b  # x DP 2
+
+With DeepSpeed's launcher patched (patches/deepspeed/), the schedule can come from the command
+line instead, and the script needs no Koala import at all:
+
+    deepspeed --num_gpus 2 --pipeline_schedule koala --koala_schedule zb-h1 examples/deepspeed_pipe/train.py
+
+`--schedule` takes a library name (koala list), a .koala program or a schedule .json file.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import deepspeed
+import torch
+from deepspeed.pipe import LayerSpec, PipelineModule
+
+
+class Block(torch.nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return torch.relu(self.linear(x)) + x
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--schedule", default=None, help="Koala schedule: name, .koala or .json (default: launcher's)")
+    parser.add_argument("--pp", type=int, default=None, help="pipeline ranks (default: all processes)")
+    parser.add_argument("--chunks", type=int, default=1, help="model chunks per rank (2 for zb-v, dualpipe-v, ...)")
+    parser.add_argument("--placement", default="interleaved", choices=["interleaved", "vshape"])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by `deepspeed`
+    args = parser.parse_args()
+
+    deepspeed.init_distributed(dist_backend="gloo" if os.environ.get("DS_ACCELERATOR") == "cpu" else None)
+    world = int(os.environ["WORLD_SIZE"])
+    pp = args.pp or world
+    torch.manual_seed(0)
+    layers = [LayerSpec(Block, args.dim) for _ in range(8)] + [LayerSpec(torch.nn.Linear, args.dim, 1)]
+    common = dict(num_stages=pp, loss_fn=torch.nn.functional.mse_loss, partition_method="uniform", seed_layers=True)
+    if args.chunks > 1:
+        from koala_ds.deepspeed import KoalaPipelineModule  # also registers the Koala engine
+
+        model = KoalaPipelineModule(layers, chunks=args.chunks, placement=args.placement, **common)
+    else:
+        model = PipelineModule(layers, **common)
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": args.microbatches,
+        "train_batch_size": 4 * args.microbatches * (world // pp),
+        "steps_per_print": 10 ** 9,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
+        "pipeline": {"pipe_partitioned": False, "grad_partitioned": False},
+    }
+    if args.schedule is not None:
+        import koala_ds.deepspeed  # noqa: F401  (registers the engine with deepspeed.initialize)
+
+        config["pipeline"].update({"schedule": "koala", "koala": {"schedule": args.schedule}})
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()], config=config)
+
+    gen = torch.Generator().manual_seed(1 + model._grid.data_parallel_id)
+    data = [(torch.randn(4, args.dim, generator=gen), torch.randn(4, 1, generator=gen))
+            for _ in range(args.microbatches)]
+    for step in range(args.steps):
+        loss = engine.train_batch(iter(data))
+        if engine.global_rank == 0:
+            name = getattr(getattr(engine, "koala_schedule", None), "name", "stock")
+            print(f"step {step}: loss {float(loss):.5f} ({type(engine).__name__}, schedule {name})", flush=True)
+    eval_loss = engine.eval_batch(iter(data))
+    if engine.global_rank == 0:
+        print(f"eval loss {float(eval_loss):.5f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,579 @@
+"""`KoalaPipelineEngine`: DeepSpeed's `PipelineEngine` running any single-pipeline Koala schedule.
+
+What it adds to the stock engine (deepspeed/runtime/pipe/engine.py, 0.19.8):
+
+- the schedule comes from Koala (`KoalaPipeSchedule`), checked against the engine's pipeline
+  size and gradient accumulation steps before any communication;
+- split backward: `BackwardInputPass` computes only the input gradients (and keeps what the
+  weight gradient needs), `BackwardWeightPass` later computes the weight gradients
+  (torch.distributed.pipelining's `stage_backward_input` / `stage_backward_weight`). The
+  gradient-accumulation scaling is applied once, to the loss, by this engine: the per-tensor
+  output hook of DeepSpeedEngine is made a no-op (`_backward_prologue_per_tensor`);
+- point-to-point messages are non-blocking sends and receives with a tag per
+  (kind, stage, microbatch, tensor), so any deadlock-free order runs, both directions between
+  the same two ranks stay apart (p=2, v=2 has one neighbour on both sides), and every wait has
+  a timeout (`pipeline.koala.timeout_s`) that ends in `PipelineTimeoutError`, not a hang; sends
+  are waited (`WaitSends`) before the gradient reduction and the optimizer step;
+- one loss per buffer on the last stage, so forwards of several microbatches may precede
+  their backwards;
+- several model chunks per rank (`KoalaPipelineModule`, interleaved or V-shape placement);
+  stages of the same rank hand tensors over locally (the turn of a V).
+
+Refused up front, with the property named: schedules with more than one pipeline (Chimera),
+a placement that differs from the module's, fp16 loss scaling and ZeRO stages >= 1,
+dynamic shapes and partitioned pipe tensors.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from deepspeed import comm as dist
+from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
+from deepspeed.runtime.config import DeepSpeedConfig
+from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.pipe import schedule as ds_schedule
+from deepspeed.runtime.pipe.engine import PipelineEngine
+from deepspeed.runtime.pipe.module import PipelineModule
+
+from ..ir import KoalaError, Placement, Schedule, ScheduleError
+from ..validate import validate
+from .schedule import (BackwardInputPass, BackwardWeightPass, KoalaInferenceSchedule, KoalaPipeSchedule, WaitSends,
+                       messages_between)
+
+logger = logging.getLogger(__name__)
+
+#: Environment variables read when the config does not say (set by the patched launcher).
+ENV_PIPELINE_SCHEDULE = "DS_PIPELINE_SCHEDULE"
+ENV_KOALA_SCHEDULE = "KOALA_SCHEDULE"
+ENV_KOALA_PROFILE = "KOALA_PROFILE"
+ENV_KOALA_TIMEOUT = "KOALA_TIMEOUT_S"
+
+DEFAULT_TIMEOUT_S = 600.0
+_META_SIZE = 256
+_KINDS = {"meta": 0, "act": 1, "grad": 2}
+_MAX_TENSORS = 32
+
+
+class KoalaConfigError(KoalaError):
+    """The DeepSpeed setup and the Koala schedule do not fit together; says what to change."""
+
+
+class PipelineTimeoutError(TimeoutError):
+    """A pipeline rank waited longer than `pipeline.koala.timeout_s` for a peer."""
+
+
+@dataclass(frozen=True)
+class KoalaPipelineConfig:
+    """The `"pipeline": {"schedule": "koala", "koala": {...}}` section of a DeepSpeed config."""
+
+    schedule: Any = None  # library name, .koala / .json path, or a Schedule
+    profile: str | None = None
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    @classmethod
+    def from_pipeline_section(cls, section: dict | None, env: dict | None = None) -> "KoalaPipelineConfig":
+        env = os.environ if env is None else env
+        koala = (section or {}).get("koala") or {}
+        if not isinstance(koala, dict):
+            raise KoalaConfigError(f'DeepSpeed config "pipeline.koala" must be an object, got {koala!r}')
+        unknown = set(koala) - {"schedule", "profile", "timeout_s"}
+        if unknown:
+            raise KoalaConfigError(f'DeepSpeed config "pipeline.koala": unknown keys {sorted(unknown)} '
+                                   f'(known: schedule, profile, timeout_s)')
+        timeout = koala.get("timeout_s", env.get(ENV_KOALA_TIMEOUT, DEFAULT_TIMEOUT_S))
+        try:
+            timeout = float(timeout)
+        except (TypeError, ValueError):
+            raise KoalaConfigError(f'"pipeline.koala.timeout_s" must be a number of seconds, got {timeout!r}') from None
+        if timeout <= 0:
+            raise KoalaConfigError(f'"pipeline.koala.timeout_s" must be > 0, got {timeout}')
+        return cls(koala.get("schedule") or env.get(ENV_KOALA_SCHEDULE) or None,
+                   koala.get("profile") or env.get(ENV_KOALA_PROFILE) or None, timeout)
+
+
+def koala_requested(pipeline_section: dict | None, env: dict | None = None) -> bool:
+    """True when the config (`pipeline.schedule`) or the launcher (DS_PIPELINE_SCHEDULE) asks for Koala."""
+    env = os.environ if env is None else env
+    value = (pipeline_section or {}).get("schedule") or env.get(ENV_PIPELINE_SCHEDULE) or ""
+    return str(value).lower() == "koala"
+
+
+def module_placement(model: PipelineModule) -> Placement:
+    """The placement a module implements: `KoalaPipelineModule`'s, else linear over its ranks."""
+    placement = getattr(model, "koala_placement", None)
+    if placement is not None:
+        return placement
+    return Placement.named("linear", model._topo.get_dim("pipe"), 1)
+
+
+def resolve_schedule(spec: Any, p: int, m: int, v: int) -> Schedule:
+    """A `Schedule` from a Schedule, a library name, a .koala file or a schedule .json file."""
+    if isinstance(spec, Schedule):
+        return spec
+    if not isinstance(spec, (str, os.PathLike)):
+        raise KoalaConfigError(f'"pipeline.koala.schedule" must be a schedule name or a file path, got {spec!r}')
+    text = str(spec)
+    if text.endswith(".json") and Path(text).is_file():
+        return Schedule.from_json(Path(text).read_text(encoding="utf-8"), source=text)
+    from ..library import load_schedule
+
+    return load_schedule(text, p, m, v)
+
+
+def check_schedule(schedule: Schedule, placement: Placement, m: int, source: str) -> None:
+    """Refuse a schedule this engine cannot run, naming the property and what to change."""
+    where = f"Koala schedule {schedule.name!r} (from {source})"
+    if schedule.placement.pipelines != 1:
+        raise KoalaConfigError(f"{where} runs {schedule.placement.pipelines} pipelines (placement "
+                               f"{schedule.placement.describe()}): each rank would hold a second, separately "
+                               f"updated model replica, which DeepSpeed's PipelineEngine cannot host. "
+                               f"Use a single-pipeline schedule (e.g. zb-v or dualpipe-v).")
+    if schedule.p != placement.p:
+        raise KoalaConfigError(f"{where} is for p={schedule.p} pipeline ranks but the PipelineModule has "
+                               f"{placement.p} (num_stages / topology pipe dimension): compile the schedule for "
+                               f"p={placement.p} or set num_stages={schedule.p}.")
+    if schedule.m != m:
+        raise KoalaConfigError(f"{where} is for m={schedule.m} microbatches but the DeepSpeed config gives "
+                               f"gradient_accumulation_steps={m}: set gradient_accumulation_steps={schedule.m} "
+                               f"(train_batch_size = micro batch x {schedule.m} x data parallel) or compile the "
+                               f"schedule for m={m}.")
+    if schedule.placement.stage_ranks != placement.stage_ranks:
+        sv = schedule.placement.chunks_per_rank
+        hint = (f"build the model as koala_ds.deepspeed.KoalaPipelineModule(layers, num_stages={schedule.p}, "
+                f"chunks={sv}, placement={schedule.placement.style!r})")
+        raise KoalaConfigError(f"{where} places its {schedule.num_stages} virtual stages as "
+                               f"{schedule.placement.describe()} (stage ranks {list(schedule.placement.stage_ranks)}) "
+                               f"but the model holds {placement.chunks_per_rank} chunk(s) per rank placed "
+                               f"{placement.describe()} (stage ranks {list(placement.stage_ranks)}): {hint}.")
+    validate(schedule)
+
+
+def _as_list(x) -> list:
+    return [x] if torch.is_tensor(x) else list(x)
+
+
+class KoalaPipelineEngine(PipelineEngine):
+    """A `PipelineEngine` that runs a Koala schedule (see the module docstring).
+
+    Built by `deepspeed.initialize` once `koala_ds.deepspeed` is imported and the config says
+    `"pipeline": {"schedule": "koala", "koala": {"schedule": ...}}` (or the launcher flag), or
+    directly: `KoalaPipelineEngine(model=..., config=..., koala_schedule="zb-h1", ...)` with the
+    keyword arguments of `PipelineEngine`.
+    """
+
+    def __init__(self, *args, koala_schedule: Any = None, **kwargs):
+        model = kwargs.get("model")
+        if not isinstance(model, PipelineModule):
+            raise KoalaConfigError("KoalaPipelineEngine needs model=<a deepspeed.pipe.PipelineModule> (keyword)")
+        config_class = kwargs.get("config_class")
+        if config_class is None:
+            config = kwargs.get("config")
+            if config is None and kwargs.get("args") is not None:
+                config = getattr(kwargs["args"], "deepspeed_config", None)
+            config_class = DeepSpeedConfig(config, model.mpu())
+            kwargs["config_class"] = config_class
+        # Everything below is checked before any communication (the parent's __init__ talks).
+        placement = module_placement(model)
+        m = config_class.gradient_accumulation_steps
+        kcfg = KoalaPipelineConfig.from_pipeline_section(config_class.pipeline)
+        spec = koala_schedule if koala_schedule is not None else kcfg.schedule
+        if spec is None:
+            if placement.chunks_per_rank != 1:
+                raise KoalaConfigError('the model holds several chunks per rank: name a schedule in '
+                                       '"pipeline": {"koala": {"schedule": ...}} (e.g. interleaved-1f1b, zb-v)')
+            spec = "1f1b"
+        shown = spec.name if isinstance(spec, Schedule) else str(spec)
+        if koala_schedule is not None:
+            source = f"koala_schedule={shown!r}"
+        elif kcfg.schedule is not None:
+            source = f'"pipeline.koala.schedule" = {shown!r} (or {ENV_KOALA_SCHEDULE})'
+        else:
+            source = f"the default schedule {shown!r}"
+        try:
+            schedule = resolve_schedule(spec, placement.p, m, placement.chunks_per_rank)
+            check_schedule(schedule, placement, m, source)
+        except KoalaConfigError:
+            raise
+        except ScheduleError as exc:
+            raise KoalaConfigError(f"{source}: {exc}") from None
+        self._check_config(config_class)
+        if kcfg.profile is not None:
+            self._log_profile(schedule, kcfg.profile)
+
+        self._koala_ready = False
+        self._koala_schedule = schedule
+        self._koala_placement = placement
+        self._koala_timeout = datetime.timedelta(seconds=kcfg.timeout_s)
+        self.koala_config = kcfg
+        super().__init__(*args, **kwargs)
+
+        if self.is_pipe_partitioned or self.is_grad_partitioned:
+            raise KoalaConfigError('the Koala engine does not partition pipe tensors over model parallel ranks: '
+                                   'set "pipeline": {"pipe_partitioned": false, "grad_partitioned": false}')
+        if self.dynamic_shape:
+            raise KoalaConfigError("the Koala engine exchanges activation shapes once per stage boundary: "
+                                   "build the PipelineModule with dynamic_shape=False")
+        self._check_backend_order()
+        self._stage_chunk = {s: c for c, s in enumerate(placement.stages_of(self.stage_id))}
+        self._first_stage = 0
+        self._last_stage = placement.num_stages - 1
+        self._params = [p for p in self.module.parameters() if p.requires_grad]
+        self._train_sched = KoalaPipeSchedule(schedule, self.stage_id)
+        self.pipe_buffers["grads"] = [None] * self.num_pipe_buffers
+        self.pipe_buffers["losses"] = [None] * self.num_pipe_buffers
+        self._recv_specs: dict[int, tuple[bool, list]] = {}
+        self._meta_sent: set[int] = set()
+        self._reset_step_state()
+        self._koala_ready = True
+        if self.global_rank == 0:
+            logger.info("Koala schedule %r: p=%d m=%d v=%d backward=%s, %d buffers on rank 0",
+                        schedule.name, schedule.p, schedule.m, schedule.v, schedule.backward,
+                        self._train_sched.num_pipe_buffers())
+
+    # -- set-up checks ------------------------------------------------------------------
+    @staticmethod
+    def _check_config(config_class) -> None:
+        if config_class.float16_config.enabled:
+            raise KoalaConfigError('the Koala engine does not apply fp16 loss scaling: use "bf16" or fp32 '
+                                   '(remove "fp16": {"enabled": true})')
+        if config_class.zero_optimization_stage > 0:
+            raise KoalaConfigError(f'the Koala engine supports ZeRO stage 0 only, the config has '
+                                   f'"zero_optimization": {{"stage": {config_class.zero_optimization_stage}}}')
+
+    @staticmethod
+    def _log_profile(schedule: Schedule, profile: str) -> None:
+        from ..sim.profile import load_profile
+
+        cost = load_profile(profile)  # raises a KoalaError naming the file when it is bad
+        logger.info("Koala profile %s: %d stage entries for schedule %r", profile, cost.num_stages, schedule.name)
+
+    def _check_backend_order(self) -> None:
+        """NCCL matches point-to-point messages by order, not tag: refuse orders that differ."""
+        try:
+            backend = str(torch.distributed.get_backend()).lower()
+        except (RuntimeError, ValueError):
+            return
+        if "gloo" in backend or self.num_stages == 1:
+            return
+        p = self._koala_schedule.p
+        for src in range(p):
+            for dst in range(p):
+                if src == dst:
+                    continue
+                sent, received = messages_between(self._koala_schedule, src, dst)
+                if sent != received:
+                    raise KoalaConfigError(
+                        f"schedule {self._koala_schedule.name!r}: rank {src} sends to rank {dst} in a different "
+                        f"order than rank {dst} receives, and backend {backend!r} matches messages by order; "
+                        f"run on gloo or pick a schedule whose orders agree")
+
+    # -- stage queries (after __init__: "holds the first / last virtual stage") ----------
+    def is_first_stage(self):
+        if not getattr(self, "_koala_ready", False):
+            return super().is_first_stage()
+        return self._first_stage in self._stage_chunk
+
+    def is_last_stage(self):
+        if not getattr(self, "_koala_ready", False):
+            return super().is_last_stage()
+        return self._last_stage in self._stage_chunk
+
+    def _loss_stage_global_rank(self):
+        return self.grid.stage_to_global(self._koala_placement.rank_of(self._koala_placement.num_stages - 1))
+
+    def _backward_prologue_per_tensor(self, grad):
+        # The loss is divided by the gradient accumulation steps once, in _backward_targets.
+        return grad
+
+    # -- schedules ----------------------------------------------------------------------
+    @property
+    def koala_schedule(self) -> Schedule:
+        return self._koala_schedule
+
+    def _train_schedule(self):
+        return self._train_sched
+
+    def _inference_schedule(self, micro_batches):
+        return KoalaInferenceSchedule(self._koala_placement, micro_batches, self.stage_id)
+
+    def _reset_step_state(self) -> None:
+        self._mail: dict[tuple[str, int, int], Any] = {}
+        self._w_state: dict[tuple[int, int], tuple] = {}
+        self._batches: dict[int, list] = {}
+        self._batches_pulled = 0
+        self._pending_sends: list[tuple[Any, Any, str]] = []
+
+    def _exec_schedule(self, pipe_schedule):
+        self._reset_step_state()
+        super()._exec_schedule(pipe_schedule)
+        leftover = [f"{s}W{mb}" for s, mb in self._w_state] + [f"{k} {s}/{mb}" for k, s, mb in self._mail]
+        if leftover:
+            raise RuntimeError(f"Koala engine: step ended with unfinished work {leftover[:8]} "
+                               f"(schedule {self._koala_schedule.name!r}); this is a bug")
+
+    @contextmanager
+    def _chunk(self, stage: int):
+        activate = getattr(self.module, "activate_chunk", None)
+        if activate is not None:
+            activate(self._stage_chunk[stage])
+        yield
+
+    # -- communication ------------------------------------------------------------------
+    def _peer(self, stage: int) -> int:
+        return self.grid.stage_to_global(stage_id=self._koala_placement.rank_of(stage))
+
+    def _is_local(self, stage: int) -> bool:
+        return stage in self._stage_chunk
+
+    def _tag(self, kind: str, stage: int, microbatch: int, index: int = 0) -> int:
+        if index >= _MAX_TENSORS:
+            raise KoalaConfigError(f"stage {stage} exchanges more than {_MAX_TENSORS} tensors per microbatch")
+        tag = ((microbatch * self._koala_placement.num_stages + stage) * len(_KINDS) + _KINDS[kind]) * _MAX_TENSORS
+        return tag + index
+
+    def _wait(self, work, what: str) -> None:
+        try:
+            work.wait(timeout=self._koala_timeout)
+        except RuntimeError as exc:
+            secs = self._koala_timeout.total_seconds()
+            raise PipelineTimeoutError(
+                f"rank {self.global_rank} (pipeline rank {self.stage_id}, schedule {self._koala_schedule.name!r}) "
+                f"gave up on {what} after at most {secs:g} s: the peer is hung, dead or runs a different schedule. "
+                f"Slow steps need a larger \"pipeline\": {{\"koala\": {{\"timeout_s\": ...}}}}. "
+                f"({str(exc).splitlines()[0][:200]})") from None
+
+    def _isend(self, tensor, peer: int, tag: int, what: str) -> None:
+        tensor = tensor.detach().contiguous()
+        work = dist.isend(tensor, peer, tag=tag)
+        self._pending_sends.append((work, tensor, what))
+
+    def _recv(self, tensor, peer: int, tag: int, what: str) -> None:
+        work = dist.irecv(tensor, src=peer, tag=tag)
+        self._wait(work, what)
+
+    def _exec_wait_sends(self):
+        for work, _tensor, what in self._pending_sends:
+            self._wait(work, what)
+        self._pending_sends = []
+
+    def _send_meta(self, outputs, stage: int, microbatch: int, peer: int) -> None:
+        tensors = _as_list(outputs)
+        meta = [0 if torch.is_tensor(outputs) else 2, len(tensors)]
+        for t in tensors:
+            meta += [self.DTYPE_TO_ID[t.dtype], t.dim(), *t.shape]
+        if len(meta) > _META_SIZE:
+            raise KoalaConfigError(f"stage {stage} output has too many dimensions to describe in {_META_SIZE} ints")
+        buf = torch.zeros(_META_SIZE, dtype=torch.long, device=self.device)
+        buf[:len(meta)] = torch.tensor(meta, dtype=torch.long)
+        self._isend(buf, peer, self._tag("meta", stage + 1, 0), f"shape of stage {stage}'s output")
+
+    def _recv_meta(self, stage: int, peer: int) -> tuple[bool, list]:
+        buf = torch.zeros(_META_SIZE, dtype=torch.long, device=self.device)
+        self._recv(buf, peer, self._tag("meta", stage, 0), f"the input shape of stage {stage} from rank {peer}")
+        meta = buf.tolist()
+        is_tensor, n, pos, specs = meta[0] == 0, meta[1], 2, []
+        for _ in range(n):
+            dtype, ndim = self.ID_TO_DTYPE[meta[pos]], meta[pos + 1]
+            specs.append((tuple(meta[pos + 2:pos + 2 + ndim]), dtype))
+            pos += 2 + ndim
+        return is_tensor, specs
+
+    def _exec_send_activations(self, buffer_id, stage, microbatch):
+        outputs = self.pipe_buffers["outputs"][buffer_id]
+        nxt = stage + 1
+        if self._is_local(nxt):
+            received = [t.detach().requires_grad_(t.is_floating_point()) for t in _as_list(outputs)]
+            self._mail[("act", nxt, microbatch)] = received[0] if torch.is_tensor(outputs) else tuple(received)
+        else:
+            peer = self._peer(nxt)
+            if nxt not in self._meta_sent:
+                self._send_meta(outputs, stage, microbatch, peer)
+                self._meta_sent.add(nxt)
+            for i, t in enumerate(_as_list(outputs)):
+                self._isend(t, peer, self._tag("act", nxt, microbatch, i),
+                            f"the activation {nxt}F{microbatch} to rank {peer}")
+        if not torch.is_grad_enabled():
+            self.pipe_buffers["outputs"][buffer_id] = None
+
+    def _exec_recv_activations(self, buffer_id, stage, microbatch):
+        if self._is_local(stage - 1):
+            self.pipe_buffers["inputs"][buffer_id] = self._mail.pop(("act", stage, microbatch))
+            return
+        peer = self._peer(stage - 1)
+        if stage not in self._recv_specs:
+            self._recv_specs[stage] = self._recv_meta(stage, peer)
+        is_tensor, specs = self._recv_specs[stage]
+        received = []
+        for i, (shape, dtype) in enumerate(specs):
+            t = torch.empty(shape, dtype=dtype, device=self.device)
+            self._recv(t, peer, self._tag("act", stage, microbatch, i),
+                       f"the activation for {stage}F{microbatch} from rank {peer}")
+            received.append(t.requires_grad_(t.is_floating_point()))
+        self.pipe_buffers["inputs"][buffer_id] = received[0] if is_tensor else tuple(received)
+
+    def _exec_send_grads(self, buffer_id, stage, microbatch):
+        inputs = self.pipe_buffers["inputs"][buffer_id]
+        grads = [t.grad if t.grad is not None else torch.zeros_like(t)
+                 for t in _as_list(inputs) if t.is_floating_point()]
+        prv = stage - 1
+        if self._is_local(prv):
+            self._mail[("grad", prv, microbatch)] = grads
+        else:
+            peer = self._peer(prv)
+            for i, g in enumerate(grads):
+                self._isend(g, peer, self._tag("grad", prv, microbatch, i),
+                            f"the input gradient of {stage}B{microbatch} to rank {peer}")
+        self.pipe_buffers["inputs"][buffer_id] = None
+
+    def _exec_recv_grads(self, buffer_id, stage, microbatch):
+        nxt = stage + 1
+        if self._is_local(nxt):
+            self.pipe_buffers["grads"][buffer_id] = self._mail.pop(("grad", stage, microbatch))
+            return
+        peer = self._peer(nxt)
+        grads = []
+        for i, out in enumerate(t for t in _as_list(self.pipe_buffers["outputs"][buffer_id]) if t.is_floating_point()):
+            g = torch.empty_like(out, memory_format=torch.contiguous_format)
+            self._recv(g, peer, self._tag("grad", stage, microbatch, i),
+                       f"the output gradient of {stage}B{microbatch} from rank {peer}")
+            grads.append(g)
+        self.pipe_buffers["grads"][buffer_id] = grads
+
+    # -- data ---------------------------------------------------------------------------
+    def _batch(self, microbatch: int):
+        """The batch of `microbatch`, pulling the data iterator in microbatch order."""
+        while self._batches_pulled <= microbatch:
+            uses = int(self._first_stage in self._stage_chunk) + int(self._last_stage in self._stage_chunk)
+            self._batches[self._batches_pulled] = [self._next_batch(), uses]
+            self._batches_pulled += 1
+        entry = self._batches[microbatch]
+        entry[1] -= 1
+        if entry[1] <= 0:
+            del self._batches[microbatch]
+        return entry[0]
+
+    def _exec_load_micro_batch(self, buffer_id, stage, microbatch):
+        batch = self._batch(microbatch)
+        if stage == self._first_stage:
+            def load(x):
+                y = x.clone().detach().to(self.device)
+                if self._reentrant_activation_checkpointing():
+                    y.requires_grad = y.is_floating_point()
+                return y
+
+            self.pipe_buffers["inputs"][buffer_id] = load(batch[0]) if torch.is_tensor(batch[0]) \
+                else tuple(load(x) for x in batch[0])
+        if stage == self._last_stage:
+            labels = batch[1]
+            self.pipe_buffers["labels"][buffer_id] = labels.to(self.device) if torch.is_tensor(labels) \
+                else tuple(x.to(self.device).detach() for x in labels)
+
+    # -- compute ------------------------------------------------------------------------
+    def _exec_forward_pass(self, buffer_id, stage, microbatch):
+        self.tput_timer.start()
+        inputs = self.pipe_buffers["inputs"][buffer_id]
+        with self._chunk(stage):
+            outputs = DeepSpeedEngine.forward(self, inputs)
+        if not self.module.training:
+            ds_checkpointing.reset()
+        if stage != self._last_stage:
+            self.pipe_buffers["outputs"][buffer_id] = outputs
+        else:
+            if self._compute_loss and self.module.loss_fn is not None:
+                loss = self.module.loss_fn(outputs, self.pipe_buffers["labels"][buffer_id])
+            else:
+                loss = outputs
+            self.pipe_buffers["labels"][buffer_id] = None
+            if self.eval_return_logits:
+                self.outputs = outputs
+            detached = loss.detach() if torch.is_tensor(loss) else [x.detach() for x in loss]
+            self.fwd_outputs.append(detached)
+            if torch.is_tensor(loss):
+                self.total_loss = detached.clone() if self.total_loss is None else self.total_loss + detached
+            else:
+                self.total_loss = [d.clone() for d in detached] if self.total_loss is None else \
+                    [a + d for a, d in zip(self.total_loss, detached)]
+            if torch.is_grad_enabled():
+                self.pipe_buffers["losses"][buffer_id] = loss
+        if not torch.is_grad_enabled():
+            self.pipe_buffers["inputs"][buffer_id] = None
+
+    def _backward_targets(self, buffer_id: int, stage: int):
+        """(tensors to differentiate, their gradients or None) for the stage's backward."""
+        if stage == self._last_stage:
+            loss = self.pipe_buffers["losses"][buffer_id]
+            self.pipe_buffers["losses"][buffer_id] = None
+            if not torch.is_tensor(loss):
+                raise KoalaConfigError("the last stage's loss_fn must return one tensor to train with Koala")
+            return [self._scale_loss_by_gas(loss)], None
+        outputs = [t for t in _as_list(self.pipe_buffers["outputs"][buffer_id]) if t.is_floating_point()]
+        grads = self.pipe_buffers["grads"][buffer_id]
+        self.pipe_buffers["outputs"][buffer_id] = None
+        self.pipe_buffers["grads"][buffer_id] = None
+        return outputs, list(grads)
+
+    @contextmanager
+    def _param_grad_step(self):
+        """Around a step that accumulates weight gradients (B or W)."""
+        if self.using_bf16_optimizer:
+            self.optimizer.clear_lp_grads()
+        self._running_engine_backward = True
+        try:
+            yield
+        finally:
+            self._running_engine_backward = False
+        if self.using_bf16_optimizer and not self._config.bfloat16_config.immediate_grad_update:
+            self.optimizer.update_hp_grads(clear_lp_grads=False)
+
+    def _exec_backward_pass(self, buffer_id, stage, microbatch):
+        tensors, grads = self._backward_targets(buffer_id, stage)
+        with self._chunk(stage), self._param_grad_step():
+            torch.autograd.backward(tensors, grad_tensors=grads)
+
+    def _exec_backward_input_pass(self, buffer_id, stage, microbatch):
+        from torch.distributed.pipelining._backward import stage_backward_input
+
+        tensors, grads = self._backward_targets(buffer_id, stage)
+        inputs = [t for t in _as_list(self.pipe_buffers["inputs"][buffer_id])
+                  if t.is_floating_point() and t.requires_grad]
+        if not inputs:  # first stage: nothing to send; the whole backward runs at W
+            self._w_state[(stage, microbatch)] = ("full", tensors, grads)
+            return
+        self._running_engine_backward = True
+        try:
+            _, param_groups = stage_backward_input(tensors, grads, inputs, iter(self._params))
+        finally:
+            self._running_engine_backward = False
+        self._w_state[(stage, microbatch)] = ("groups", param_groups)
+
+    def _exec_backward_weight_pass(self, stage, microbatch):
+        from torch.distributed.pipelining._backward import stage_backward_weight
+
+        kind, *state = self._w_state.pop((stage, microbatch))
+        with self._chunk(stage), self._param_grad_step():
+            if kind == "full":
+                tensors, grads = state
+                torch.autograd.backward(tensors, grad_tensors=grads)
+            else:
+                stage_backward_weight(iter(self._params), state[0])
+
+    _INSTRUCTION_MAP = {
+        **PipelineEngine._INSTRUCTION_MAP,
+        ds_schedule.LoadMicroBatch: _exec_load_micro_batch,
+        ds_schedule.ForwardPass: _exec_forward_pass,
+        ds_schedule.BackwardPass: _exec_backward_pass,
+        ds_schedule.SendActivation: _exec_send_activations,
+        ds_schedule.RecvActivation: _exec_recv_activations,
+        ds_schedule.SendGrad: _exec_send_grads,
+        ds_schedule.RecvGrad: _exec_recv_grads,
+        BackwardInputPass: _exec_backward_input_pass,
+        BackwardWeightPass: _exec_backward_weight_pass,
+        WaitSends: _exec_wait_sends,
+    }

@@ -1,0 +1,80 @@
+"""Make `deepspeed.initialize` build the Koala engine when asked, on an unpatched DeepSpeed.
+
+`deepspeed.initialize` looks up `deepspeed.PipelineEngine` (a module global) when it is given
+a `PipelineModule`. `install()` replaces that global with `EngineSelector`, which builds
+
+- `KoalaPipelineEngine` when the config says `"pipeline": {"schedule": "koala", ...}`, when the
+  environment says `DS_PIPELINE_SCHEDULE=koala` (what the patched launcher's
+  `--pipeline_schedule koala` sets, with `--koala_schedule` in `KOALA_SCHEDULE`), or when the
+  model is a `KoalaPipelineModule` with more than one chunk per rank;
+- DeepSpeed's own engine otherwise (`DualPipeVEngine` for a `DualPipeVModule`).
+
+`isinstance(engine, deepspeed.PipelineEngine)` keeps meaning "is a pipeline engine".
+"""
+from __future__ import annotations
+
+import logging
+
+import deepspeed
+from deepspeed.runtime.config import DeepSpeedConfig
+from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine, DualPipeVModule
+from deepspeed.runtime.pipe.engine import PipelineEngine
+
+from .engine import KoalaConfigError, KoalaPipelineEngine, koala_requested
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["install", "uninstall", "installed", "select_engine_class", "EngineSelector"]
+
+
+def select_engine_class(model, pipeline_section: dict | None) -> type:
+    """The engine class for `model` under the config's `"pipeline"` section and the environment."""
+    chunks = getattr(model, "koala_chunks", 1)
+    wants = koala_requested(pipeline_section) or chunks > 1
+    if isinstance(model, DualPipeVModule):
+        if wants:
+            raise KoalaConfigError("the model is DeepSpeed's DualPipeVModule, which only runs DeepSpeed's DualPipeV "
+                                   "engine: build a koala_ds.deepspeed.KoalaPipelineModule(..., chunks=2, "
+                                   "placement='vshape') to run dualpipe-v with Koala")
+        return DualPipeVEngine
+    return KoalaPipelineEngine if wants else PipelineEngine
+
+
+class _SelectorMeta(type):
+    def __call__(cls, *args, **kwargs):
+        model = kwargs.get("model")
+        config_class = kwargs.get("config_class")
+        if config_class is None:
+            config = kwargs.get("config")
+            if config is None and kwargs.get("args") is not None:
+                config = getattr(kwargs["args"], "deepspeed_config", None)
+            config_class = DeepSpeedConfig(config, model.mpu())
+            kwargs["config_class"] = config_class
+        engine_cls = select_engine_class(model, config_class.pipeline)
+        logger.debug("deepspeed.initialize: pipeline engine %s", engine_cls.__name__)
+        return engine_cls(*args, **kwargs)
+
+    def __instancecheck__(cls, obj):
+        return isinstance(obj, PipelineEngine)
+
+    def __subclasscheck__(cls, sub):
+        return issubclass(sub, PipelineEngine)
+
+
+class EngineSelector(metaclass=_SelectorMeta):
+    """Stands in for `deepspeed.PipelineEngine`; calling it builds the selected engine."""
+
+
+def install() -> None:
+    """Route `deepspeed.initialize` through `EngineSelector` (idempotent)."""
+    if deepspeed.PipelineEngine is not EngineSelector:
+        deepspeed.PipelineEngine = EngineSelector
+
+
+def uninstall() -> None:
+    """Give `deepspeed.PipelineEngine` back to DeepSpeed's class."""
+    deepspeed.PipelineEngine = PipelineEngine
+
+
+def installed() -> bool:
+    return deepspeed.PipelineEngine is EngineSelector

@@ -1,0 +1,105 @@
+"""`KoalaPipelineModule`: a DeepSpeed `PipelineModule` cut into p x v virtual stages.
+
+A schedule with v chunks per rank (interleaved-1f1b, zb-v, dualpipe-v, ...) needs the layer
+list cut into p*v virtual stages, rank r holding the stages `placement.stages_of(r)`.
+The module takes the same layer list and arguments as `PipelineModule`, plus `chunks` (v) and
+`placement` ("interleaved" or "vshape"): the layers are partitioned into p*v parts with
+DeepSpeed's own partitioner, and each rank builds its chunks, exposing one at a time through
+`forward()` (`activate_chunk(c)`), as DeepSpeed's `DualPipeVModule` does for its two phases.
+Layer indices (and so parameter names and per-layer checkpoint files) stay global.
+
+With chunks=1 and placement "linear" it behaves exactly as a `PipelineModule`.
+"""
+from __future__ import annotations
+
+from deepspeed.runtime.pipe.module import PipelineModule
+
+from ..ir import KoalaError, Placement, ScheduleError
+
+
+class KoalaPipelineModule(PipelineModule):
+    """`PipelineModule(layers, num_stages=p, ...)` holding `chunks` virtual stages per rank.
+
+    Args:
+        layers, num_stages, topology, **kwargs: as for `deepspeed.pipe.PipelineModule`;
+            `num_stages` (or the topology's pipe dimension) is the number of pipeline ranks p.
+        chunks: virtual stages per rank (v).
+        placement: "interleaved" (stage s on rank s % p) or "vshape" (zig-zag: rank 0 holds
+            the first and the last stage), or a `koala_ds.Placement` with p*v stages.
+    """
+
+    def __init__(self, layers, num_stages=None, topology=None, chunks: int = 1,
+                 placement: str | Placement = "interleaved", **kwargs):
+        if chunks < 1:
+            raise KoalaError(f"KoalaPipelineModule: chunks must be >= 1, got {chunks}")
+        object.__setattr__(self, "koala_chunks", int(chunks))
+        object.__setattr__(self, "_koala_placement_arg", placement)
+        super().__init__(layers, num_stages=num_stages, topology=topology, **kwargs)
+
+    # -- partitioning -------------------------------------------------------------------
+    def _partition_layers(self, method="uniform"):
+        p, v = self.num_stages, self.koala_chunks
+        arg = self._koala_placement_arg
+        try:
+            if isinstance(arg, Placement):
+                placement = arg
+            else:
+                placement = Placement.named("linear" if v == 1 and arg in ("linear", "interleaved", "vshape")
+                                            else arg, p, v)
+        except ScheduleError as exc:
+            raise KoalaError(f"KoalaPipelineModule(placement={arg!r}): {exc}") from None
+        if placement.p != p or placement.num_stages != p * v or placement.pipelines != 1:
+            raise KoalaError(f"KoalaPipelineModule: placement {placement.describe()} has {placement.p} ranks and "
+                             f"{placement.num_stages} stages; expected num_stages={p} ranks x chunks={v}")
+        if len(self._layer_specs) < p * v:
+            raise KoalaError(f"KoalaPipelineModule: {len(self._layer_specs)} layers cannot fill {p} ranks x {v} "
+                             f"chunks = {p * v} virtual stages; use fewer chunks or more layers")
+        self.koala_placement = placement
+        self.num_ranks = p
+        self.num_stages = p * v  # virtual stages, as DualPipeVModule does
+        super()._partition_layers(method)
+        rank = self._topo.get_coord(self.global_rank).pipe
+        self.koala_stages = placement.stages_of(rank)
+        self.chunk_bounds = [(self.parts[s], self.parts[s + 1]) for s in self.koala_stages]
+
+    def stage_owner(self, layer_idx):
+        """The pipeline rank that holds `layer_idx` (used to group tied weights)."""
+        return self.koala_placement.rank_of(super().stage_owner(layer_idx))
+
+    def _build(self):
+        self.chunk_funcs = []
+        self.chunk_checkpointable = [[] for _ in self.chunk_bounds]
+        for start, stop in self.chunk_bounds:
+            self._set_bounds(start, stop)
+            super()._build()
+            self.chunk_funcs.append(self.forward_funcs)
+            self.forward_funcs = []
+        self.activate_chunk(0)
+
+    # -- chunks -------------------------------------------------------------------------
+    def activate_chunk(self, chunk: int) -> None:
+        """Expose the layers of local chunk `chunk` (0 .. v-1) through `forward()`."""
+        self.active_chunk = chunk
+        self.forward_funcs = self.chunk_funcs[chunk]
+        self.is_checkpointable_results = self.chunk_checkpointable[chunk]
+        self._local_start, self._local_stop = self.chunk_bounds[chunk]
+
+    def _precompute_checkpointable_values(self):
+        for chunk in range(len(self.chunk_bounds)):
+            self.activate_chunk(chunk)
+            self.is_checkpointable_results_interval = None
+            super()._precompute_checkpointable_values()
+            self.chunk_checkpointable[chunk] = self.is_checkpointable_results
+        self.activate_chunk(0)
+
+    def save_state_dict(self, *args, **kwargs):
+        for chunk in range(len(self.chunk_bounds)):
+            self.activate_chunk(chunk)
+            super().save_state_dict(*args, **kwargs)
+        self.activate_chunk(0)
+
+    def load_state_dir(self, *args, **kwargs):
+        for chunk in range(len(self.chunk_bounds)):
+            self.activate_chunk(chunk)
+            super().load_state_dir(*args, **kwargs)
+        self.activate_chunk(0)

@@ -1,0 +1,280 @@
+"""Small multi-process DeepSpeed jobs on CPU, shared by the tests, the benchmark and the example.
+
+`launch(worker, world_size, spec)` starts `world_size` spawned processes with the environment
+DeepSpeed needs on CPU (DS_ACCELERATOR=cpu, RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT, a project-local TORCH_EXTENSIONS_DIR), initialises gloo, runs
+`worker(rank, world_size, spec)` in each, and returns the per-rank results. Every launch has
+a deadline; processes still running after it (or after a rank failed) are killed.
+
+`tiny_layers()` builds the layer list of a small pipeline model (linear blocks, optionally a
+weight tied between the first and the last layer) with a deterministic initialisation that
+does not depend on how the layers are partitioned.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+_REPO = Path(__file__).resolve().parents[2]
+DEFAULT_EXTENSIONS_DIR = _REPO / ".cache" / "torch_extensions"
+
+
+class LaunchError(RuntimeError):
+    """A worker process failed or the launch ran past its deadline."""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(target: str, rank: int, world: int, port: int, spec: Any, out: str, pg_timeout_s: float) -> None:
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "LOCAL_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                       "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(DEFAULT_EXTENSIONS_DIR))
+    result: dict[str, Any]
+    try:
+        import datetime
+
+        torch.set_num_threads(1)
+        import deepspeed
+        from deepspeed.utils import logger as ds_logger
+
+        ds_logger.setLevel(logging.WARNING)
+        deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=pg_timeout_s))
+        module_name, func_name = target.split(":")
+        worker = getattr(importlib.import_module(module_name), func_name)
+        result = {"ok": True, "value": worker(rank, world, spec)}
+    except BaseException as exc:  # reported to the parent, which raises
+        result = {"ok": False, "type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
+    with open(os.path.join(out, f"rank{rank}.pkl"), "wb") as fh:
+        pickle.dump(result, fh)
+    if not result["ok"]:
+        os._exit(1)
+
+
+def launch(worker: Callable | str, world_size: int, spec: Any = None, timeout_s: float = 240.0,
+           pg_timeout_s: float = 120.0, allow_failures: bool = False,
+           wait_ranks: list[int] | None = None) -> list[dict]:
+    """Run `worker(rank, world_size, spec)` in `world_size` processes; return each rank's result
+    dict ({"ok": True, "value": ...} or {"ok": False, "type", "message", "traceback"}).
+
+    With allow_failures=False a failed rank raises `LaunchError` with its traceback. As soon as
+    one rank has failed, the others get a few seconds and are then killed. With `wait_ranks`,
+    the other ranks are killed as soon as those have finished."""
+    import torch.multiprocessing as mp
+
+    target = worker if isinstance(worker, str) else f"{worker.__module__}:{worker.__qualname__}"
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="koala-ds-") as out:
+        procs = [ctx.Process(target=_entry, args=(target, r, world_size, port, spec, out, pg_timeout_s), daemon=True)
+                 for r in range(world_size)]
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + timeout_s
+        failed_at = None
+        watched = procs if wait_ranks is None else [procs[r] for r in wait_ranks]
+        while any(p.is_alive() for p in watched):
+            now = time.monotonic()
+            if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+                failed_at = now
+            if now > deadline or (failed_at is not None and now > failed_at + 15):
+                break
+            time.sleep(0.05)
+        timed_out = time.monotonic() > deadline
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=10)
+        results = []
+        for r in range(world_size):
+            path = os.path.join(out, f"rank{r}.pkl")
+            if os.path.exists(path):
+                with open(path, "rb") as fh:
+                    results.append(pickle.load(fh))
+            else:
+                results.append({"ok": False, "type": "Killed",
+                                "message": "no result (timed out or killed)" if timed_out else "no result (killed)",
+                                "traceback": ""})
+    if not allow_failures:
+        bad = [(r, res) for r, res in enumerate(results) if not res["ok"]]
+        if bad:
+            text = "\n".join(f"rank {r}: {res['type']}: {res['message']}\n{res['traceback']}" for r, res in bad)
+            raise LaunchError(f"{len(bad)} of {world_size} ranks failed{' (deadline passed)' if timed_out else ''}:"
+                              f"\n{text}")
+    return results
+
+
+# -- a tiny model --------------------------------------------------------------------------
+class Block(torch.nn.Module):
+    """Linear + tanh: the repeated layer of the tiny test model."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x))
+
+
+def tiny_layers(dim: int = 16, blocks: int = 8, tied: bool = False, seed: int = 1234) -> list:
+    """Layer list: [tied Linear] + `blocks` x Block + [the same tied Linear]. Every layer is
+    initialised from `seed` and its index, so any partition gives the same weights.
+
+    The tied Linear has no bias: DeepSpeed ties only `tied_weight_attr` ("weight") across
+    ranks, while a V-shape placement puts both uses on rank 0, sharing the whole module."""
+    from deepspeed.pipe import TiedLayerSpec
+
+    layers: list = []
+    if tied:
+        layers.append(TiedLayerSpec("embed", torch.nn.Linear, dim, dim, bias=False))
+    for i in range(blocks):
+        torch.manual_seed(seed + i)
+        layers.append(Block(dim))
+    if tied:
+        layers.append(TiedLayerSpec("embed", torch.nn.Linear, dim, dim, bias=False))
+    return layers
+
+
+def tiny_batches(steps: int, micro_batches: int, micro_batch_size: int, dim: int, dp_rank: int,
+                 seed: int = 7) -> list:
+    """steps x micro_batches (input, target) pairs for one data-parallel rank."""
+
+    gen = torch.Generator().manual_seed(seed * 1000 + dp_rank)
+    return [(torch.randn(micro_batch_size, dim, generator=gen), torch.randn(micro_batch_size, dim, generator=gen))
+            for _ in range(steps * micro_batches)]
+
+
+def ds_config(micro_batches: int, micro_batch_size: int, dp: int, koala: dict | None = None,
+              schedule: str | None = None) -> dict:
+    config = {"train_micro_batch_size_per_gpu": micro_batch_size,
+              "gradient_accumulation_steps": micro_batches,
+              "train_batch_size": micro_batch_size * micro_batches * dp,
+              "steps_per_print": 10 ** 9,
+              "wall_clock_breakdown": False,
+              "pipeline": {"pipe_partitioned": False, "grad_partitioned": False}}
+    if schedule is not None:
+        config["pipeline"]["schedule"] = schedule
+    if koala is not None:
+        config["pipeline"]["koala"] = koala
+    return config
+
+
+# -- workers -------------------------------------------------------------------------------
+def _mse(outputs, labels):
+    return torch.nn.functional.mse_loss(outputs, labels)
+
+
+def build_model(pp: int, dim: int, blocks: int, tied: bool, chunks: int = 1, placement: str = "linear"):
+    """A PipelineModule (chunks == 1) or a KoalaPipelineModule over `tiny_layers`."""
+    from deepspeed.pipe import PipelineModule
+
+    from .module import KoalaPipelineModule
+
+    layers = tiny_layers(dim, blocks, tied)
+    common = dict(num_stages=pp, loss_fn=_mse, partition_method="uniform", seed_layers=True)
+    if chunks == 1 and placement == "linear":
+        return PipelineModule(layers, **common)
+    return KoalaPipelineModule(layers, chunks=chunks, placement=placement, **common)
+
+
+def _engine(model, case: dict, config: dict):
+    import deepspeed
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from .engine import KoalaPipelineEngine
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if case.get("via") == "direct":
+        return KoalaPipelineEngine(args=None, model=model, optimizer=optimizer, model_parameters=None,
+                                   training_data=None, lr_scheduler=None, mpu=model.mpu(), dist_init_required=None,
+                                   collate_fn=None, config=config, config_class=DeepSpeedConfig(config, model.mpu()),
+                                   koala_schedule=case["schedule"])
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
+
+
+def train_worker(rank: int, world: int, spec: dict) -> dict:
+    """Train each case of `spec["cases"]` for spec["steps"] steps on fresh model copies.
+
+    A case: {"label", "schedule" (None = DeepSpeed's stock TrainSchedule), "chunks", "placement",
+    "tied", "via" ("config" | "direct"), "koala": extra pipeline.koala keys}. Returns per case the
+    step losses, an eval_batch loss, the final parameters and the step times (seconds)."""
+    import koala_ds.deepspeed  # noqa: F401  (registers the engine with deepspeed.initialize)
+
+    pp, dp = spec["pp"], world // spec["pp"]
+    gas, mbs, dim, steps = spec["gas"], spec["mbs"], spec["dim"], spec["steps"]
+    out: dict[str, Any] = {"cases": {}}
+    for case in spec["cases"]:
+        model = build_model(pp, dim, spec["blocks"], case.get("tied", False), case.get("chunks", 1),
+                            case.get("placement", "linear"))
+        dp_rank = model._grid.data_parallel_id
+        out["dp"], out["pipe"] = dp_rank, model._grid.get_stage_id()
+        koala = None
+        if case.get("schedule") is not None and case.get("via", "config") == "config":
+            koala = {"schedule": case["schedule"], **case.get("koala", {})}
+        config = ds_config(gas, mbs, dp, koala=koala, schedule="koala" if koala is not None else None)
+        engine = _engine(model, case, config)
+        data = tiny_batches(steps + 1, gas, mbs, dim, dp_rank)
+        losses, times = [], []
+        for step in range(steps):
+            start = time.perf_counter()
+            loss = engine.train_batch(iter(data[step * gas:(step + 1) * gas]))
+            times.append(time.perf_counter() - start)
+            losses.append(float(loss))
+        eval_loss = None
+        if spec.get("eval", True):
+            eval_loss = float(engine.eval_batch(iter(data[steps * gas:(steps + 1) * gas])))
+        out["cases"][case["label"]] = {
+            "engine": type(engine).__name__, "losses": losses, "eval": eval_loss, "times": times,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()} if spec.get("params", True)
+            else {},
+        }
+        del engine, model
+    return out
+
+
+def hang_worker(rank: int, world: int, spec: dict) -> dict:
+    """Rank `spec["hung_rank"]` stops answering after set-up; the others must time out."""
+    import koala_ds.deepspeed  # noqa: F401
+
+    from .engine import PipelineTimeoutError
+
+    from .engine import KoalaConfigError
+
+    pp, gas, mbs, dim = spec["pp"], spec["gas"], spec["mbs"], spec["dim"]
+    refused = None
+    if spec.get("mismatch") is not None:  # must fail before any communication, leaving the group usable
+        model = build_model(pp, dim, 4, False)
+        try:
+            _engine(model, {}, ds_config(gas, mbs, world // pp, koala={"schedule": spec["mismatch"]}, schedule="koala"))
+        except KoalaConfigError as exc:
+            refused = str(exc)
+    model = build_model(pp, dim, 4, False)
+    config = ds_config(gas, mbs, world // pp, koala={"schedule": spec["schedule"], "timeout_s": spec["timeout_s"]},
+                       schedule="koala")
+    engine = _engine(model, {}, config)
+    if rank == spec["hung_rank"]:
+        if spec.get("mode") == "kill":
+            os._exit(3)
+        time.sleep(3600)
+    start = time.perf_counter()
+    try:
+        engine.train_batch(iter(tiny_batches(1, gas, mbs, dim, 0)))
+    except PipelineTimeoutError as exc:
+        return {"error": type(exc).__name__, "message": str(exc), "elapsed": time.perf_counter() - start,
+                "refused": refused}
+    return {"error": None, "elapsed": time.perf_counter() - start, "refused": refused}

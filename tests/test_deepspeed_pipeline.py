@@ -1,0 +1,307 @@
+"""The DeepSpeed adapter on real DeepSpeed 0.19.8: CPU, gloo, several processes.
+
+Equality tests train a tiny PipelineModule for 3 steps under DeepSpeed's stock TrainSchedule
+and under Koala schedules (many schedules inside ONE launch per topology: each case builds a
+fresh model and engine in the same process group), then compare the step losses, an
+eval_batch loss and every final parameter (max abs diff <= 1e-6, fp32). Multi-chunk schedules
+run on a KoalaPipelineModule cut into p*v virtual stages and are compared with the stock engine
+on the same layers cut into p stages.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed")
+torch = pytest.importorskip("torch")
+
+from koala_ds.deepspeed import (KoalaConfigError, KoalaPipeSchedule, KoalaPipelineConfig,  # noqa: E402
+                                check_schedule, select_engine_class)
+from koala_ds.deepspeed.schedule import BackwardInputPass, BackwardWeightPass, messages_between  # noqa: E402
+from koala_ds.deepspeed.testing import DEFAULT_EXTENSIONS_DIR, hang_worker, launch, train_worker  # noqa: E402
+from koala_ds.ir import Op, Placement  # noqa: E402
+from koala_ds.library import load_schedule  # noqa: E402
+from koala_ds.validate import validate  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+TOL = 1e-6
+GAS, MBS, DIM, BLOCKS, STEPS = 8, 2, 8, 8, 3
+
+SINGLE = ["gpipe", "1f1b", "eager-1f1b", "zb-h1", "zb-h2"]
+MULTI = [("interleaved-1f1b", "interleaved"), ("zb-v", "vshape"), ("dualpipe-v", "vshape")]
+OTHER_MULTI = [("looped-bfs", "interleaved"), ("v-half", "vshape"), ("v-min", "vshape"), ("hanayo", "vshape")]
+
+
+def _case(name: str, placement: str = "linear", tied: bool = False, **extra) -> dict:
+    chunks = 1 if placement == "linear" else 2
+    label = f"{name}{'-tied' if tied else ''}{extra.pop('suffix', '')}"
+    return {"label": label, "schedule": name, "chunks": chunks, "placement": placement, "tied": tied, **extra}
+
+
+def _stock(tied: bool = False) -> dict:
+    return {"label": "stock-tied" if tied else "stock", "schedule": None, "tied": tied}
+
+
+def _merged(results: list[dict], label: str, dp_rank: int) -> dict:
+    params: dict = {}
+    for res in results:
+        value = res["value"]
+        if value["dp"] == dp_rank:
+            params.update(value["cases"][label]["params"])
+    return params
+
+
+def _assert_equal_to_stock(results: list[dict], cases: list[dict], dp: int) -> None:
+    """Every Koala case equals its stock reference: losses, eval loss, parameters (all DP replicas)."""
+    checked = []
+    for case in cases:
+        label = case["label"]
+        if case["schedule"] is None:
+            continue
+        ref = "stock-tied" if case.get("tied") else "stock"
+        for res in results:
+            mine, stock = res["value"]["cases"][label], res["value"]["cases"][ref]
+            assert mine["engine"] == "KoalaPipelineEngine", label
+            assert stock["engine"] == "PipelineEngine", ref
+            assert len(mine["losses"]) == STEPS
+            diff = max(abs(a - b) for a, b in zip(mine["losses"], stock["losses"]))
+            assert diff <= TOL, f"{label}: step losses differ from stock by {diff}: {mine['losses']} vs {stock['losses']}"
+            assert abs(mine["eval"] - stock["eval"]) <= TOL, f"{label}: eval loss {mine['eval']} vs {stock['eval']}"
+        for d in range(dp):
+            mine, stock = _merged(results, label, d), _merged(results, ref, d)
+            assert set(mine) == set(stock), f"{label}: parameter names differ: {set(mine) ^ set(stock)}"
+            worst = max((mine[n] - stock[n]).abs().max().item() for n in stock)
+            assert worst <= TOL, f"{label}: parameters differ from stock by {worst} (dp replica {d})"
+        # training moved the parameters: the comparison is not between two untouched models
+        assert results[0]["value"]["cases"][label]["losses"][0] != results[0]["value"]["cases"][label]["losses"][-1]
+        checked.append(label)
+    assert checked
+
+
+def _spec(pp: int, cases: list[dict]) -> dict:
+    return {"pp": pp, "gas": GAS, "mbs": MBS, "dim": DIM, "blocks": BLOCKS, "steps": STEPS, "cases": cases}
+
+
+# -- single process: compilation and refusals ----------------------------------------------
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name,p,v", [("1f1b", 4, 1), ("gpipe", 2, 1), ("zb-h1", 4, 1), ("zb-h2", 2, 1),
+                                      ("interleaved-1f1b", 2, 2), ("zb-v", 4, 2), ("dualpipe-v", 2, 2)])
+def test_instruction_streams_follow_the_schedule(name, p, v):
+    schedule = load_schedule(name, p, 8, v)
+    peaks = validate(schedule).peak_in_flight
+    for rank in range(p):
+        sched = KoalaPipeSchedule(schedule, rank)
+        assert sched.num_pipe_buffers() == peaks[rank]
+        steps = list(sched.steps())
+        computed = []
+        for cmds in steps[:-1]:
+            kinds = [type(c).__name__ for c in cmds]
+            compute = [c for c in cmds if type(c).__name__ in
+                       ("ForwardPass", "BackwardPass", "BackwardInputPass", "BackwardWeightPass")]
+            assert len(compute) == 1, kinds
+            computed.append(compute[0])
+            position = cmds.index(compute[0])
+            for before in ("LoadMicroBatch", "RecvActivation", "RecvGrad"):
+                assert before not in kinds or kinds.index(before) < position, kinds
+            for after in ("SendActivation", "SendGrad"):
+                assert after not in kinds or kinds.index(after) > position, kinds
+        ops = {"ForwardPass": Op.F, "BackwardPass": Op.B, "BackwardInputPass": Op.I, "BackwardWeightPass": Op.W}
+        assert [(ops[type(c).__name__], c.stage, c.microbatch) for c in computed] == \
+            [(a.op, a.stage, a.microbatch) for a in schedule.ranks[rank]]
+        assert [type(c).__name__ for c in steps[-1]] == ["WaitSends", "ReduceTiedGrads", "ReduceGrads",
+                                                        "OptimizerStep"]
+        assert any(isinstance(c, (BackwardInputPass, BackwardWeightPass)) for s in steps for c in s) == \
+            (schedule.backward == "split" and any(a.op is Op.I for a in schedule.ranks[rank]))
+
+
+@pytest.mark.timeout(60)
+def test_pp2_v2_has_both_directions_to_one_neighbour():
+    """The case the tags exist for: rank 0 both sends to and receives from rank 1, for two stages."""
+    schedule = load_schedule("interleaved-1f1b", 2, 8, 2)
+    sent, received = messages_between(schedule, 0, 1)
+    assert {m.kind for m in sent} == {"act", "grad"}
+    assert sorted(map(str, sent)) == sorted(map(str, received))
+
+
+@pytest.mark.timeout(60)
+def test_schedules_the_engine_cannot_run_are_refused_with_the_property_named():
+    linear2 = Placement.named("linear", 2)
+    chimera = load_schedule("chimera", 2, 4)
+    with pytest.raises(KoalaConfigError, match="2 pipelines"):
+        check_schedule(chimera, linear2, 4, "test")
+    one = load_schedule("1f1b", 2, 4)
+    with pytest.raises(KoalaConfigError, match="gradient_accumulation_steps=8"):
+        check_schedule(one, linear2, 8, "test")
+    with pytest.raises(KoalaConfigError, match="num_stages"):
+        check_schedule(one, Placement.named("linear", 4), 4, "test")
+    zbv = load_schedule("zb-v", 2, 4, 2)
+    with pytest.raises(KoalaConfigError, match=r"KoalaPipelineModule\(layers, num_stages=2, chunks=2, "
+                                               r"placement='vshape'\)"):
+        check_schedule(zbv, linear2, 4, "test")
+    with pytest.raises(KoalaConfigError, match="interleaved"):
+        check_schedule(zbv, Placement.named("interleaved", 2, 2), 4, "test")
+    check_schedule(zbv, Placement.named("vshape", 2, 2), 4, "test")
+
+
+@pytest.mark.timeout(60)
+def test_config_section_and_engine_selection():
+    cfg = KoalaPipelineConfig.from_pipeline_section({"schedule": "koala", "koala": {"schedule": "zb-h1"}}, env={})
+    assert (cfg.schedule, cfg.profile) == ("zb-h1", None)
+    env = {"KOALA_SCHEDULE": "zb-v", "KOALA_PROFILE": "p.json", "KOALA_TIMEOUT_S": "5"}
+    cfg = KoalaPipelineConfig.from_pipeline_section({}, env=env)
+    assert (cfg.schedule, cfg.profile, cfg.timeout_s) == ("zb-v", "p.json", 5.0)
+    with pytest.raises(KoalaConfigError, match="unknown keys"):
+        KoalaPipelineConfig.from_pipeline_section({"koala": {"schedul": "x"}}, env={})
+    with pytest.raises(KoalaConfigError, match="timeout_s"):
+        KoalaPipelineConfig.from_pipeline_section({"koala": {"timeout_s": "soon"}}, env={})
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    from koala_ds.deepspeed import KoalaPipelineEngine
+
+    model = object()
+    os.environ.pop("DS_PIPELINE_SCHEDULE", None)
+    assert select_engine_class(model, {}) is PipelineEngine
+    assert select_engine_class(model, {"schedule": "koala"}) is KoalaPipelineEngine
+
+
+@pytest.mark.timeout(60)
+def test_schedule_from_json_file_round_trips(tmp_path):
+    from koala_ds.deepspeed import resolve_schedule
+
+    schedule = load_schedule("zb-h2", 4, 8)
+    path = tmp_path / "searched.json"
+    path.write_text(schedule.to_json())
+    assert resolve_schedule(str(path), 4, 8, 1).same_order(schedule)
+
+
+# -- multi-process equality with DeepSpeed's stock TrainSchedule --------------------------
+@pytest.mark.timeout(420)
+def test_two_stages_every_schedule_equals_stock(tmp_path):
+    json_path = tmp_path / "zb-v-searched.json"
+    json_path.write_text(load_schedule("zb-v", 2, GAS, 2).to_json())
+    koala_path = tmp_path / "my-1f1b.koala"
+    koala_path.write_text((REPO / "koala_ds" / "library" / "1f1b.koala").read_text())
+    cases = [_stock(), _stock(tied=True)]
+    cases += [_case(n) for n in SINGLE]
+    cases += [_case(n, pl) for n, pl in MULTI + OTHER_MULTI]
+    cases += [_case("zb-h1", tied=True), _case("zb-v", "vshape", tied=True),
+              _case("interleaved-1f1b", "interleaved", tied=True)]
+    cases += [_case(str(json_path), "vshape", suffix="-json"), _case(str(koala_path), suffix="-koala"),
+              _case("zb-h2", via="direct", suffix="-direct")]
+    cases[-3]["label"], cases[-2]["label"] = "json-file", "koala-file"
+    results = launch(train_worker, 2, _spec(2, cases), timeout_s=400)
+    _assert_equal_to_stock(results, cases, dp=1)
+
+
+@pytest.mark.timeout(600)
+def test_four_stages_equal_stock():
+    cases = [_stock(), _stock(tied=True)]
+    cases += [_case(n) for n in ("1f1b", "eager-1f1b", "zb-h1", "zb-h2")]
+    cases += [_case(n, pl) for n, pl in MULTI]
+    cases += [_case("zb-h2", tied=True), _case("dualpipe-v", "vshape", tied=True)]
+    results = launch(train_worker, 4, _spec(4, cases), timeout_s=580)
+    _assert_equal_to_stock(results, cases, dp=1)
+
+
+@pytest.mark.timeout(600)
+def test_two_stages_times_two_data_parallel_equal_stock():
+    cases = [_stock(), _stock(tied=True), _case("gpipe"), _case("1f1b"), _case("zb-h1"), _case("zb-h2", tied=True)]
+    cases += [_case(n, pl) for n, pl in MULTI]
+    results = launch(train_worker, 4, _spec(2, cases), timeout_s=580)
+    assert sorted((r["value"]["pipe"], r["value"]["dp"]) for r in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    _assert_equal_to_stock(results, cases, dp=2)
+    # the two data-parallel replicas saw different data yet hold the same (all-reduced) weights
+    a, b = _merged(results, "zb-v", 0), _merged(results, "zb-v", 1)
+    assert max((a[n] - b[n]).abs().max().item() for n in a) == 0.0
+
+
+# -- failures ------------------------------------------------------------------------------
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["hang", "kill"])
+def test_mismatch_is_refused_before_communication_and_a_lost_peer_times_out(tmp_path, mode):
+    """Rank 1 stops answering (sleeps) or dies after set-up: rank 0 fails with a clear error."""
+    wrong_m = tmp_path / "m2.json"
+    wrong_m.write_text(load_schedule("1f1b", 2, 2).to_json())
+    spec = {"pp": 2, "gas": 4, "mbs": 2, "dim": 8, "schedule": "1f1b", "timeout_s": 3, "hung_rank": 1,
+            "mismatch": str(wrong_m), "mode": mode}
+    results = launch(hang_worker, 2, spec, timeout_s=150, allow_failures=True, wait_ranks=[0])
+    rank0 = results[0]
+    assert rank0["ok"], rank0
+    value = rank0["value"]
+    assert value["error"] == "PipelineTimeoutError", value
+    assert "rank 0" in value["message"] and "from rank 1" in value["message"]
+    assert "timeout_s" in value["message"]
+    assert value["elapsed"] < 30
+    # the m=2 schedule file was refused on every rank, naming the key to change, and since that
+    # happened before any communication the next engine in the same process group worked
+    assert "gradient_accumulation_steps=2" in value["refused"] and "m2.json" in value["refused"]
+
+
+# -- the launcher patch --------------------------------------------------------------------
+_LAUNCHED = textwrap.dedent('''
+    import importlib, json, os, sys
+    import deepspeed, torch
+    from deepspeed.pipe import PipelineModule
+    # The CPU shared-memory allreduce op would be rebuilt for the copied package; it is not
+    # what this test is about.
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 8) for _ in range(4)]
+    model = PipelineModule(layers, num_stages=2, loss_fn=torch.nn.functional.mse_loss, partition_method="uniform")
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "train_batch_size": 8,
+              "steps_per_print": 10 ** 9, "pipeline": {"pipe_partitioned": False, "grad_partitioned": False}}
+    plugin_before = "koala_ds.deepspeed" in sys.modules
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                      config=config)
+    data = [(torch.randn(2, 8), torch.randn(2, 8)) for _ in range(4)]
+    loss = float(engine.train_batch(iter(data)))
+    schedule = getattr(engine, "koala_schedule", None)
+    print("RESULT " + json.dumps({"rank": int(os.environ["RANK"]), "engine": type(engine).__name__,
+          "deepspeed": deepspeed.__file__, "plugin_before": plugin_before,
+          "env": os.environ.get("DS_PIPELINE_SCHEDULE"), "schedule": schedule and schedule.name,
+          "buffers": engine.num_pipe_buffers, "loss": loss}), flush=True)
+''')
+
+
+@pytest.mark.timeout(300)
+def test_launcher_patch_applies_and_the_flag_reaches_the_engine(tmp_path):
+    import deepspeed
+
+    if shutil.which("patch") is None:
+        pytest.skip("the `patch` program is not installed")
+    installed = Path(deepspeed.__file__).parent
+    copy = tmp_path / "site"
+    shutil.copytree(installed, copy / "deepspeed", ignore=shutil.ignore_patterns("__pycache__"))
+    patch_file = REPO / "patches" / "deepspeed" / "0001-pipeline-schedule-koala.patch"
+    applied = subprocess.run(["patch", "-p1", "--forward", "-i", str(patch_file)], cwd=copy,
+                             capture_output=True, text=True, timeout=60)
+    assert applied.returncode == 0, applied.stdout + applied.stderr
+    assert "FAILED" not in applied.stdout and "offset" not in applied.stdout, applied.stdout
+    script = tmp_path / "train.py"
+    script.write_text(_LAUNCHED)
+    env = {**os.environ, "PYTHONPATH": f"{copy}{os.pathsep}{REPO}", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+           "TORCH_EXTENSIONS_DIR": str(DEFAULT_EXTENSIONS_DIR)}
+    env.pop("DS_PIPELINE_SCHEDULE", None)
+    port = str(29500 + os.getpid() % 1000)
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", port,
+           "--pipeline_schedule", "koala", "--koala_schedule", "zb-h1", str(script)]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    # two ranks print to one pipe: their lines may interleave, so pick the JSON objects out
+    lines = sorted((json.loads(m) for m in re.findall(r"RESULT (\{[^{}]*\})", run.stdout)), key=lambda r: r["rank"])
+    assert len(lines) == 2, run.stdout[-3000:] + run.stderr[-3000:]
+    for res in lines:
+        assert res["deepspeed"].startswith(str(copy)), res  # the patched copy ran
+        assert res["plugin_before"] is False  # nothing but the patch brought the plugin in
+        assert res["env"] == "koala"
+        assert res["engine"] == "KoalaPipelineEngine" and res["schedule"] == "zb-h1"
+    assert {res["buffers"] for res in lines} == {2, 1}  # zb-h1 holds p - r microbatches, not m
+    assert lines[0]["loss"] == lines[1]["loss"]
