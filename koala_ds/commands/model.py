@@ -11,6 +11,7 @@ import logging
 from pathlib import Path
 
 from ..ir import KoalaError, Schedule
+from .table import format_table
 from ..sim import (MODES, CostProfile, SimResult, bundled_profiles, load_profile, lower_bound_for, simulate,
                    unit_profile)
 
@@ -74,18 +75,6 @@ def _default_p(profile: CostProfile | None, v: int, flag: str = "-p") -> int:
     return profile.num_stages // v
 
 
-def _table(rows: list[tuple], header: tuple, align: str) -> str:
-    cells = [tuple(str(c) for c in header)] + [tuple(str(c) for c in r) for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = []
-    for n, row in enumerate(cells):
-        parts = [f"{c:<{w}}" if a == "<" else f"{c:>{w}}" for c, w, a in zip(row, widths, align)]
-        lines.append("  ".join(parts).rstrip())
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
 def _gap(makespan: float, bound: float) -> str:
     """How far above the lower bound (float noise below it shows as +0.0%)."""
     if bound <= 0:
@@ -126,7 +115,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                  "-" if result.memory_limit_mb[r] is None else
                  ("yes" if result.peak_memory_mb[r] <= result.memory_limit_mb[r] * (1 + 1e-9) else "NO"))
                 for r in range(result.p)]
-        print(_table(rows, ("rank", "busy ms", "idle ms", "idle %", "finish ms", "peak MB", "limit MB", "fits"),
+        print(format_table(rows, ("rank", "busy ms", "idle ms", "idle %", "finish ms", "peak MB", "limit MB", "fits"),
                      ">>>>>>>>"))
         if any(x is not None for x in result.memory_limit_mb):
             print("fits the memory limit" if result.fits_memory else "does NOT fit the memory limit")
@@ -190,7 +179,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
               _gap(r["makespan"], r["lower_bound"]))
              for r in rows]
     baseline = f"vs {rows[0]['baseline']}" if rows[0]["baseline"] else "speedup"
-    print(_table(table, ("schedule", "placement", "backward", "makespan ms", baseline, "bubble", "peak MB",
+    print(format_table(table, ("schedule", "placement", "backward", "makespan ms", baseline, "bubble", "peak MB",
                          "fits", "over bound"), "<<<>>>>>>"))
     if skipped:
         print(f"not valid for this configuration: {len(skipped)}")

@@ -9,6 +9,7 @@ from .. import library
 from ..dsl import print_schedule
 from ..ir import KoalaError, Schedule
 from ..validate import render_grid, validate
+from .table import format_table
 
 log = logging.getLogger(__name__)
 FIXED_SUFFIXES = (".json", ".csv")
@@ -52,12 +53,9 @@ def cmd_list(args: argparse.Namespace) -> int:
     for name in library.names():
         prog = library.get(name)
         supports = ", ".join(r.text for r in prog.requirements) or "any p, m, v"
-        rows.append((name, prog.placement if isinstance(prog.placement, str) else "map", prog.backward,
-                     supports, prog.description))
-    widths = [max(len(r[i]) for r in rows + [("name", "placement", "backward", "supports", "")]) for i in range(4)]
-    header = ("name", "placement", "backward", "supports", "description")
-    for row in [header] + rows:
-        print("  ".join(f"{c:<{widths[i]}}" for i, c in enumerate(row[:4])) + "  " + row[4])
+        placement = prog.placement if isinstance(prog.placement, str) else "map"
+        rows.append((name, placement, prog.backward, supports, prog.description))
+    print(format_table(rows, ("name", "placement", "backward", "supports", "description"), "<<<<<"))
     return 0
 
 

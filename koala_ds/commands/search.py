@@ -8,25 +8,14 @@ from pathlib import Path
 
 from ..dsl import print_schedule
 from ..ir import KoalaError
+from .table import format_table
 from ..search.problem import PLACEMENT_CHOICES
 from ..sim import bundled_profiles, load_profile, simulate
 
 log = logging.getLogger(__name__)
 
 
-def _table(rows: list[tuple], header: tuple, align: str) -> str:
-    cells = [tuple(str(c) for c in header)] + [tuple(str(c) for c in r) for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = []
-    for n, row in enumerate(cells):
-        parts = [f"{c:<{w}}" if a == "<" else f"{c:>{w}}" for c, w, a in zip(row, widths, align)]
-        lines.append("  ".join(parts).rstrip())
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def result_table(result, limit: float | None) -> str:
+def resultformat_table(result, limit: float | None) -> str:
     """The result and every library schedule valid for the configuration."""
     base = next((r.makespan for r in result.library if r.name == "1f1b"), None)
 
@@ -43,7 +32,7 @@ def result_table(result, limit: float | None) -> str:
         if r.fits and not r.comparable:
             note += " (not compared: --placement bidirectional/any allows it)"
         rows.append(row(r.name, r.makespan, r.bubble, r.peak, r.fits, note))
-    return _table(rows, ("schedule", "makespan ms", "vs 1f1b", "bubble", "peak MB", "fits", "over bound", "note"),
+    return format_table(rows, ("schedule", "makespan ms", "vs 1f1b", "bubble", "peak MB", "fits", "over bound", "note"),
                   "<>>>>>><")
 
 
@@ -99,7 +88,7 @@ def cmd_search(args: argparse.Namespace) -> int:
                           (f", best found {ex.makespan:.6g} ms" if ex.makespan is not None else ""))
     if result.interrupted:
         print(f"interrupted: wrote the best schedule so far to {out}")
-    print(result_table(result, problem.memory_limit_mb))
+    print(resultformat_table(result, problem.memory_limit_mb))
     print(f"lower bound {result.lower_bound:.6g} ms; searched schedule {result.gap:+.2%} over it "
           f"(placement {schedule.placement.describe()}, found by {result.origin}; {result.generations} generations, "
           f"{result.evaluations} try-tests, {result.wall_s:.1f} s, stopped: {result.stopped})")
