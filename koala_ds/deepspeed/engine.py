@@ -155,6 +155,17 @@ def check_schedule(schedule: Schedule, placement: Placement, m: int, source: str
     validate(schedule)
 
 
+def ensure_config_class(kwargs: dict) -> DeepSpeedConfig:
+    """The DeepSpeedConfig that `PipelineEngine(**kwargs)` will use, built once and stored in
+    `kwargs["config_class"]` (as `deepspeed.initialize` does) so the schedule can be checked first."""
+    if kwargs.get("config_class") is None:
+        config = kwargs.get("config")
+        if config is None and kwargs.get("args") is not None:
+            config = getattr(kwargs["args"], "deepspeed_config", None)
+        kwargs["config_class"] = DeepSpeedConfig(config, kwargs["model"].mpu())
+    return kwargs["config_class"]
+
+
 def _as_list(x) -> list:
     return [x] if torch.is_tensor(x) else list(x)
 
@@ -172,13 +183,7 @@ class KoalaPipelineEngine(PipelineEngine):
         model = kwargs.get("model")
         if not isinstance(model, PipelineModule):
             raise KoalaConfigError("KoalaPipelineEngine needs model=<a deepspeed.pipe.PipelineModule> (keyword)")
-        config_class = kwargs.get("config_class")
-        if config_class is None:
-            config = kwargs.get("config")
-            if config is None and kwargs.get("args") is not None:
-                config = getattr(kwargs["args"], "deepspeed_config", None)
-            config_class = DeepSpeedConfig(config, model.mpu())
-            kwargs["config_class"] = config_class
+        config_class = ensure_config_class(kwargs)
         # Everything below is checked before any communication (the parent's __init__ talks).
         placement = module_placement(model)
         m = config_class.gradient_accumulation_steps

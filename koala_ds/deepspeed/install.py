@@ -16,11 +16,10 @@ from __future__ import annotations
 import logging
 
 import deepspeed
-from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine, DualPipeVModule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from .engine import KoalaConfigError, KoalaPipelineEngine, koala_requested
+from .engine import KoalaConfigError, KoalaPipelineEngine, ensure_config_class, koala_requested
 
 logger = logging.getLogger(__name__)
 
@@ -42,15 +41,7 @@ def select_engine_class(model, pipeline_section: dict | None) -> type:
 
 class _SelectorMeta(type):
     def __call__(cls, *args, **kwargs):
-        model = kwargs.get("model")
-        config_class = kwargs.get("config_class")
-        if config_class is None:
-            config = kwargs.get("config")
-            if config is None and kwargs.get("args") is not None:
-                config = getattr(kwargs["args"], "deepspeed_config", None)
-            config_class = DeepSpeedConfig(config, model.mpu())
-            kwargs["config_class"] = config_class
-        engine_cls = select_engine_class(model, config_class.pipeline)
+        engine_cls = select_engine_class(kwargs.get("model"), ensure_config_class(kwargs).pipeline)
         logger.debug("deepspeed.initialize: pipeline engine %s", engine_cls.__name__)
         return engine_cls(*args, **kwargs)
 
