@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 from .ir import KoalaError
@@ -17,6 +18,7 @@ COMMAND_MODULES = [
     "koala_ds.commands.schedules",   # list, show, validate, export
     "koala_ds.commands.model",       # simulate, compare
     "koala_ds.commands.search",      # search
+    "koala_ds.commands.profile",     # profile
 ]
 
 
@@ -42,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     except (KoalaError, FileNotFoundError) as exc:
         print(f"koala {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into e.g. `head`, which stopped reading
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:
         print(f"koala {args.command}: interrupted", file=sys.stderr)
         return 130

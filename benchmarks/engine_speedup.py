@@ -1,0 +1,498 @@
+"""Measured vs predicted step time of Koala schedules on the real engines (emulated compute).
+
+    python benchmarks/engine_speedup.py            # every bundled profile, p = 4 and 8
+    python benchmarks/engine_speedup.py --quick    # gpt-lmhead-8 at p = 4 only
+    python benchmarks/engine_speedup.py --real     # the tiny real GPT of examples/megatron_gpt
+    python benchmarks/engine_speedup.py --json     # one JSON object per row on stdout
+
+THIS MEASURES THE SCHEDULE AND THE RUNTIME, NOT KERNELS. Each virtual stage is an
+`EmulatedStage` (koala_ds/profiler/emulate.py) whose forward, backward-input and
+backward-weight steps *sleep* for the profile's times while real tensors go through the real
+engine (koala_ds.megatron: megatron-core's forward_step / backward_step, the Koala p2p layer,
+the split backward; koala_ds.deepspeed when installed), one process per pipeline rank over gloo.
+Sleeping ranks use no CPU, so 4 to 8 ranks measure faithfully on a 2-core machine.
+
+Per (engine, profile, p), three rows: 1f1b; the best predefined schedule (library schedules the
+engine runs: one pipeline, by simulated makespan, among those that fit the memory limit: the
+profile's, else 1F1B's peak); the searched schedule (koala_ds.search, short budget, one-pipeline
+placements, split and full backward both searched: the better one). Step time = latest end -
+earliest start over ranks of one forward_backward call (Megatron) or train_batch (DeepSpeed,
+which also reduces gradients and steps the optimizer), median of 10 steps after 2 warm-up
+steps. m = 2p microbatches.
+
+How a profile meets p (documented choice): an 8-stage profile at p = 4 is run both ways: as
+v = 1 with stages merged pairwise (1f1b and every v = 1 schedule) and as v = 2 (8 virtual
+stages: interleaved / V-shape schedules); the best predefined and the searched row take the
+better of the two. A 4-stage profile at p = 8 has each stage split into two halves.
+
+The runtimes have no input gradient to compute on the first stage (its input is data), so the
+I of stage 0 does nothing and its W runs the whole backward: the model (simulation and search)
+uses the profile with stage 0's backward_input folded into its backward_weight, exactly what
+`koala profile` measures on a real model.
+
+Two predictions per row: `predicted_profile_ms` is the simulator on the profile as written;
+`predicted_ms` adds constants measured on this machine: the p2p latency (2-process gloo
+ping-pong, one way, for the activation size) and the runtime's overhead, c ms per action plus
+k ms per step, fitted on calibration runs that are not rows (1f1b with uniform 1 ms ops at m
+and at m / 2 microbatches: two lengths give the two constants; the per-action overhead at zero
+compute is reported too). Both predictions are printed.
+
+One launch per (engine, p): the calibration runs first; rank 0 then chooses the schedules
+(best predefined, search) on the model of this machine (profile + the two constants), as a
+user who profiles first would; then the calibration runs and every row run round-robin (step k
+of every run, then step k + 1, ...) so that load drifts of a shared machine hit them alike, and
+the constants used for the predictions come from these interleaved calibration runs.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from koala_ds.ir import Schedule  # noqa: E402
+from koala_ds.library import get as library_get, load_schedule, names as library_names  # noqa: E402
+from koala_ds.sim import CostProfile, Simulator, StageCost, load_profile  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+BANNER = ("NOTE: emulated compute. Every stage SLEEPS for the profile's F / I / W times while real tensors go "
+          "through the real engine: this measures the schedule and the runtime, not kernels.")
+
+
+# -- profiles ------------------------------------------------------------------------------------
+def merge_pairs(profile: CostProfile) -> CostProfile:
+    st = profile.stages
+    merged = [StageCost(*(getattr(a, f) + getattr(b, f) for f in ("forward", "backward_input", "backward_weight",
+                                                                    "activation_mb", "w_hold_mb")))
+              for a, b in zip(st[0::2], st[1::2])]
+    return CostProfile(tuple(merged), profile.p2p_latency, profile.memory_limit_mb, profile.source + " (merged x2)")
+
+
+def split_halves(profile: CostProfile) -> CostProfile:
+    halves = []
+    for s in profile.stages:
+        h = StageCost(s.forward / 2, s.backward_input / 2, s.backward_weight / 2, s.activation_mb / 2, s.w_hold_mb / 2)
+        halves += [h, h]
+    return CostProfile(tuple(halves), profile.p2p_latency, profile.memory_limit_mb, profile.source + " (split /2)")
+
+
+def fold_first_input_grad(profile: CostProfile) -> CostProfile:
+    """Stage 0 has no input gradient on the runtimes: its I is empty and W is the whole backward."""
+    s0 = profile.stages[0]
+    first = dataclasses.replace(s0, backward_input=0.0, backward_weight=s0.backward_input + s0.backward_weight)
+    return dataclasses.replace(profile, stages=(first,) + tuple(profile.stages[1:]))
+
+
+def with_latency(profile: CostProfile, latency: float) -> CostProfile:
+    return dataclasses.replace(profile, p2p_latency=latency)
+
+
+def scaled(profile: CostProfile, k: float) -> CostProfile:
+    if k == 1:
+        return profile
+    st = tuple(dataclasses.replace(s, forward=s.forward * k, backward_input=s.backward_input * k,
+                                   backward_weight=s.backward_weight * k) for s in profile.stages)
+    return dataclasses.replace(profile, stages=st)
+
+
+def variants(profile: CostProfile, p: int) -> dict[int, CostProfile]:
+    """The profile for each v it can run at on p ranks (see the module docstring)."""
+    n = profile.num_stages
+    if n == p:
+        return {1: profile}
+    if n == 2 * p:
+        return {1: merge_pairs(profile), 2: profile}
+    if 2 * n == p:
+        return {1: split_halves(profile)}
+    raise SystemExit(f"{profile.source}: {n} stages cannot be run at p={p}")
+
+
+# -- prediction ----------------------------------------------------------------------------------
+def predict(schedule: Schedule, profile: CostProfile, overhead_ms: float = 0.0) -> float:
+    """Simulated makespan (async sends) with `overhead_ms` added to every action (F, I, W, B)."""
+    if overhead_ms:
+        st = tuple(dataclasses.replace(s, forward=s.forward + overhead_ms, backward_input=s.backward_input + overhead_ms,
+                                       backward_weight=s.backward_weight + overhead_ms) for s in profile.stages)
+        profile = dataclasses.replace(profile, stages=st)
+    sim = Simulator(profile, schedule.placement, schedule.m, schedule.backward)
+    if overhead_ms:  # B = I + W got the overhead twice: once is right for one action
+        S, m = sim.num_stages, sim.m
+        for code in range(S * m, 2 * S * m):
+            sim._dur[code] -= overhead_ms
+        import numpy as np
+
+        sim._dur_np = np.asarray(sim._dur)
+    return sim.makespan(schedule.ranks)
+
+
+def fit_overhead(schedule: Schedule, profile: CostProfile, measured: float) -> float:
+    """The per-action overhead c (ms) with predict(schedule, profile, c) == measured."""
+    lo, hi = 0.0, 50.0
+    if predict(schedule, profile, 0.0) >= measured:
+        return 0.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        if predict(schedule, profile, mid) < measured:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+# -- choosing the schedules ------------------------------------------------------------------------
+def with_overhead(profile: CostProfile, overhead_ms: float) -> CostProfile:
+    st = tuple(dataclasses.replace(s, forward=s.forward + overhead_ms, backward_input=s.backward_input + overhead_ms,
+                                   backward_weight=s.backward_weight + overhead_ms) for s in profile.stages)
+    return dataclasses.replace(profile, stages=st)
+
+
+def with_full_backward(model: CostProfile, full_ms: list[float] | None) -> CostProfile:
+    """For full-backward (B) schedules: I and W scaled so that I + W = the measured full backward
+    (a profile has B = I + W by definition; on a real model the split costs more than B)."""
+    if not full_ms:
+        return model
+    st = []
+    for s, b in zip(model.stages, full_ms):
+        old = s.backward_input + s.backward_weight
+        k = b / old if old > 0 else 0.0
+        st.append(dataclasses.replace(s, backward_input=s.backward_input * k,
+                                      backward_weight=s.backward_weight * k if old > 0 else b))
+    return dataclasses.replace(model, stages=tuple(st))
+
+
+def full_variants(full_ms: list[float] | None, p: int) -> dict:
+    if not full_ms:
+        return {}
+    n = len(full_ms)
+    if n == p:
+        return {1: list(full_ms)}
+    if n == 2 * p:
+        return {1: [a + b for a, b in zip(full_ms[0::2], full_ms[1::2])], 2: list(full_ms)}
+    if 2 * n == p:
+        return {1: [x / 2 for x in full_ms for _ in (0, 1)]}
+    return {}
+
+
+def candidates(profile: CostProfile, p: int, m: int, budget: float, seed: int = 0, latency: float | None = None,
+               overhead: float = 0.0, full_ms: list[float] | None = None) -> tuple[dict, float]:
+    """{'1f1b': (schedule, model profile), 'best predefined (..)': ..., 'searched (..)': ...} and the
+    memory limit. The choice (simulated makespan) uses the model of this machine: the profile with
+    the measured p2p `latency` and per-action `overhead` (the search adds it to F, I and W)."""
+    from koala_ds.search import SearchProblem, search
+
+    models = {v: fold_first_input_grad(pr) for v, pr in variants(profile, p).items()}
+    fulls = full_variants(full_ms, p)
+
+    def for_backward(model, v, backward):
+        return with_full_backward(model, fulls.get(v)) if backward == "full" else model
+
+    def machine(model):
+        return with_latency(model, model.p2p_latency if latency is None else latency)
+    limit_problem = SearchProblem(models[1], p, m, 1, "full")
+    limit = limit_problem.memory_limit_mb
+    rows = []
+    for v, model in models.items():
+        for name in library_names():
+            program = library_get(name)
+            if program.supports(p, m, v) is not None:
+                continue
+            sched = program.compile(p, m, v)
+            if sched.placement.pipelines != 1 or (v > 1 and sched.v != v):
+                continue
+            sim = Simulator(dataclasses.replace(model, memory_limit_mb=limit), sched.placement, m, sched.backward)
+            fits = sim.run(sched.ranks, name=name).fits_memory
+            model_b = for_backward(model, v, sched.backward)
+            rows.append((predict(sched, machine(model_b), overhead), name, v, sched, model_b, fits))
+    one = next(r for r in rows if r[1] == "1f1b")
+    fitting = sorted((r for r in rows if r[5] and r[1] != "1f1b"), key=lambda r: (r[0], r[1]))
+    best = fitting[0]
+    searched = []
+    for v, model in models.items():
+        for backward in ("split", "full"):  # split backward costs one more action per microbatch
+            model_b = for_backward(model, v, backward)
+            problem = SearchProblem(with_overhead(machine(model_b), overhead), p, m, v, backward, limit)
+            result = search(problem, time_budget=budget, seed=seed)
+            for sched, _ in result.per_placement:
+                if sched.placement.pipelines == 1:
+                    searched.append((predict(sched, machine(model_b), overhead), v, sched.with_name("searched"),
+                                     model_b))
+    ms, v, sched, model = min(searched, key=lambda r: r[0])
+    return {"1f1b": (one[3], one[4]), f"best predefined ({best[1]}{', v=2' if best[2] == 2 else ''})": (best[3], best[4]),
+            f"searched ({sched.placement.describe()}, {sched.backward}{', v=2' if v == 2 else ''})": (sched, model)}, limit
+
+
+def costs_of(profile: CostProfile, schedule: Schedule) -> list:
+    return [[s.forward, s.backward_input, s.backward_weight] for s in profile.stages]
+
+
+# -- runs ---------------------------------------------------------------------------------------
+def calibration_jobs(p: int, m: int, latency: float) -> tuple[list, Schedule, CostProfile, CostProfile]:
+    """Three runs that are not rows: 1f1b with uniform 1 ms ops at m and at m / 2 microbatches
+    (two lengths: a per-action and a per-step constant), and 1f1b at zero compute."""
+    calib = load_schedule("1f1b", p, m, 1)
+    half = load_schedule("1f1b", p, max(1, m // 2), 1)
+    one = CostProfile.uniform(p, 1.0, 1.0, 1.0, p2p_latency=latency)
+    zero = CostProfile.uniform(p, 0.0, 0.0, 0.0, p2p_latency=latency)
+    jobs = [{"key": "calibration 1 ms", "schedule": calib.to_dict(), "costs": costs_of(one, calib)},
+            {"key": "calibration 1 ms, m/2", "schedule": half.to_dict(), "costs": costs_of(one, half)},
+            {"key": "calibration 0 ms", "schedule": calib.to_dict(), "costs": costs_of(zero, calib)}]
+    return jobs, calib, one, zero
+
+
+def overheads(calib: Schedule, one: CostProfile, zero: CostProfile, steps: list[list[float]]) -> dict:
+    """The runtime's overhead, fitted on the calibration runs (steps: their step times, in order):
+    `action` ms per action and `step` ms per step (from the two lengths), `single` = the one
+    per-action constant that explains the m-run alone, `zero` = that at zero compute."""
+    one_f = fold_first_input_grad(one)
+    half = load_schedule("1f1b", calib.p, max(1, calib.m // 2), 1)
+    t_full, t_half, t_zero = (statistics.median(x) for x in steps[:3])
+
+    def diff(c):
+        return predict(calib, one_f, c) - predict(half, one_f, c)
+
+    target = t_full - t_half
+    lo, hi = 0.0, 50.0
+    if diff(0.0) >= target:
+        c = 0.0
+    else:
+        for _ in range(50):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if diff(mid) < target else (lo, mid)
+        c = (lo + hi) / 2
+    k = t_full - predict(calib, one_f, c)
+    if k < 0:  # no per-step cost visible: one constant
+        c, k = fit_overhead(calib, one_f, t_full), 0.0
+    return {"action": c, "step": k, "single": fit_overhead(calib, one_f, t_full),
+            "zero": fit_overhead(calib, zero, t_zero)}
+
+
+def choose_jobs(cfg: dict, calib_steps: list[list[float]]) -> dict:
+    """Run by rank 0 of the engine job after the first calibration: the schedules of every row,
+    chosen on the model of this machine (profile + measured p2p latency + per-action overhead)."""
+    p, m, latency = cfg["p"], cfg["m"], cfg["latency"]
+    _, calib, one, zero = calibration_jobs(p, m, latency)
+    oh = overheads(calib, one, zero, calib_steps)
+    jobs, plan = [], []
+    for name in cfg["profiles"]:
+        base = scaled(load_profile(name), cfg["scale"])
+        chosen, _ = candidates(base, p, m, cfg["budget"], latency=latency, overhead=oh["action"])
+        for label, (sched, model) in chosen.items():
+            raw = variants(base, p)[sched.v]  # the emulated stages sleep the profile as written
+            jobs.append({"key": f"{name}/{label}", "schedule": sched.to_dict(), "costs": costs_of(raw, sched)})
+            plan.append({"profile": name, "label": label, "model": model.to_dict()})
+    return {"jobs": jobs, "plan": plan, "overhead": oh}
+
+
+def run_engine(engine: str, p: int, spec: dict, timeout_s: float) -> list:
+    """Per-rank results of the engine's worker (koala_ds.profiler.engine_runs)."""
+    from koala_ds.profiler.launch import spawn
+
+    spec = dict(spec, timeout_s=120)
+    if engine == "deepspeed":  # DeepSpeed's own CPU set-up (DS_ACCELERATOR=cpu, deepspeed.init_distributed)
+        from koala_ds.deepspeed.testing import launch
+
+        return [r["value"] for r in launch("koala_ds.profiler.engine_runs:deepspeed_worker", p, spec,
+                                           timeout_s=timeout_s, pg_timeout_s=600)]
+    return spawn("koala_ds.profiler.engine_runs:megatron_worker", p, spec, timeout_s=timeout_s, pg_timeout_s=600)
+
+
+def deepspeed_available() -> str | None:
+    try:
+        import koala_ds.deepspeed  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        return f"koala_ds.deepspeed not importable ({type(exc).__name__}: {exc})"
+    return None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="gpt-lmhead-8 at p=4 only, both engines")
+    ap.add_argument("--real", action="store_true", help="the tiny real GPT of examples/megatron_gpt, profiled first")
+    ap.add_argument("--json", action="store_true", help="one JSON object per row on stdout")
+    ap.add_argument("--profiles", nargs="*", default=None, help="bundled profile names (default: all)")
+    ap.add_argument("-p", nargs="*", type=int, default=None, help="pipeline sizes (default 4 8)")
+    ap.add_argument("--engines", nargs="*", default=["megatron", "deepspeed"])
+    ap.add_argument("--search-budget", type=float, default=5.0, metavar="S")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply every F/I/W time (default 1)")
+    ap.add_argument("--out", default=str(RESULTS), help="results folder (default benchmarks/results)")
+    args = ap.parse_args(argv)
+    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else (lambda *a: print(*a, flush=True))
+    if args.json:  # stdout carries the JSON rows only: everything else (engines, workers) goes to stderr
+        sys.stdout.flush()
+        args.json_out = os.fdopen(os.dup(1), "w", buffering=1)
+        os.dup2(2, 1)
+    if args.real:
+        from engine_speedup_real import main_real  # benchmarks/engine_speedup_real.py
+
+        return main_real(args, say)
+    say(BANNER)
+    from koala_ds.sim import bundled_profiles
+
+    profiles = args.profiles or (["gpt-lmhead-8"] if args.quick else bundled_profiles())
+    ps = args.p or ([4] if args.quick else [4, 8])
+    engines = list(args.engines)
+    missing = deepspeed_available() if "deepspeed" in engines else None
+    if missing:
+        say(f"deepspeed engine skipped: {missing}")
+        engines.remove("deepspeed")
+
+    from koala_ds.profiler.p2p import measure_p2p_latency
+
+    t_start = time.time()
+    latency = measure_p2p_latency(8 * 2, iters=100)  # the emulated activation: seq 2 x mbs 1 x hidden 8
+    say(f"measured p2p latency (gloo ping-pong, one way, 64-byte message): {latency:.3f} ms")
+    rows = []
+    for p in ps:
+        m = 2 * p
+        cal_jobs, calib, one, zero = calibration_jobs(p, m, latency)
+        for engine in engines:
+            say(f"{engine} p={p}, m={m}: calibration, choice of the schedules (search {args.search_budget:g} s per "
+                f"profile and v), then every run round-robin with the calibration runs ...")
+            t0 = time.time()
+            cfg = {"p": p, "m": m, "latency": latency, "profiles": profiles, "scale": args.scale,
+                   "budget": args.search_budget}
+            spec = {"calibration": cal_jobs, "chooser": "engine_speedup:choose_jobs", "chooser_args": cfg,
+                    "warmup": 2, "steps": args.steps}
+            res = run_engine(engine, p, spec, timeout_s=1800)
+            say(f"  done in {time.time() - t0:.0f} s")
+            from koala_ds.profiler.engine_runs import step_times_ms
+
+            chooser = res[0]["chooser"]
+            measured = step_times_ms(res, 2)
+            ncal = len(cal_jobs)
+            oh = overheads(calib, one, zero, measured[:ncal])
+            c, k = oh["action"], oh["step"]
+            from koala_ds.profiler.engine_runs import cpu_ms_per_step
+
+            cpu = cpu_ms_per_step(res, 2)[ncal - 1] / calib.num_actions  # the zero-compute run
+            say(f"  CPU time of the runtime at zero compute: {cpu:.3f} ms per action (all ranks' processes; "
+                f"{p} ranks share 2 cores here)")
+            say(f"  runtime overhead: {c:.3f} ms per action + {k:.2f} ms per step (fitted on 1f1b at m and m/2, "
+                f"1 ms ops; one constant alone: {oh['single']:.3f} ms per action; at zero compute "
+                f"{oh['zero']:.3f} ms per action); first calibration (used to choose the schedules): "
+                f"{chooser['overhead']['action']:.3f} ms per action; p2p latency {latency:.3f} ms")
+            base_1f1b = {}
+            for item, steps in zip(chooser["plan"], measured[ncal:]):
+                name, label = item["profile"], item["label"]
+                model = CostProfile.from_dict(item["model"], source=name)
+                job = next(j for j in chooser["jobs"] if j["key"] == f"{name}/{label}")
+                sched = Schedule.from_dict(job["schedule"])
+                ms = statistics.median(steps)
+                pred_profile = predict(sched, model)
+                pred = predict(sched, with_latency(model, latency), c) + k
+                if label == "1f1b":
+                    base_1f1b[name] = (ms, pred, pred_profile)
+                b = base_1f1b[name]
+                row = {"engine": engine, "profile": name, "p": p, "m": m, "v": sched.v, "schedule": label,
+                       "measured_ms": round(ms, 3), "predicted_ms": round(pred, 3),
+                       "predicted_profile_ms": round(pred_profile, 3),
+                       "error": round(ms / pred - 1, 4), "error_profile": round(ms / pred_profile - 1, 4),
+                       "speedup_vs_1f1b": round(b[0] / ms, 4), "predicted_speedup_vs_1f1b": round(b[1] / pred, 4),
+                       "predicted_profile_speedup_vs_1f1b": round(b[2] / pred_profile, 4),
+                       "overhead_ms": round(c, 4), "overhead_step_ms": round(k, 3),
+                       "overhead_single_ms": round(oh["single"], 4), "overhead_zero_ms": round(oh["zero"], 4),
+                       "cpu_ms_per_action": round(cpu, 4), "p2p_latency_ms": round(latency, 4),
+                       "steps_ms": [round(x, 2) for x in steps], "scale": args.scale, "schedule_json": job["schedule"]}
+                rows.append(row)
+                if args.json:
+                    print(json.dumps({k: row[k] for k in row if k not in ("steps_ms", "schedule_json")}),
+                          file=args.json_out, flush=True)
+    say(f"total {time.time() - t_start:.0f} s")
+    write_outputs(rows, Path(args.out), "quick" if args.quick else "full", say)
+    return 0
+
+
+def markdown(rows: list[dict]) -> str:
+    head = ("| engine | profile | p | schedule | measured ms | predicted ms | error | measured speedup | "
+            "predicted speedup | profile-only prediction ms (error) |\n|---|---|---|---|---|---|---|---|---|---|\n")
+    body = "".join(
+        f"| {r['engine']} | {r['profile']} | {r['p']} | {r['schedule']} | {r['measured_ms']:.1f} | {r['predicted_ms']:.1f} "
+        f"| {r['error']:+.1%} | {r['speedup_vs_1f1b']:.3f}x | {r['predicted_speedup_vs_1f1b']:.3f}x "
+        f"| {r['predicted_profile_ms']:.1f} ({r['error_profile']:+.1%}) |\n" for r in rows)
+    return head + body
+
+
+def summary(rows: list[dict]) -> str:
+    if not rows:
+        return "no rows"
+    errs = [abs(r["error"]) for r in rows]
+    errs_p = [abs(r["error_profile"]) for r in rows]
+    lines = [f"median |prediction error|: {statistics.median(errs):.1%} with the measured constants "
+             f"(target <= 10%), {statistics.median(errs_p):.1%} with the profile alone"]
+    for r in rows:
+        if r["schedule"].startswith("searched"):
+            pred_gain = r["predicted_speedup_vs_1f1b"] - 1
+            got = r["speedup_vs_1f1b"] - 1
+            ratio = r["speedup_vs_1f1b"] / r["predicted_speedup_vs_1f1b"]
+            lines.append(f"{r['engine']} {r['profile']} p={r['p']}: searched measured {r['speedup_vs_1f1b']:.3f}x vs "
+                         f"predicted {r['predicted_speedup_vs_1f1b']:.3f}x over 1f1b ({ratio:.1%} of predicted; "
+                         f"gain {got:+.1%} vs {pred_gain:+.1%}; target >= 90%)")
+    consts = sorted({(r["engine"], r["p"], r["overhead_ms"], r.get("overhead_step_ms", 0.0), r["overhead_zero_ms"],
+                      r.get("cpu_ms_per_action", float("nan")), r["p2p_latency_ms"]) for r in rows})
+    for e, p, c, k, c0, cpu, lat in consts:
+        lines.append(f"{e} p={p}: measured runtime overhead {c:.3f} ms per action + {k:.1f} ms per step "
+                     f"(1 ms ops; {c0:.3f} ms per action at zero compute, of which CPU {cpu:.3f} ms per action); "
+                     f"gloo p2p latency {lat:.3f} ms one way")
+    return "\n".join(lines)
+
+
+def write_outputs(rows: list[dict], out: Path, tag: str, say, banner: str = BANNER) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    ms = ", ".join(f"m={m} at p={p}" for p, m in sorted({(r["p"], r["m"]) for r in rows}))
+    md = (f"{banner}\n\n{ms} microbatches; step time = median of 10 steps after 2 warm-up steps; predicted = "
+          f"simulator with the measured p2p latency and runtime overhead (per action + per step); profile-only = the simulator on the "
+          f"profile as written.\n\n" + markdown(rows) + "\n" + "\n".join("- " + x for x in summary(rows).splitlines()) + "\n")
+    (out / f"engine_speedup_{tag}.md").write_text(md, encoding="utf-8")
+    with open(out / f"engine_speedup_{tag}.jsonl", "w", encoding="utf-8") as fh:
+        for r in rows:
+            fh.write(json.dumps({k: v for k, v in r.items() if k != "schedule_json"}) + "\n")
+    for r in rows:  # the schedules that ran, as JSON (koala simulate / show read them)
+        if r["schedule"] != "1f1b" and "schedule_json" in r:
+            label = r["schedule"].split(" ")[0]
+            (out / "schedules").mkdir(exist_ok=True)
+            (out / "schedules" / f"{tag}-{r['engine']}-{r['profile']}-p{r['p']}-{label}.json").write_text(
+                json.dumps(r["schedule_json"], indent=1) + "\n", encoding="utf-8")
+    plot(rows, out / f"engine_speedup_{tag}.png")
+    say(f"wrote {out / f'engine_speedup_{tag}.md'}, .jsonl and .png")
+    say("\n---- README 'Results' block ----\n" + md + "---- end ----")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 6))
+    marks = {"1f1b": "o", "best": "s", "searched": "*"}
+    for r in rows:
+        kind = "1f1b" if r["schedule"] == "1f1b" else ("best" if r["schedule"].startswith("best") else "searched")
+        color = "tab:blue" if r["engine"] == "megatron" else "tab:orange"
+        ax.scatter(r["predicted_ms"], r["measured_ms"], marker=marks[kind], color=color, s=60 if kind != "searched" else 120)
+        ax.scatter(r["predicted_profile_ms"], r["measured_ms"], marker=marks[kind], facecolors="none", edgecolors="gray")
+    hi = max([r["measured_ms"] for r in rows] + [r["predicted_ms"] for r in rows]) * 1.05
+    ax.plot([0, hi], [0, hi], "k--", lw=1)
+    ax.fill_between([0, hi], [0, hi * 0.9], [0, hi * 1.1], color="gray", alpha=0.15, label="±10%")
+    for kind, mk in marks.items():
+        ax.scatter([], [], marker=mk, color="k", label=kind)
+    ax.scatter([], [], marker="o", facecolors="none", edgecolors="gray", label="profile-only prediction")
+    ax.set_xlabel("predicted step time (ms)")
+    ax.set_ylabel("measured step time (ms)")
+    ax.set_title("Emulated compute (sleeps) on the real engines\nblue = megatron, orange = deepspeed")
+    ax.legend(loc="upper left", fontsize=8)
+    ax.set_xlim(0, hi)
+    ax.set_ylim(0, hi)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

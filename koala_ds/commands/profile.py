@@ -1,0 +1,139 @@
+"""`koala profile`: measure a real model's per-stage costs and write a cost profile (v1) for
+`koala simulate / compare / search --profile`. torch and the engines are imported only here,
+when the command runs."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+from ..ir import KoalaError
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-p", type=int, required=True, help="pipeline ranks")
+    p.add_argument("-v", type=int, default=1, help="model chunks per rank (the profile gets p * v stages; default 1)")
+    p.add_argument("-o", "--output", required=True, metavar="prof.json", help="write the profile here")
+    p.add_argument("--warmup", type=int, default=2, help="microbatches run before measuring (default 2)")
+    p.add_argument("--iters", type=int, default=10, help="microbatches measured per stage; the median counts (default 10)")
+    p.add_argument("--p2p-latency", type=float, default=None, metavar="MS",
+                   help="write this p2p latency instead of measuring it (2-process gloo ping-pong)")
+    p.add_argument("--p2p-timeout", type=float, default=120.0, metavar="S", help="deadline of the ping-pong (default 120 s)")
+    p.add_argument("--memory-limit", type=float, default=None, metavar="MB", help="write this per-rank memory limit")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1: one pipeline rank per process and core)")
+
+
+def _setup(args):
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.p < 1 or args.v < 1:
+        raise KoalaError(f"-p and -v must be >= 1 (got p={args.p}, v={args.v})")
+    if args.warmup < 0 or args.iters < 1:
+        raise KoalaError("--warmup must be >= 0 and --iters >= 1")
+    p2p = True if args.p2p_latency is None else args.p2p_latency
+    if args.p * args.v == 1 and p2p is True:
+        p2p = False
+    return device, p2p
+
+
+def _finish(args, result) -> int:
+    from ..sim import CostProfile
+
+    data = result.to_dict()
+    CostProfile.from_dict(data, source=args.output)  # what we write must load
+    with open(args.output, "w", encoding="utf-8") as fh:
+        fh.write(json.dumps(data, indent=1) + "\n")
+    print(f"{'stage':>5}  {'F ms':>9}  {'I ms':>9}  {'W ms':>9}  {'act MiB':>9}  {'W-hold MiB':>10}")
+    for s, st in enumerate(data["stages"]):
+        print(f"{s:>5}  {st['forward']:>9.4g}  {st['backward_input']:>9.4g}  {st['backward_weight']:>9.4g}  "
+              f"{st['activation_mb']:>9.4g}  {st['w_hold_mb']:>10.4g}")
+    print(f"p2p latency {data['p2p_latency']:.4g} ms ({data['meta']['p2p_latency']}); timer: {data['meta']['timer']}")
+    print(f"wrote {args.output}; next: koala search --profile {args.output} -m <microbatches> -o best.koala"
+          + (f" -v {args.v}" if args.v > 1 else ""))
+    return 0
+
+
+def cmd_megatron_gpt(args) -> int:
+    device, p2p = _setup(args)
+    from ..profiler.models import profile_megatron_gpt
+
+    result = profile_megatron_gpt(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                                  num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
+                                  micro_batch_size=args.micro_batch_size, vocab_size=args.vocab_size, p=args.p,
+                                  v=args.v, seed=args.seed, device=device, warmup=args.warmup, iters=args.iters,
+                                  p2p=p2p, p2p_timeout_s=args.p2p_timeout, memory_limit_mb=args.memory_limit)
+    return _finish(args, result)
+
+
+def _load(ref: str, what: str):
+    if ":" not in ref:
+        raise KoalaError(f"{what} {ref!r}: expected MODULE:FUNCTION (e.g. mymodel:build_layers)")
+    module_name, func_name = ref.split(":", 1)
+    sys.path.insert(0, ".")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise KoalaError(f"{what} {ref!r}: cannot import {module_name} ({exc})") from None
+    try:
+        return getattr(module, func_name)
+    except AttributeError:
+        raise KoalaError(f"{what} {ref!r}: {module_name} has no {func_name}") from None
+
+
+def cmd_deepspeed(args) -> int:
+    device, p2p = _setup(args)
+    from ..profiler.models import profile_pipeline_module
+
+    layers = _load(args.layers, "--layers")()
+    sample = _load(args.input, "--input")()
+    result = profile_pipeline_module(layers, sample, args.p * args.v, partition_method=args.partition_method,
+                                     device=device, warmup=args.warmup, iters=args.iters, p2p=p2p,
+                                     p2p_timeout_s=args.p2p_timeout, memory_limit_mb=args.memory_limit)
+    result.extra_meta.update({"p": args.p, "v": args.v})
+    return _finish(args, result)
+
+
+def cmd_p2p(args) -> int:
+    from ..profiler.p2p import measure_p2p_latency
+
+    ms = measure_p2p_latency(args.numel, args.dtype, iters=args.iters, timeout_s=args.timeout)
+    print(f"p2p latency (one way, median of {args.iters} round trips / 2, gloo, 2 local processes): {ms:.4g} ms "
+          f"for {args.numel} x {args.dtype}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    top = sub.add_parser("profile", help="measure a real model's per-stage costs and write a cost profile",
+                         description="Measure forward, backward-input and backward-weight time and activation memory "
+                                     "of each pipeline stage, and the p2p latency; write a profile v1 JSON for "
+                                     "`koala search --profile`. See docs/profiling.md.")
+    kinds = top.add_subparsers(dest="model", required=True, metavar="MODEL")
+    g = kinds.add_parser("megatron-gpt", help="the megatron-core GPT of examples/megatron_gpt")
+    g.add_argument("--num-layers", type=int, default=8)
+    g.add_argument("--hidden-size", type=int, default=64)
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--seq-length", type=int, default=32)
+    g.add_argument("--micro-batch-size", type=int, default=2)
+    g.add_argument("--vocab-size", type=int, default=128)
+    g.add_argument("--seed", type=int, default=1234)
+    _common(g)
+    g.set_defaults(func=cmd_megatron_gpt)
+    d = kinds.add_parser("deepspeed", help="a DeepSpeed pipeline model (PipelineModule or its layer list)")
+    d.add_argument("--layers", required=True, metavar="MODULE:FUNC",
+                   help="function returning a PipelineModule or its list of layers / LayerSpecs")
+    d.add_argument("--input", required=True, metavar="MODULE:FUNC", help="function returning one microbatch's input")
+    d.add_argument("--partition-method", default="parameters", help="uniform, parameters or type:REGEX (default parameters)")
+    _common(d)
+    d.set_defaults(func=cmd_deepspeed)
+    q = kinds.add_parser("p2p", help="only the p2p latency (2-process gloo ping-pong)")
+    q.add_argument("--numel", type=int, required=True, help="elements per message")
+    q.add_argument("--dtype", default="float32")
+    q.add_argument("--iters", type=int, default=50)
+    q.add_argument("--timeout", type=float, default=120.0, metavar="S")
+    q.set_defaults(func=cmd_p2p)

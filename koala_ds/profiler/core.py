@@ -1,0 +1,326 @@
+"""Measure the cost of each pipeline stage of a real model and write a cost profile (v1).
+
+For each stage (in pipeline order) and each of `warmup + iters` microbatches:
+- F: the stage's forward (plus the loss on the last stage), with every tensor autograd saves for
+  backward recorded by `torch.autograd.graph.saved_tensors_hooks`;
+- I: `koala_ds.megatron.split_backward.backward_input` (the gradient of the stage input only,
+  keeping what the weight gradient needs), exactly as the Koala runtimes run it;
+- W: `backward_weight` (the weight gradients left by I);
+- B (reported in `meta`, not used by the model): a plain full backward, for comparison.
+Times are the median over `iters` microbatches after `warmup`; CUDA events on CUDA, wall clock
+(`time.perf_counter`) on CPU. The timed microbatches run without hooks; the memory is measured on
+one more microbatch, with the hooks.
+
+Memory (MiB = 2**20 bytes, per microbatch; the profile's `_mb` fields):
+- `activation_mb`: bytes of the distinct storages autograd saved for backward during F,
+  parameters excluded (their memory is static). The stage input counts when a layer saves it.
+- `w_hold_mb`: what is still held after I until W runs: the saved storages still referenced by
+  the autograd graph that W will run, plus the gradients I recorded for W (capped at
+  `activation_mb`; the raw figure is in `meta`).
+A first stage whose input needs no gradient has no input-gradient work: the runtime's I then
+does nothing and W runs the whole backward, and the profile says so (I ~ 0).
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import statistics
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+MIB = float(1 << 20)
+
+
+@dataclass
+class StageMeasurement:
+    """What was measured for one stage (times in ms, memory in bytes)."""
+
+    forward: list[float] = field(default_factory=list)
+    backward_input: list[float] = field(default_factory=list)
+    backward_weight: list[float] = field(default_factory=list)
+    backward_full: list[float] = field(default_factory=list)
+    activation_bytes: int = 0
+    w_hold_bytes: int = 0
+    output_shape: tuple = ()
+    output_dtype: str = ""
+    output_numel: int = 0
+    input_grad: bool = True
+
+    def median(self, name: str) -> float:
+        values = getattr(self, name)
+        return statistics.median(values) if values else 0.0
+
+
+@dataclass
+class ProfileResult:
+    """The measurements of all stages; `to_dict()` is a profile v1 (with a `meta` section)."""
+
+    stages: list[StageMeasurement]
+    p2p_latency: float = 0.0
+    p2p_measured: bool = False
+    memory_limit_mb: float | None = None
+    device: str = "cpu"
+    name: str = "profile"
+    description: str = ""
+    extra_meta: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        stages = []
+        for m in self.stages:
+            act = m.activation_bytes / MIB
+            stages.append({"forward": round(m.median("forward"), 6),
+                           "backward_input": round(m.median("backward_input"), 6),
+                           "backward_weight": round(m.median("backward_weight"), 6),
+                           "activation_mb": round(act, 9),
+                           "w_hold_mb": round(min(act, m.w_hold_bytes / MIB), 9)})
+        meta = {"tool": "koala profile", "device": self.device, "timer": "cuda events" if self.device.startswith("cuda")
+                else "wall clock (time.perf_counter)", "statistic": "median per microbatch after warm-up",
+                "memory_unit": "MiB (2**20 bytes) per microbatch, parameters excluded",
+                "p2p_latency": "measured (2-process ping-pong, one way)" if self.p2p_measured else "given / not measured",
+                "stages": [{"backward_full_ms": round(m.median("backward_full"), 6),
+                            "samples": len(m.forward),
+                            "activation_bytes": m.activation_bytes, "w_hold_bytes_raw": m.w_hold_bytes,
+                            "output_shape": list(m.output_shape), "output_dtype": m.output_dtype,
+                            "input_gradient": m.input_grad} for m in self.stages]}
+        meta.update(self.extra_meta)
+        out: dict[str, Any] = {"version": 1, "name": self.name}
+        if self.description:
+            out["description"] = self.description
+        out.update({"stages": stages, "p2p_latency": round(self.p2p_latency, 6)})
+        if self.memory_limit_mb is not None:
+            out["memory_limit_mb"] = self.memory_limit_mb
+        out["meta"] = meta
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    def to_profile(self):
+        from ..sim import CostProfile
+
+        return CostProfile.from_dict(self.to_dict(), source=f"<profile {self.name}>")
+
+    def write(self, path) -> None:
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(self.to_json() + "\n")
+
+
+class _Saved:
+    """A tensor saved for backward, boxed so that we can tell when autograd lets go of it."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+class SavedTensorTracker:
+    """saved_tensors_hooks that record every non-parameter tensor saved for backward."""
+
+    def __init__(self, params: Sequence):
+        self.param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+        self.records: list[tuple[int, int, weakref.ref]] = []
+
+    def _pack(self, t):
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in self.param_ptrs or storage.nbytes() == 0:
+            return t
+        box = _Saved(t)
+        self.records.append((ptr, storage.nbytes(), weakref.ref(box)))
+        return box
+
+    @staticmethod
+    def _unpack(x):
+        return x.tensor if isinstance(x, _Saved) else x
+
+    def hooks(self):
+        import torch
+
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def saved_bytes(self, alive_only: bool = False) -> int:
+        seen: dict[int, int] = {}
+        for ptr, nbytes, ref in self.records:
+            if alive_only and ref() is None:
+                continue
+            seen[ptr] = max(seen.get(ptr, 0), nbytes)
+        return sum(seen.values())
+
+
+class _Timer:
+    def __init__(self, device):
+        import torch
+
+        self.cuda = device is not None and torch.device(device).type == "cuda"
+        self.torch = torch
+
+    def start(self):
+        if self.cuda:
+            ev = self.torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def stop(self, start) -> float:
+        if self.cuda:
+            ev = self.torch.cuda.Event(enable_timing=True)
+            ev.record()
+            ev.synchronize()
+            return start.elapsed_time(ev)
+        return (time.perf_counter() - start) * 1000.0
+
+
+def _default_loss(output):
+    return output.float().mean() if output.dim() else output.float()
+
+
+def _grad_bytes(state) -> int:
+    total = 0
+    if state.groups is not None:
+        for g in state.groups:
+            for grad_outputs in g.grads:
+                for t in grad_outputs or ():
+                    if t is not None:
+                        total += t.numel() * t.element_size()
+    elif state.output_grad is not None:
+        total += state.output_grad.numel() * state.output_grad.element_size()
+    return total
+
+
+def measure_stage(module, make_input: Callable[[], Any], *, is_last: bool, loss_fn=None, warmup: int = 2,
+                  iters: int = 10, device=None, full_backward: bool = True, seed: int = 0) -> StageMeasurement:
+    """Measure one stage. `make_input()` returns a fresh input (a tensor, or a tuple of
+    arguments for the first stage); the stage's input gradient is computed when it requires grad."""
+    import torch
+
+    from ..megatron.split_backward import backward_input, backward_weight
+
+    loss_fn = loss_fn or _default_loss
+    params = [p for p in module.parameters() if p.requires_grad]
+    timer = _Timer(device)
+    meas = StageMeasurement()
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def forward(tracker):
+        x = make_input()
+        args = x if isinstance(x, tuple) else (x,)
+        with (tracker.hooks() if tracker is not None else contextlib.nullcontext()):
+            t = timer.start()
+            out = module(*args)
+            if is_last:
+                out = loss_fn(out)
+            ms = timer.stop(t)
+        return args, out, ms
+
+    def first_input(args):
+        return args[0] if len(args) == 1 and isinstance(args[0], torch.Tensor) and args[0].requires_grad else None
+
+    def output_grad(out):
+        return None if is_last else torch.randn(out.shape, generator=gen).to(out.device, out.dtype)
+
+    # timing: no hooks (Python callbacks per saved tensor would slow F and the backward down)
+    for k in range(warmup + iters):
+        keep = k >= warmup
+        args, out, f_ms = forward(None)
+        inp = first_input(args)
+        grad = output_grad(out)
+        t = timer.start()
+        dinput, state = backward_input(inp, out, grad, params, deallocated=False)
+        i_ms = timer.stop(t)
+        del args, inp, out, dinput
+        t = timer.start()
+        backward_weight(state)
+        w_ms = timer.stop(t)
+        del state
+        if keep:
+            meas.forward.append(f_ms)
+            meas.backward_input.append(i_ms)
+            meas.backward_weight.append(w_ms)
+        if full_backward:
+            args, out, _ = forward(None)
+            t = timer.start()
+            if is_last:
+                out.backward()
+            else:
+                out.backward(grad)
+            b_ms = timer.stop(t)
+            if keep:
+                meas.backward_full.append(b_ms)
+            del args, out
+    # memory: one more microbatch with saved_tensors_hooks
+    tracker = SavedTensorTracker(params)
+    args, out, _ = forward(tracker)
+    inp = first_input(args)
+    grad = output_grad(out)
+    if not is_last:
+        meas.output_shape, meas.output_dtype = tuple(out.shape), str(out.dtype).replace("torch.", "")
+        meas.output_numel = out.numel()
+    meas.input_grad = inp is not None
+    meas.activation_bytes = tracker.saved_bytes()
+    dinput, state = backward_input(inp, out, grad, params, deallocated=False)
+    del args, inp, out, dinput
+    gc.collect()
+    meas.w_hold_bytes = tracker.saved_bytes(alive_only=True) + _grad_bytes(state)
+    backward_weight(state)
+    del state
+    module.zero_grad(set_to_none=True)
+    return meas
+
+
+def profile_stages(stage_modules: Sequence, sample_input, *, loss_fn: Callable | None = None, warmup: int = 2,
+                   iters: int = 10, device=None, p2p: bool | float = False, p2p_timeout_s: float = 120.0,
+                   memory_limit_mb: float | None = None, full_backward: bool = True, name: str = "profile",
+                   description: str = "") -> ProfileResult:
+    """Profile a model split into pipeline stages (one module per virtual stage, in order).
+
+    `sample_input` is the first stage's input (a tensor, or a tuple of arguments); each later
+    stage gets the previous stage's output (one tensor), detached and requiring grad, as the
+    runtimes hand it over. The last stage's output goes through `loss_fn` (default: mean).
+    `p2p`: False (p2p_latency 0), True (measure it with a 2-process gloo ping-pong for the
+    largest stage-boundary tensor), or a number (ms) to write as is. Returns a `ProfileResult`
+    (`.to_dict()` / `.write(path)` give a profile v1 JSON that `koala_ds.sim.load_profile` reads)."""
+    import torch
+
+    if not stage_modules:
+        raise ValueError("profile_stages: no stage modules")
+    results: list[StageMeasurement] = []
+    # the input of each stage: run the previous stages once (no grad) to get a real tensor
+    current = sample_input
+    for s, module in enumerate(stage_modules):
+        is_last = s == len(stage_modules) - 1
+        if s == 0:
+            base = current
+
+            def make_input(base=base):
+                return base
+        else:
+            base = current.detach()
+
+            def make_input(base=base):
+                return base.clone().requires_grad_(base.is_floating_point())
+        meas = measure_stage(module, make_input, is_last=is_last, loss_fn=loss_fn, warmup=warmup, iters=iters,
+                             device=device, full_backward=full_backward, seed=s)
+        results.append(meas)
+        if not is_last:
+            with torch.no_grad():
+                args = current if isinstance(current, tuple) else (current,)
+                current = module(*args)
+            if isinstance(current, (tuple, list)):
+                raise ValueError(f"stage {s} returns {type(current).__name__}: stages must pass one tensor on")
+    latency, measured = 0.0, False
+    if p2p is True:
+        from .p2p import measure_p2p_latency
+
+        boundary = max(results[:-1], key=lambda m: m.output_numel, default=None)
+        if boundary is not None:
+            latency = measure_p2p_latency(boundary.output_numel, boundary.output_dtype or "float32",
+                                          timeout_s=p2p_timeout_s)
+            measured = True
+    elif p2p is not False:
+        latency = float(p2p)
+    dev = str(device) if device is not None else "cpu"
+    return ProfileResult(results, latency, measured, memory_limit_mb, dev, name, description)

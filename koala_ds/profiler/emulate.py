@@ -1,0 +1,118 @@
+"""Emulated compute: pipeline stages whose forward, backward-input and backward-weight steps
+*sleep* for a given time while real tensors flow through the real engine.
+
+This is what makes `benchmarks/engine_speedup.py` able to run 4 to 8 pipeline ranks faithfully
+on a machine with 2 CPU cores: a sleeping rank uses no CPU, so the measured step time is the
+schedule plus the runtime's own overhead (Python, p2p), not kernel speed.
+
+The stage computes `out = SleepInput(x) + SleepWeight(w, x.detach())`:
+- `SleepInput` sleeps `forward` in its forward and `backward_input` in its backward (the
+  input-gradient path); it has no parameter;
+- `SleepWeight` has the stage's only parameter `w` (one value per hidden unit, initialised to
+  zero, so the activations pass through unchanged); it sleeps `backward_weight` in its
+  backward, which only produces the gradient of `w`.
+A first stage's input (data) needs no gradient; the runtimes then skip I and W runs the
+whole backward, so that stage's W step sleeps backward_input + backward_weight, as a real first
+stage's backward does (see `forward`). The two paths join at the addition: that node is where the split backward
+(`koala_ds.megatron.split_backward`, torch.distributed.pipelining's stage_backward_input /
+stage_backward_weight) cuts the graph, so an I step runs only `SleepInput`'s backward and a W
+step only `SleepWeight`'s. A full backward (B) runs both.
+
+`precise_sleep` sleeps to a deadline: `time.sleep` for the bulk (minus the measured wake-up
+latency of this machine), then a short spin, so a 1 ms op takes 1 ms, not 1.07 ms.
+torch is imported here: this module is for the engines' side only.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+_perf = time.perf_counter
+_WAKE_S = None  # measured wake-up latency of time.sleep (seconds), see calibrate()
+
+
+def calibrate(samples: int = 40, probe_s: float = 0.0005) -> float:
+    """Measure how late `time.sleep` wakes up on this machine (median, seconds)."""
+    global _WAKE_S
+    late = []
+    for _ in range(samples):
+        t0 = _perf()
+        time.sleep(probe_s)
+        late.append(_perf() - t0 - probe_s)
+    _WAKE_S = max(0.0, min(statistics.median(late), 0.002))
+    return _WAKE_S
+
+
+def precise_sleep(seconds: float) -> None:
+    """Sleep `seconds` (to a deadline): `time.sleep` for the bulk, ending early by the expected
+    wake-up latency (a running estimate, kept up to date by every call), then a short spin."""
+    global _WAKE_S
+    if seconds <= 0:
+        return
+    if _WAKE_S is None:
+        calibrate()
+    start = _perf()
+    deadline = start + seconds
+    bulk = seconds - 1.5 * _WAKE_S
+    if bulk > 0:
+        time.sleep(bulk)
+        late = _perf() - start - bulk
+        _WAKE_S = min(0.002, max(0.0, 0.8 * _WAKE_S + 0.2 * late))
+    while _perf() < deadline:
+        pass
+
+
+class SleepInput(torch.autograd.Function):
+    """Identity that sleeps `forward_s` forward and `input_s` in the input-gradient step."""
+
+    @staticmethod
+    def forward(ctx, x, forward_s: float, input_s: float):
+        precise_sleep(forward_s)
+        ctx.input_s = input_s
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        precise_sleep(ctx.input_s)
+        return grad, None, None
+
+
+class SleepWeight(torch.autograd.Function):
+    """`w` broadcast to the shape of `like`; its backward sleeps `weight_s` and returns dL/dw."""
+
+    @staticmethod
+    def forward(ctx, w, like, weight_s: float):
+        ctx.weight_s = weight_s
+        return like.new_zeros(like.shape) + w
+
+    @staticmethod
+    def backward(ctx, grad):
+        precise_sleep(ctx.weight_s)
+        return grad.reshape(-1, grad.shape[-1]).sum(0), None, None
+
+
+class EmulatedStage(torch.nn.Module):
+    """One virtual stage with emulated costs (milliseconds, as in a cost profile)."""
+
+    def __init__(self, forward_ms: float, backward_input_ms: float, backward_weight_ms: float, hidden: int = 8):
+        super().__init__()
+        self.forward_s = forward_ms / 1000.0
+        self.input_s = backward_input_ms / 1000.0
+        self.weight_s = backward_weight_ms / 1000.0
+        self.weight = torch.nn.Parameter(torch.zeros(hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.requires_grad and torch.is_grad_enabled():
+            # a first stage (its input is data): a real model still backpropagates through its
+            # layers to reach their weights, so the input-path work exists; the runtimes run it
+            # inside W (they compute no input gradient there): stage 0's W = I + W.
+            x = x.detach().requires_grad_()
+        return SleepInput.apply(x, self.forward_s, self.input_s) + \
+            SleepWeight.apply(self.weight, x.detach(), self.weight_s)
+
+
+def emulated_stages(profile, hidden: int = 8) -> list[EmulatedStage]:
+    """One `EmulatedStage` per stage of a `koala_ds.sim.CostProfile`."""
+    return [EmulatedStage(s.forward, s.backward_input, s.backward_weight, hidden) for s in profile.stages]

@@ -1,0 +1,191 @@
+"""Stage modules of real models for the profiler: megatron-core's GPT (as in
+examples/megatron_gpt) and the layers of a DeepSpeed PipelineModule."""
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import torch
+
+
+# -- megatron-core GPT ------------------------------------------------------------------------
+class GPTStage(torch.nn.Module):
+    """One virtual stage of the example GPT: a megatron-core GPTModel chunk with its layers,
+    called the way examples/megatron_gpt's forward_step_func calls it."""
+
+    def __init__(self, chunk, seq_length: int, micro_batch_size: int, labels: torch.Tensor | None):
+        super().__init__()
+        self.chunk = chunk
+        self.seq_length, self.mbs = seq_length, micro_batch_size
+        self.register_buffer("position_ids", torch.arange(seq_length).unsqueeze(0).expand(micro_batch_size, -1).clone(),
+                             persistent=False)
+        self.register_buffer("mask", torch.ones(1, 1, seq_length, seq_length, dtype=torch.bool).tril().logical_not(),
+                             persistent=False)
+        self.labels = labels
+
+    def forward(self, x):
+        if self.chunk.pre_process:
+            tokens = x
+        else:
+            self.chunk.set_input_tensor(x)
+            tokens = None
+        return self.chunk(tokens, self.position_ids, self.mask,
+                          labels=self.labels if self.chunk.post_process else None)
+
+
+def _init_single_process_megatron(seed: int) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from .launch import free_port
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(1, 1)
+    from ..megatron.cpu import prepare_cpu
+
+    prepare_cpu(seed=seed)
+    if torch.cuda.is_available():
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(seed)
+
+
+def megatron_gpt_stages(num_layers: int, hidden_size: int, num_attention_heads: int, seq_length: int,
+                        micro_batch_size: int, vocab_size: int, num_stages: int, seed: int = 1234, device=None):
+    """The GPT of examples/megatron_gpt split into `num_stages` virtual stages (num_layers /
+    num_stages transformer layers each; embedding on the first, output layer and loss on the
+    last), built in this process, and a sample input (token ids) for the first stage."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if num_layers % num_stages:
+        raise ValueError(f"--num-layers {num_layers} is not a multiple of the {num_stages} stages")
+    _init_single_process_megatron(seed)
+    lps = num_layers // num_stages
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab_size, (micro_batch_size, seq_length), generator=g).to(device)
+    labels = torch.randint(0, vocab_size, (micro_batch_size, seq_length), generator=g).to(device)
+    stages = []
+    for s in range(num_stages):
+        config = TransformerConfig(num_layers=lps, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+                                   use_cpu_initialization=True, pipeline_dtype=torch.float32,
+                                   params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
+                                   bias_dropout_fusion=False, gradient_accumulation_fusion=False)
+        torch.manual_seed(seed + s)
+        chunk = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=vocab_size, max_sequence_length=seq_length,
+                         pre_process=s == 0, post_process=s == num_stages - 1,
+                         share_embeddings_and_output_weights=False)
+        stages.append(GPTStage(chunk, seq_length, micro_batch_size, labels).to(device))
+    return stages, tokens
+
+
+def profile_megatron_gpt(num_layers: int = 8, hidden_size: int = 64, num_attention_heads: int = 4,
+                         seq_length: int = 32, micro_batch_size: int = 2, vocab_size: int = 128, p: int = 4,
+                         v: int = 1, seed: int = 1234, device=None, **kwargs):
+    """Profile the example GPT for p ranks x v chunks (p * v virtual stages); kwargs go to
+    `profile_stages` (warmup, iters, p2p, memory_limit_mb, ...)."""
+    from .core import profile_stages
+
+    stages, tokens = megatron_gpt_stages(num_layers, hidden_size, num_attention_heads, seq_length, micro_batch_size,
+                                         vocab_size, p * v, seed, device)
+    kwargs.setdefault("name", f"megatron-gpt-L{num_layers}-H{hidden_size}-S{p * v}")
+    kwargs.setdefault("description", f"megatron-core GPTModel (local spec), {num_layers} layers, hidden {hidden_size}, "
+                                     f"{num_attention_heads} heads, seq {seq_length}, micro-batch {micro_batch_size}, "
+                                     f"vocab {vocab_size}; {p * v} virtual stages (p={p}, v={v})")
+    result = profile_stages(stages, tokens, device=device, loss_fn=lambda out: out.float().mean(), **kwargs)
+    result.extra_meta.update({"model": "megatron-gpt", "p": p, "v": v})
+    return result
+
+
+# -- DeepSpeed PipelineModule -------------------------------------------------------------------
+class _Layers(torch.nn.Module):
+    def __init__(self, funcs: list):
+        super().__init__()
+        self.funcs = funcs
+        self.mods = torch.nn.ModuleList([f for f in funcs if isinstance(f, torch.nn.Module)])
+
+    def forward(self, x):
+        for f in self.funcs:
+            x = f(x)
+        return x
+
+
+def pipeline_module_stages(module_or_layers, num_stages: int, partition_method: str = "parameters"):
+    """Build the stages of a DeepSpeed pipeline model in this process: the layer list (LayerSpec,
+    TiedLayerSpec, modules, callables) of a `PipelineModule` (its `_layer_specs`) or a list,
+    partitioned as PipelineModule partitions it (uniform, parameters, type:REGEX)."""
+    import re
+
+    from deepspeed.runtime import utils as ds_utils
+    from deepspeed.runtime.pipe.module import LayerSpec, TiedLayerSpec
+
+    specs = list(getattr(module_or_layers, "_layer_specs", module_or_layers))
+    method = getattr(module_or_layers, "partition_method", partition_method).lower()
+    built, tied = [], {}
+    for spec in specs:
+        if isinstance(spec, TiedLayerSpec):
+            if spec.key not in tied:
+                tied[spec.key] = spec.build()
+            mod = tied[spec.key]
+            if spec.forward_fn is not None:
+                built.append(lambda x, mod=mod, fn=spec.forward_fn: fn(mod, x))
+                built[-1].module = mod
+            else:
+                built.append(mod)
+        elif isinstance(spec, LayerSpec):
+            built.append(spec.build())
+        else:
+            built.append(spec)
+
+    def name(spec):
+        if isinstance(spec, LayerSpec):
+            return spec.typename.__name__
+        if isinstance(spec, torch.nn.Module):
+            return spec.__class__.__name__
+        return getattr(spec, "__name__", "")
+
+    if method == "uniform":
+        parts = ds_utils.partition_uniform(num_items=len(specs), num_parts=num_stages)
+    elif method == "parameters":
+        counts = [sum(p.numel() for p in b.parameters() if p.requires_grad) if isinstance(b, torch.nn.Module) else 0
+                  for b in built]
+        parts = ds_utils.partition_balanced(weights=counts, num_parts=num_stages)
+    elif method.startswith("type:"):
+        rx = re.compile(method.split(":", 1)[1], re.IGNORECASE)
+        parts = ds_utils.partition_balanced(weights=[1 if rx.search(name(s)) else 0 for s in specs],
+                                            num_parts=num_stages)
+    else:
+        raise ValueError(f"partition method {method!r}: use uniform, parameters or type:REGEX")
+    stages = []
+    for s in range(num_stages):
+        funcs = built[parts[s]:parts[s + 1]]
+        mods = [f if isinstance(f, torch.nn.Module) else getattr(f, "module", None) for f in funcs]
+        layer = _Layers(funcs)
+        layer.extra = torch.nn.ModuleList([m for m in mods if m is not None and not isinstance(m, type(None))
+                                           and m not in list(layer.mods)])
+        stages.append(layer)
+    return stages
+
+
+def profile_pipeline_module(module_or_layers, sample_input, num_stages: int, partition_method: str = "parameters",
+                            loss_fn=None, **kwargs):
+    """Profile a DeepSpeed pipeline model (a `PipelineModule` or its layer list) split into
+    `num_stages` virtual stages; `loss_fn(output)` (default: the module's `loss_fn` applied to
+    `(output, labels)` is not known here, so the mean of the output)."""
+    from .core import profile_stages
+
+    stages = pipeline_module_stages(module_or_layers, num_stages, partition_method)
+    if loss_fn is None and getattr(module_or_layers, "loss_fn", None) is not None and "labels" in kwargs:
+        labels = kwargs.pop("labels")
+        module_loss = module_or_layers.loss_fn
+        loss_fn = lambda out: module_loss(out, labels)  # noqa: E731
+    kwargs.setdefault("name", f"deepspeed-pipeline-S{num_stages}")
+    result = profile_stages(stages, sample_input, loss_fn=loss_fn, **kwargs)
+    result.extra_meta.update({"model": "deepspeed PipelineModule", "partition_method": partition_method})
+    return result

@@ -1,0 +1,166 @@
+"""The profiler (koala profile) and the emulated-compute stages of benchmarks/engine_speedup.py.
+
+Real engines, small: one 2-process megatron-core run through koala_ds.megatron, one 2-process
+gloo ping-pong, one `koala profile megatron-gpt` on a 2-layer GPT. Every multi-process part
+has a deadline. The whole file takes well under 2 minutes on 2 CPU cores.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from koala_ds.profiler.core import measure_stage, profile_stages  # noqa: E402
+from koala_ds.profiler.emulate import EmulatedStage  # noqa: E402
+from koala_ds.sim import CostProfile, load_profile, simulate  # noqa: E402
+
+B, D, H = 16, 24, 40
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def linear_stack():
+    return torch.nn.Sequential(torch.nn.Linear(D, H), torch.nn.ReLU(), torch.nn.Linear(H, D))
+
+
+def test_linear_stack_profile_times_memory_and_json(tmp_path):
+    torch.manual_seed(0)
+    stages = [linear_stack() for _ in range(3)]
+    result = profile_stages(stages, torch.randn(B, D), warmup=1, iters=3)
+    data = result.to_dict()
+    # saved for backward per stage: the input of the first Linear (B x D) and the ReLU output, which is
+    # also the second Linear's input (B x H, one storage); weights are parameters and do not count
+    expected = 4 * B * (D + H)
+    assert [m.activation_bytes for m in result.stages] == [expected] * 3
+    for st, m in zip(data["stages"], result.stages):
+        assert st["activation_mb"] == pytest.approx(expected / 2**20, rel=1e-5)
+        assert 0 < st["w_hold_mb"] <= st["activation_mb"]
+        assert st["forward"] > 0 and st["backward_weight"] > 0 and st["backward_input"] > 0
+        assert m.backward_full and all(x > 0 for x in m.backward_full)
+    # the first stage's input is data (no gradient): I has nothing to do, W runs the whole backward
+    assert data["meta"]["stages"][0]["input_gradient"] is False
+    assert data["meta"]["stages"][1]["input_gradient"] is True
+    path = tmp_path / "prof.json"
+    result.write(path)
+    prof = load_profile(path)
+    assert prof.num_stages == 3 and prof.p2p_latency == 0.0
+    simulate(__import__("koala_ds.library", fromlist=["x"]).load_schedule("1f1b", 3, 4), prof)
+
+
+def test_w_hold_counts_what_the_weight_step_still_needs():
+    # one Linear: its saved input is all the activation, and W needs it: w_hold == activation
+    lin = torch.nn.Linear(D, D)
+    meas = measure_stage(lin, lambda: torch.randn(B, D, requires_grad=True), is_last=False, warmup=0, iters=2)
+    assert meas.activation_bytes == 4 * B * D
+    assert meas.w_hold_bytes >= meas.activation_bytes  # the input plus the gradient recorded for W
+
+
+def _near(got: float, want: float) -> bool:
+    """A sleep never ends early; Python around it (and a loaded 2-core machine) adds a little."""
+    return want - 0.05 <= got <= want * 1.15 + 1.5
+
+
+def test_emulated_stage_measures_its_sleep_times():
+    """What makes the benchmark faithful: F, I and W each take their own sleep, no more.
+    (The values are far enough apart that a sleep in the wrong step would be caught.)"""
+    f, i, w = 2.0, 5.0, 10.0
+    stage = EmulatedStage(f, i, w)
+    meas = measure_stage(stage, lambda: torch.randn(2, 1, 8, requires_grad=True), is_last=False, warmup=2, iters=7)
+    for name, want in (("forward", f), ("backward_input", i), ("backward_weight", w), ("backward_full", i + w)):
+        got = meas.median(name)
+        assert _near(got, want), f"{name}: measured {got:.3f} ms for a {want} ms sleep"
+    # through the profiler: an emulated model profiles back to its own costs; on stage 0 (input = data,
+    # no input gradient) I is empty and W runs the whole backward, as on the runtimes
+    costs = [(1.0, 3.0, 6.0), (3.0, 4.0, 8.0)]
+    result = profile_stages([EmulatedStage(*c) for c in costs], torch.randn(2, 1, 8), warmup=2, iters=5,
+                            full_backward=False)
+    st = result.to_dict()["stages"]
+    assert st[0]["backward_input"] < 0.5
+    assert _near(st[0]["backward_weight"], 9.0), st[0]
+    for name, want in zip(("forward", "backward_input", "backward_weight"), costs[1]):
+        assert _near(st[1][name], want), (name, st[1])
+
+
+def test_pipeline_module_layers_are_partitioned_like_deepspeed():
+    pytest.importorskip("deepspeed")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.pipe import LayerSpec
+    from deepspeed.runtime.utils import partition_uniform
+
+    from koala_ds.profiler.models import pipeline_module_stages, profile_pipeline_module
+
+    layers = [LayerSpec(torch.nn.Linear, D, D) for _ in range(4)] + [torch.nn.ReLU()]
+    parts = partition_uniform(num_items=5, num_parts=2)
+    stages = pipeline_module_stages(layers, 2, "uniform")
+    assert [len(s.funcs) for s in stages] == [parts[1] - parts[0], parts[2] - parts[1]]
+    result = profile_pipeline_module(layers, torch.randn(B, D), 2, partition_method="uniform", warmup=0, iters=2)
+    # each Linear saves its input (B x D); the trailing ReLU saves its output (B x D)
+    saved = [sum(1 for _ in s.funcs) for s in stages]
+    assert [m.activation_bytes for m in result.stages] == [4 * B * D * n for n in saved]
+
+
+@pytest.mark.timeout(90)
+def test_p2p_pingpong_latency():
+    from koala_ds.profiler.p2p import measure_p2p_latency
+
+    ms = measure_p2p_latency(1024, iters=10, timeout_s=80)
+    assert 0 < ms < 100
+
+
+@pytest.mark.timeout(120)
+def test_koala_profile_megatron_gpt_cli(tmp_path):
+    pytest.importorskip("megatron.core")
+    import subprocess
+    import sys
+
+    out = tmp_path / "gpt.json"
+    proc = subprocess.run([sys.executable, "-m", "koala_ds.cli", "profile", "megatron-gpt", "--num-layers", "2",
+                           "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8", "-p", "2",
+                           "--warmup", "1", "--iters", "2", "--p2p-latency", "0.05", "-o", str(out)],
+                          capture_output=True, text=True, timeout=110,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    prof = load_profile(out)
+    assert prof.num_stages == 2 and prof.p2p_latency == 0.05
+    data = json.loads(out.read_text())
+    assert data["meta"]["model"] == "megatron-gpt"
+    # seq 8 x micro-batch 2 x hidden 16 fp32 crosses the stage boundary
+    assert data["meta"]["stages"][0]["output_shape"] == [8, 2, 16]
+    for st in prof.stages:
+        assert st.forward > 0 and st.backward_weight > 0 and st.activation_mb > 0
+    assert prof.stages[1].backward_input > 0
+    assert "koala search --profile" in proc.stdout
+
+
+@pytest.mark.timeout(150)
+def test_emulated_model_through_koala_megatron_matches_the_simulator():
+    """Sanity check with wide bounds, not a performance claim: 2 ranks, 10 ms per op."""
+    pytest.importorskip("megatron.core")
+    from koala_ds.library import load_schedule
+    from koala_ds.profiler.engine_runs import step_times_ms
+    from koala_ds.profiler.launch import spawn
+
+    p, m = 2, 4
+    profile = CostProfile.uniform(p, 10.0, 10.0, 10.0)
+    jobs, sims = [], []
+    for name in ("1f1b", "zb-h1"):
+        sched = load_schedule(name, p, m)
+        costs = [[10.0, 10.0, 10.0]] * p
+        jobs.append({"key": name, "schedule": sched.to_dict(), "costs": costs, "warmup": 1, "steps": 4})
+        # the runtime has no input gradient on stage 0: its I is empty and W runs the whole backward
+        folded = CostProfile((profile.stages[0].__class__(10.0, 0.0, 20.0),) + profile.stages[1:])
+        sims.append(simulate(sched, folded).makespan)
+    res = spawn("koala_ds.profiler.engine_runs:megatron_worker", p, {"jobs": jobs, "timeout_s": 60}, timeout_s=140)
+    for (job, steps), sim in zip(zip(jobs, step_times_ms(res, 1)), sims):
+        got = statistics.median(steps)
+        assert 0.97 * sim <= got <= 1.6 * sim, f"{job['key']}: measured {got:.1f} ms, simulated {sim:.1f} ms"
