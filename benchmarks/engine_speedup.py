@@ -291,7 +291,7 @@ def choose_jobs(cfg: dict, calib_steps: list[list[float]]) -> dict:
 
 def run_engine(engine: str, p: int, spec: dict, timeout_s: float) -> list:
     """Per-rank results of the engine's worker (koala_ds.profiler.engine_runs)."""
-    from koala_ds.profiler.launch import spawn
+    from koala_ds.spawn import spawn
 
     spec = dict(spec, timeout_s=120)
     if engine == "deepspeed":  # DeepSpeed's own CPU set-up (DS_ACCELERATOR=cpu, deepspeed.init_distributed)

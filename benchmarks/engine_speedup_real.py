@@ -31,7 +31,7 @@ def main_real(args, say) -> int:
 
     say(BANNER)
     from koala_ds.profiler.engine_runs import step_times_ms
-    from koala_ds.profiler.launch import spawn
+    from koala_ds.spawn import spawn
     from koala_ds.profiler.p2p import measure_p2p_latency
 
     p = (args.p or [2])[0]

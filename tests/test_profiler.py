@@ -148,7 +148,7 @@ def test_emulated_model_through_koala_megatron_matches_the_simulator():
     pytest.importorskip("megatron.core")
     from koala_ds.library import load_schedule
     from koala_ds.profiler.engine_runs import step_times_ms
-    from koala_ds.profiler.launch import spawn
+    from koala_ds.spawn import spawn
 
     p, m = 2, 4
     profile = CostProfile.uniform(p, 10.0, 10.0, 10.0)

@@ -12,110 +12,31 @@ does not depend on how the layers are partitioned.
 """
 from __future__ import annotations
 
-import importlib
-import logging
 import os
-import pickle
-import socket
-import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from ..spawn import SpawnError, launch as spawn_launch
+
 _REPO = Path(__file__).resolve().parents[2]
 DEFAULT_EXTENSIONS_DIR = _REPO / ".cache" / "torch_extensions"
 
 
-class LaunchError(RuntimeError):
-    """A worker process failed or the launch ran past its deadline."""
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _entry(target: str, rank: int, world: int, port: int, spec: Any, out: str, pg_timeout_s: float) -> None:
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "LOCAL_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(DEFAULT_EXTENSIONS_DIR))
-    result: dict[str, Any]
-    try:
-        import datetime
-
-        torch.set_num_threads(1)
-        import deepspeed
-        from deepspeed.utils import logger as ds_logger
-
-        ds_logger.setLevel(logging.WARNING)
-        deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=pg_timeout_s))
-        module_name, func_name = target.split(":")
-        worker = getattr(importlib.import_module(module_name), func_name)
-        result = {"ok": True, "value": worker(rank, world, spec)}
-    except BaseException as exc:  # reported to the parent, which raises
-        result = {"ok": False, "type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
-    with open(os.path.join(out, f"rank{rank}.pkl"), "wb") as fh:
-        pickle.dump(result, fh)
-    if not result["ok"]:
-        os._exit(1)
+LaunchError = SpawnError  # a worker failed or the launch ran past its deadline
 
 
 def launch(worker: Callable | str, world_size: int, spec: Any = None, timeout_s: float = 240.0,
            pg_timeout_s: float = 120.0, allow_failures: bool = False,
            wait_ranks: list[int] | None = None) -> list[dict]:
-    """Run `worker(rank, world_size, spec)` in `world_size` processes; return each rank's result
-    dict ({"ok": True, "value": ...} or {"ok": False, "type", "message", "traceback"}).
-
-    With allow_failures=False a failed rank raises `LaunchError` with its traceback. As soon as
-    one rank has failed, the others get a few seconds and are then killed. With `wait_ranks`,
-    the other ranks are killed as soon as those have finished."""
-    import torch.multiprocessing as mp
-
-    target = worker if isinstance(worker, str) else f"{worker.__module__}:{worker.__qualname__}"
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    with tempfile.TemporaryDirectory(prefix="koala-ds-") as out:
-        procs = [ctx.Process(target=_entry, args=(target, r, world_size, port, spec, out, pg_timeout_s), daemon=True)
-                 for r in range(world_size)]
-        for proc in procs:
-            proc.start()
-        deadline = time.monotonic() + timeout_s
-        failed_at = None
-        watched = procs if wait_ranks is None else [procs[r] for r in wait_ranks]
-        while any(p.is_alive() for p in watched):
-            now = time.monotonic()
-            if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
-                failed_at = now
-            if now > deadline or (failed_at is not None and now > failed_at + 15):
-                break
-            time.sleep(0.05)
-        timed_out = time.monotonic() > deadline
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-            proc.join(timeout=10)
-        results = []
-        for r in range(world_size):
-            path = os.path.join(out, f"rank{r}.pkl")
-            if os.path.exists(path):
-                with open(path, "rb") as fh:
-                    results.append(pickle.load(fh))
-            else:
-                results.append({"ok": False, "type": "Killed",
-                                "message": "no result (timed out or killed)" if timed_out else "no result (killed)",
-                                "traceback": ""})
-    if not allow_failures:
-        bad = [(r, res) for r, res in enumerate(results) if not res["ok"]]
-        if bad:
-            text = "\n".join(f"rank {r}: {res['type']}: {res['message']}\n{res['traceback']}" for r, res in bad)
-            raise LaunchError(f"{len(bad)} of {world_size} ranks failed{' (deadline passed)' if timed_out else ''}:"
-                              f"\n{text}")
-    return results
+    """Run `worker(rank, world_size, spec)` in `world_size` processes with DeepSpeed's CPU
+    environment; return each rank's result dict (see `koala_ds.spawn.launch`)."""
+    env = {"DS_ACCELERATOR": "cpu",
+           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(DEFAULT_EXTENSIONS_DIR))}
+    return spawn_launch(worker, world_size, spec, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s, init="deepspeed",
+                        env=env, allow_failures=allow_failures, wait_ranks=wait_ranks)
 
 
 # -- a tiny model --------------------------------------------------------------------------

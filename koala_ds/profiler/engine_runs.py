@@ -1,4 +1,4 @@
-"""Emulated-compute runs of the real engines (workers for `koala_ds.profiler.launch.spawn`).
+"""Emulated-compute runs of the real engines (workers for `koala_ds.spawn.spawn`).
 
 `megatron_worker` runs, on every pipeline rank, the jobs of a spec through the real
 `koala_ds.megatron` forward_backward_func (megatron-core's forward_step / backward_step,

@@ -37,7 +37,7 @@ def _init_single_process_megatron(seed: int) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from .launch import free_port
+    from ..spawn import free_port
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -30,8 +30,8 @@ def pingpong_worker(rank: int, world: int, spec: dict) -> dict:
 
 def measure_p2p_latency(numel: int, dtype: str = "float32", iters: int = 50, timeout_s: float = 120.0) -> float:
     """One-way latency (ms) of a message of `numel` elements: median round trip / 2 between two
-    local gloo processes. Raises `koala_ds.profiler.launch.SpawnError` past `timeout_s`."""
-    from .launch import spawn
+    local gloo processes. Raises `koala_ds.spawn.SpawnError` past `timeout_s`."""
+    from ..spawn import spawn
 
     res = spawn("koala_ds.profiler.p2p:pingpong_worker", 2, {"numel": numel, "dtype": dtype, "iters": iters},
                 timeout_s=timeout_s)

@@ -1,0 +1,140 @@
+"""Run a function in several local processes with a process group and a deadline.
+
+Used by the engine tests, the profiler and the benchmarks. `launch("pkg.module:func", world,
+spec)` starts `world` spawned processes with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+MASTER_PORT set, initialises a gloo process group (through torch, or through
+`deepspeed.init_distributed` with `init="deepspeed"`), calls `func(rank, world, spec)` in each
+and returns one result dict per rank. Processes still alive at the deadline, or 15 s after
+another rank failed, are killed: nothing hangs. torch is imported only in the workers.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+GRACE_AFTER_FAILURE_S = 15.0
+
+
+class SpawnError(RuntimeError):
+    """A worker process failed, or the job ran past its deadline."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _init_process_group(init: str | None, pg_timeout_s: float) -> None:
+    import datetime
+
+    timeout = datetime.timedelta(seconds=pg_timeout_s)
+    if init == "deepspeed":
+        import deepspeed
+        from deepspeed.utils import logger as ds_logger
+
+        ds_logger.setLevel("WARNING")
+        deepspeed.init_distributed(dist_backend="gloo", timeout=timeout)
+    elif init == "gloo":
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", timeout=timeout)
+
+
+def _entry(target: str, rank: int, world: int, port: int, spec: Any, out: str, pg_timeout_s: float,
+           init: str | None, env: dict) -> None:
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "LOCAL_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                       "OMP_NUM_THREADS": "1", **env})
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        _init_process_group(init, pg_timeout_s)
+        module_name, func_name = target.split(":")
+        func = getattr(importlib.import_module(module_name), func_name)
+        result = {"ok": True, "value": func(rank, world, spec)}
+    except BaseException as exc:  # reported to the parent
+        result = {"ok": False, "type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
+    with open(os.path.join(out, f"rank{rank}.pkl"), "wb") as fh:
+        pickle.dump(result, fh)
+    try:
+        import torch.distributed as dist
+
+        if result["ok"] and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+    os._exit(0 if result["ok"] else 1)
+
+
+def launch(target: Callable | str, world: int, spec: Any = None, *, timeout_s: float = 300.0,
+           pg_timeout_s: float = 60.0, init: str | None = "gloo", env: dict | None = None,
+           allow_failures: bool = False, wait_ranks: list[int] | None = None, retries: int = 3) -> list[dict]:
+    """`target(rank, world, spec)` in `world` processes; one dict per rank: {"ok": True, "value": ...}
+    or {"ok": False, "type", "message", "traceback"}. A failed rank raises `SpawnError` unless
+    `allow_failures`. With `wait_ranks`, the other ranks are killed once those have finished. A
+    launch whose rendezvous port was taken meanwhile (EADDRINUSE) is retried on a new port."""
+    if not isinstance(target, str):
+        target = f"{target.__module__}:{target.__qualname__}"
+    for attempt in range(retries + 1):
+        results, timed_out = _launch_once(target, world, spec, timeout_s, pg_timeout_s, init, dict(env or {}),
+                                          wait_ranks)
+        bad = [(r, res) for r, res in enumerate(results) if not res["ok"]]
+        if bad and attempt < retries and any("EADDRINUSE" in res["message"] for _, res in bad):
+            continue
+        if bad and not allow_failures:
+            text = "\n".join(f"rank {r}: {res['type']}: {res['message']}\n{res['traceback']}" for r, res in bad[:3])
+            raise SpawnError(f"{target}: {len(bad)} of {world} ranks failed"
+                             f"{' (deadline of %.0f s passed)' % timeout_s if timed_out else ''}:\n{text}")
+        return results
+    raise AssertionError("unreachable")
+
+
+def spawn(target: Callable | str, world: int, spec: Any = None, **kwargs) -> list:
+    """`launch` that returns the workers' return values (raising `SpawnError` on any failure)."""
+    return [res["value"] for res in launch(target, world, spec, **kwargs)]
+
+
+def _launch_once(target: str, world: int, spec: Any, timeout_s: float, pg_timeout_s: float, init: str | None,
+                 env: dict, wait_ranks: list[int] | None) -> tuple[list[dict], bool]:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="koala-spawn-") as out:
+        procs = [ctx.Process(target=_entry, args=(target, r, world, port, spec, out, pg_timeout_s, init, env),
+                             daemon=True) for r in range(world)]
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + timeout_s
+        failed_at = None
+        watched = procs if wait_ranks is None else [procs[r] for r in wait_ranks]
+        while any(p.is_alive() for p in watched):
+            now = time.monotonic()
+            if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+                failed_at = now
+            if now > deadline or (failed_at is not None and now > failed_at + GRACE_AFTER_FAILURE_S):
+                break
+            time.sleep(0.05)
+        timed_out = time.monotonic() > deadline
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=10)
+        results = []
+        for r in range(world):
+            path = os.path.join(out, f"rank{r}.pkl")
+            if os.path.exists(path):
+                with open(path, "rb") as fh:
+                    results.append(pickle.load(fh))
+            else:
+                results.append({"ok": False, "type": "Killed", "traceback": "",
+                                "message": "no result (deadline passed)" if timed_out else "no result (killed)"})
+    return results, timed_out
