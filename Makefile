@@ -17,7 +17,7 @@ setup: $(STAMP)
 
 demo: $(STAMP)
 	mkdir -p out
-	$(VENV)/bin/koala search --profile gpt-lmhead-8 -m 16 --time-budget 10 --seed 0 --quiet \
+	$(VENV)/bin/koala search --profile gpt-chunks-8 -v 2 -m 8 --time-budget 10 --seed 0 --quiet \
 		-o out/best.koala --gantt out/best.png
 
 test: $(STAMP)

@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from ..ir import ScheduleError
 from .problem import PlacementProblem
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,8 @@ EPS = 1e-9
 
 
 class Timing:
-    """The asynchronous timing model on the simulator's integer codes, with start times."""
+    """Start times from the simulator (async mode), plus each code's duration, dependency and
+    latency for the critical-path analysis of the moves."""
 
     def __init__(self, part: PlacementProblem):
         sim, pl = part.sim, part.placement
@@ -69,47 +71,14 @@ class Timing:
                         self.dep[code] = (bk * S + nxt) * m + mb
                         self.lat[code] = lat if ranks[nxt] != ranks[s] else 0.0
         self.p = pl.p
+        self.sim = sim
 
     def run(self, codes: Sequence[Sequence[int]]) -> tuple[list[float], list[list[float]]] | None:
         """(finish time of each rank, start time of each action per rank), or None on a deadlock."""
-        dur, dep, lat = self.dur, self.dep, self.lat
-        p = self.p
-        end: dict[int, float] = {}
-        waiter: dict[int, int] = {}
-        pos = [0] * p
-        free = [0.0] * p
-        starts: list[list[float]] = [[] for _ in range(p)]
-        stack = list(range(p - 1, -1, -1))
-        while stack:
-            r = stack.pop()
-            order = codes[r]
-            n = len(order)
-            i = pos[r]
-            t = free[r]
-            rec = starts[r].append
-            while i < n:
-                c = order[i]
-                d = dep[c]
-                if d >= 0:
-                    e = end.get(d)
-                    if e is None:
-                        waiter[d] = r
-                        break
-                    a = e + lat[c]
-                    if a > t:
-                        t = a
-                rec(t)
-                t += dur[c]
-                end[c] = t
-                w = waiter.pop(c, -1)
-                if w >= 0:
-                    stack.append(w)
-                i += 1
-            pos[r] = i
-            free[r] = t
-        if any(pos[r] < len(codes[r]) for r in range(p)):
+        try:
+            return self.sim.start_times(codes)
+        except ScheduleError:
             return None
-        return free, starts
 
 
 @dataclass

@@ -297,6 +297,11 @@ class Simulator:
         return SimResult(name, mode, self.p, self.m, v, makespan, busy, idle, tuple(free), bubble, peaks,
                          self.memory_limits, self.fits_memory(peaks), events)
 
+    def start_times(self, codes: Sequence[Sequence[int]], mode: str = "async") -> tuple[list[float], list[list[float]]]:
+        """(finish time of each rank, start time of each action per rank) for integer-coded
+        orders, unchecked (the search's inner loop); raises ScheduleError on a deadlock."""
+        return self._times([list(c) for c in codes], mode, True)
+
     def _peaks(self, codes: list[list[int]]) -> tuple[float, ...]:
         mem = self._mem
         peaks = []
