@@ -285,3 +285,18 @@ def test_release_tail_bound_is_below_every_schedule(p, m, v, backward, tight, st
         assert ev.makespan >= bound - 1e-9
     assert checked > 0
     assert part.lower_bound >= bound - 1e-12
+
+
+def test_cli_names_the_best_fitting_predefined_schedule_and_never_loses_to_it(tmp_path, capsys):
+    import re
+
+    from koala_ds.cli import main
+
+    out = tmp_path / "best.koala"
+    assert main(["search", "--profile", "gpt-chunks-8", "-v", "2", "-m", "8", "--generations", "2", "--seed", "0",
+                 "--quiet", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    found = re.search(r"best predefined schedule that fits: (\S+) ([\d.]+) ms; searched is ([\d.]+)x its speed", text)
+    assert found, text
+    assert float(found.group(3)) >= 1.0
+    assert found.group(1) in text.split("lower bound")[0]

@@ -15,7 +15,7 @@ from ..sim import bundled_profiles, load_profile, simulate
 log = logging.getLogger(__name__)
 
 
-def resultformat_table(result, limit: float | None) -> str:
+def result_table(result, limit: float | None) -> str:
     """The result and every library schedule valid for the configuration."""
     base = next((r.makespan for r in result.library if r.name == "1f1b"), None)
 
@@ -38,6 +38,7 @@ def resultformat_table(result, limit: float | None) -> str:
 
 def cmd_search(args: argparse.Namespace) -> int:
     from ..search import SearchProblem, search
+    from ..search.ga import best_predefined
     from ..search.problem import SearchError
 
     profile = load_profile(args.profile)
@@ -88,10 +89,16 @@ def cmd_search(args: argparse.Namespace) -> int:
                           (f", best found {ex.makespan:.6g} ms" if ex.makespan is not None else ""))
     if result.interrupted:
         print(f"interrupted: wrote the best schedule so far to {out}")
-    print(resultformat_table(result, problem.memory_limit_mb))
+    print(result_table(result, problem.memory_limit_mb))
     print(f"lower bound {result.lower_bound:.6g} ms; searched schedule {result.gap:+.2%} over it "
           f"(placement {schedule.placement.describe()}, found by {result.origin}; {result.generations} generations, "
           f"{result.evaluations} try-tests, {result.wall_s:.1f} s, stopped: {result.stopped})")
+    best = best_predefined(result.library)
+    if best is None:
+        print("no predefined schedule fits the memory limit")
+    else:
+        print(f"best predefined schedule that fits: {best.name} {best.makespan:.6g} ms; searched is "
+              f"{best.makespan / result.makespan:.3f}x its speed")
     if exact_line:
         print(exact_line)
     print(f"wrote {out}")
