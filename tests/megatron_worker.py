@@ -258,15 +258,9 @@ def run_topology(topo, ref, ref_dp, tmp):
                         prm.copy_(shard(weights[full_name(name, stage, lps)], prm, tp_rank, tp))
                 chunks.append(chunk)
 
-            def finalize(model_list, num_tokens, pg_collection=None, force_all_reduce=False):
-                if dp > 1:
-                    for chunk in model_list:
-                        for prm in chunk.parameters():
-                            if prm.grad is not None:
-                                dist.all_reduce(prm.grad, group=dp_group)
-                                prm.grad /= dp
+            from koala_ds.megatron.cpu import data_parallel_finalize
 
-            config.finalize_model_grads_func = finalize
+            config.finalize_model_grads_func = data_parallel_finalize(dp_group, dp)
             iters = [iter(data) for _ in chunks]
             kwargs = dict(forward_step_func=forward_step_func, data_iterator=iters if v > 1 else iters[0],
                           model=chunks if v > 1 else chunks[0], num_microbatches=M, seq_length=SEQ,

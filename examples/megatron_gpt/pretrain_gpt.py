@@ -31,6 +31,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from koala_ds.megatron import add_arguments, install  # noqa: E402
+from koala_ds.megatron.cpu import data_parallel_finalize  # noqa: E402
 from koala_ds.megatron.resolve import resolve  # noqa: E402
 
 log = logging.getLogger("pretrain_gpt")
@@ -205,16 +206,8 @@ def main(argv=None) -> int:
     chunks = build_model(args, config, stages, pp * v, device)
     dp_group = ps.get_data_parallel_group()
 
-    def finalize_model_grads(model_list, num_tokens=None, pg_collection=None, force_all_reduce=False):
-        """Data-parallel gradient reduction with plain all-reduce (Megatron's DDP needs CUDA)."""
-        if dp > 1:
-            for chunk in model_list:
-                for prm in chunk.parameters():
-                    if prm.grad is not None:
-                        dist.all_reduce(prm.grad, group=dp_group)
-                        prm.grad /= dp
-
-    config.finalize_model_grads_func = finalize_model_grads
+    # data-parallel gradient reduction with plain all-reduce (Megatron's DDP needs CUDA)
+    config.finalize_model_grads_func = data_parallel_finalize(dp_group, dp)
     params = [q for c in chunks for q in c.parameters()]
     optimizer = torch.optim.Adam(params, lr=args.lr)
     corpus = MarkovCorpus(args.vocab_size, args.seed)

@@ -72,3 +72,19 @@ def prepare_cpu(seed: int = 1234, attention_buffer_elements: int = 1 << 22) -> b
     mrandom._CUDA_RNG_STATE_TRACKER = tracker
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     return True
+
+
+def data_parallel_finalize(dp_group, dp_size: int):
+    """A `config.finalize_model_grads_func` that averages gradients over the data-parallel
+    group with a plain all-reduce (Megatron's DDP wrapper and its buffers need CUDA)."""
+    import torch.distributed as dist
+
+    def finalize(model_list, num_tokens=None, pg_collection=None, force_all_reduce=False):
+        if dp_size > 1:
+            for chunk in model_list:
+                for prm in chunk.parameters():
+                    if prm.grad is not None:
+                        dist.all_reduce(prm.grad, group=dp_group)
+                        prm.grad /= dp_size
+
+    return finalize
