@@ -3,8 +3,8 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from koala_ds.dsl import KoalaCompileError, KoalaSyntaxError, parse_program, print_schedule, python_program
-from koala_ds.ir import Action, Op, Placement
+from koala_ds.dsl import KoalaCompileError, KoalaSyntaxError, parse_program, print_schedule
+from koala_ds.ir import Placement
 from koala_ds.sim import random_schedule
 
 ONE_F_ONE_B = """\
@@ -126,22 +126,6 @@ def test_deadlock_is_reported():
     text = "schedule t\nrank 0:\n  F B F B\nrank 1:\n  F F B B\n"
     with pytest.raises(KoalaCompileError, match="deadlock"):
         parse_program(text).compile(2, 2)
-
-
-def test_python_builder_has_the_same_semantics_as_text():
-    @python_program("py-1f1b", placement="linear", backward="full", supports={"v == 1": lambda p, m, v: v == 1})
-    def prog(b, p, m, v, r):
-        k = min(p - r - 1, m)
-        b.F(k)
-        for _ in range(m - k):
-            b.F()
-            b.B()
-        b.B(k)
-
-    text = parse_program(ONE_F_ONE_B)
-    for p, m in [(1, 1), (2, 5), (4, 3), (4, 9)]:
-        assert prog.compile(p, m).ranks == text.compile(p, m).ranks
-    assert "v == 1" in prog.supports(2, 2, 2)
 
 
 def test_printer_normal_form_is_readable():
