@@ -61,3 +61,37 @@ def test_exact_without_ortools_message(monkeypatch):
     from koala_ds.search.problem import SearchError
     with pytest.raises(SearchError, match="ortools"):
         solve_exact(problem, time_limit=1)
+
+
+def _in_order(schedule) -> bool:
+    """Every stage runs each of its ops in microbatch order (a BTT walk without exceptions)."""
+    seen: dict = {}
+    for row in schedule.ranks:
+        for a in row:
+            key = (a.op, a.stage)
+            if seen.get(key, -1) > a.microbatch:
+                return False
+            seen[key] = a.microbatch
+    return True
+
+
+@pytest.mark.parametrize("style", ["vshape", "interleaved"])
+def test_bound_and_in_order_optimum_against_the_proven_optimum(style):
+    # two chunks per rank under a tight limit: the cross-chunk memory terms of the bound apply
+    from koala_ds.search import one_f_one_b_peak
+    profile = _profile(4)
+    limit = 0.6 * one_f_one_b_peak(profile, 2, 4, 2)
+    problem = SearchProblem(profile, 2, 4, 2, "split", limit, placement=style)
+    part = problem.parts[0]
+    ga = search(problem, time_budget=None, generations=30, seed=0)
+    exact = solve_exact(problem, part, hint=ga.best_for(part.placement), time_limit=60, workers=2)
+    ordered = solve_exact(problem, part, hint=ga.best_for(part.placement), time_limit=60, workers=2, in_order=True)
+    assert exact.status == "optimal" and ordered.status == "optimal"
+    assert part.lower_bound <= exact.objective + 1e-9
+    assert ordered.objective >= exact.objective - 1e-9
+    assert _in_order(ordered.schedule)
+    assert simulate(ordered.schedule, problem.search_profile, timeline=False).makespan == \
+        pytest.approx(ordered.objective, rel=1e-9)
+    best = ga.best_for(part.placement)
+    if _in_order(best):  # the search's walks are in order: the restricted optimum bounds them
+        assert simulate(best, problem.search_profile, timeline=False).makespan >= ordered.objective - 1e-9

@@ -14,7 +14,14 @@ The proof is in docs/search.md ("A tighter bound"). In short, for one placement:
    - memory: when the k-th F(s) starts, rank r holds activation_mb(s) for each F(s) begun
      (k + 1 with this one) whose I/B(s) has not run yet, and every other term of its level is
      non-negative; so at least k + 1 - c of the I/B(s) ran before it, c = floor(limit_r /
-     activation_mb(s)), and R_F(s)[k] >= R_I(s)[k - c] + d_I(s).
+     activation_mb(s)), and R_F(s)[k] >= R_I(s)[k - c] + d_I(s). Across the stages of a rank:
+     if an earlier stage a of the same pipeline is on the same rank, the k-th F(s) comes
+     after k + 1 F(a) there, and the level after it is at least activation_mb(s) +
+     activation_mb(a) * (k + 1 - #I(a) so far); so R_F(s)[k] >= R_I(a)[k - c'] + d_I(a), with
+     c' = floor((limit_r - activation_mb(s)) / activation_mb(a)). And since I(a) of a
+     microbatch follows its I(s) on that rank, #I(a) <= #I(s) at any point: the level is at
+     least (activation_mb(s) + the sum of those activation_mb(a)) * (k + 1 - #I(s)), so c
+     can be taken as floor(limit_r / that sum).
 2. Tails: q_g, the least time from the end of any action of group g to the end of the
    schedule (its chain of successors: the forward chain to the last stage, the backward
    chain to the first, the W after each I).
@@ -68,6 +75,23 @@ def jackson_bound(profile: CostProfile, placement: Placement, m: int, backward: 
             cap.append(math.inf)
         else:
             cap.append(max(1, math.floor(lim * (1 + MEMORY_RTOL) / act + MEMORY_RTOL)))
+    # memory across the stages of one rank: (s', c') for each earlier stage s' of the same
+    # pipeline on the rank of s; at most c' microbatches hold s' when an F(s) runs
+    upstream: list[list[tuple[int, int]]] = [[] for _ in range(S)]
+    for s in range(S):
+        lim = limits[rank[s]]
+        if lim is None:
+            continue
+        a = prev[s]
+        while a is not None:
+            act_a = costs[a].activation_mb
+            if rank[a] == rank[s] and act_a > 0:
+                room = lim * (1 + MEMORY_RTOL) - costs[s].activation_mb
+                upstream[s].append((a, max(1, math.floor(room / act_a + MEMORY_RTOL))))
+            a = prev[a]
+        held = costs[s].activation_mb + sum(costs[a].activation_mb for a, _ in upstream[s])
+        if held > 0:
+            cap[s] = min(cap[s], max(1, math.floor(lim * (1 + MEMORY_RTOL) / held + MEMORY_RTOL)))
     # tails
     qI = [0.0] * S
     for s in range(S):  # prev stages first (pipeline order)
@@ -99,6 +123,9 @@ def jackson_bound(profile: CostProfile, placement: Placement, m: int, backward: 
                 r = max(r, RF[p_][k] + dF[p_] + hop(p_, s))
             if k - cap[s] >= 0:
                 r = max(r, RI[s][k - cap[s]] + dI[s])
+            for a, c in upstream[s]:
+                if k - c >= 0:
+                    r = max(r, RI[a][k - c] + dI[a])
             RF[s][k] = r
         for s in reversed(fwd_order):
             if k >= n[s]:

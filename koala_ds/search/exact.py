@@ -69,8 +69,12 @@ def _ortools():
 
 
 def solve_exact(problem: SearchProblem, part: PlacementProblem | None = None, hint: Schedule | None = None,
-                time_limit: float = 30.0, workers: int = 1, seed: int = 0) -> ExactResult:
-    """Solve the configuration of `part` (default: the hint's placement, else the first) exactly."""
+                time_limit: float = 30.0, workers: int = 1, seed: int = 0, in_order: bool = False) -> ExactResult:
+    """Solve the configuration of `part` (default: the hint's placement, else the first) exactly.
+
+    `in_order` restricts the model to the search's space (every stage runs each of its ops in
+    microbatch order, as a BTT walk implies): its optimum is the best the search can find, not
+    a lower bound for every schedule."""
     cp_model = _ortools()
     if time_limit <= 0:
         raise SearchError(f"exact time limit must be positive, got {time_limit}")
@@ -178,6 +182,12 @@ def solve_exact(problem: SearchProblem, part: PlacementProblem | None = None, hi
         mbs = list(pl.microbatches_of(first, m))
         for a, b in zip(mbs, mbs[1:]):
             model.Add(start[(Op.F, first, b)] >= end[(Op.F, first, a)])
+    if in_order:
+        for s in range(S):
+            mbs = list(pl.microbatches_of(s, m))
+            for op in ops:
+                for a, b in zip(mbs, mbs[1:]):
+                    model.Add(start[(op, s, b)] >= end[(op, s, a)])
     makespan = model.NewIntVar(0, horizon, "makespan")
     for key, e in end.items():
         if key[0] in (Op.W, Op.B) or (key[0] is Op.I and not split):

@@ -39,11 +39,13 @@ class Policy:
     w_mode: str = "eager"        # eager | fit
     prefer_b: bool = True        # a ready backward before a ready forward
     late_b: float = 0.0          # wait this fraction of a forward for an arriving backward
+    commit: str = "all"          # all: reserve every entered microbatch's later chunks;
+                                 # one: keep room for one microbatch's later chunks only
 
     def label(self) -> str:
         cap = "mem" if self.cap is None else f"{self.cap[0]:g}v(p-r)+{self.cap[1]:g}v"
         return (f"greedy[cap={cap},{'depth' if self.depth_first else 'breadth'},W={self.w_mode},"
-                f"{'B' if self.prefer_b else 'F'}-first,wait={self.late_b:g}]")
+                f"{'B' if self.prefer_b else 'F'}-first,wait={self.late_b:g},commit={self.commit}]")
 
 
 def policies(p: int, v: int, backward: str) -> list[Policy]:
@@ -57,6 +59,13 @@ def policies(p: int, v: int, backward: str) -> list[Policy]:
                         if not prefer_b and late:
                             continue
                         out.append(Policy(cap, depth, w_mode, prefer_b, late))
+    if v > 1:
+        # entering microbatches keep room for one microbatch's later chunks only: the first
+        # chunk of a rank may then fill memory while the later chunks' work has not arrived
+        for cap in (None, (1, 1), (2, 0)):
+            for depth in (True, False):
+                for w_mode in (("eager", "fit") if backward == "split" else ("eager",)):
+                    out.append(Policy(cap, depth, w_mode, True, 0.0, commit="one"))
     return out
 
 
@@ -160,8 +169,9 @@ def greedy_walk(part: PlacementProblem, policy: Policy) -> list[list[int]] | Non
                 if rd < 0:
                     continue
             if entry[r][c]:
-                if committed[r] + commit_need[r][c] > limits[r] or units[r] + 1 > cap[r] + 1e-9:
-                    if committed[r] + commit_need[r][c] > limits[r]:
+                held = committed[r] if policy.commit == "all" else mem[r]
+                if held + commit_need[r][c] > limits[r] or units[r] + 1 > cap[r] + 1e-9:
+                    if held + commit_need[r][c] > limits[r]:
                         mem_blocked = True
                     continue
             elif mem[r] + ac[c] > limits[r]:
