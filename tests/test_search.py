@@ -300,3 +300,25 @@ def test_cli_names_the_best_fitting_predefined_schedule_and_never_loses_to_it(tm
     assert found, text
     assert float(found.group(3)) >= 1.0
     assert found.group(1) in text.split("lower bound")[0]
+
+
+def test_chain_moves_shift_one_microbatch_on_every_stage():
+    from koala_ds.search.local import LocalSearch
+
+    assert LocalSearch.apply(list("abcde"), [(3, -2), (1, 2)]) == list("adcbe")
+    assert LocalSearch.apply(list("abc"), [(0, 5)]) == list("bca")
+    problem = _problem(4, 8, 2, "split")
+    part = problem.parts[0]
+    ls = LocalSearch(part)
+    S, m = part.placement.num_stages, 8
+    ev = part.evaluate(greedy_seeds(part)[0][1])
+    free, starts = ls.timing.run(ev.codes)
+    chains = ls.chain_moves(ev.codes, starts, free)
+    assert chains
+    for chain in chains:
+        kinds = {divmod(ev.codes[r][i], S * m)[0] for r, i, _ in chain}
+        mbs = {ev.codes[r][i] % m for r, i, _ in chain}
+        stages = {divmod(ev.codes[r][i], S * m)[1] // m for r, i, _ in chain}
+        assert len(kinds) == 1 and len(mbs) == 1 and kinds != {3}   # one op kind (never W), one microbatch
+        assert len(stages) == len(chain) == S                       # ... on every stage
+        assert len({d for _, _, d in chain}) == 1                   # ... by the same shift

@@ -11,7 +11,10 @@ can matter:
   into a later bubble, or a forward that was taken too early);
 - **idle gaps**: for an action that waits for its input, move one of the next K actions of
   its rank in front of it (an F whose input is there, or a W) to fill the gap;
-- moves act on the BTT tokens of one rank; the decoder repairs them (a move that breaks a local
+- **chains**: when no single move helps, move a microbatch's forward (or input-gradient
+  step) on *every* stage by the same number of places; a microbatch that should go earlier
+  must go earlier on every rank it visits, and one rank alone changes nothing (a plateau);
+- moves act on the BTT tokens; the decoder repairs them (a move that breaks a local
   dependency or the memory limit is deferred to where it can run), so every candidate is valid.
 
 Candidates are compared on (makespan, sum of the ranks' finish times): the second term lets the
@@ -72,6 +75,8 @@ class Timing:
                         self.lat[code] = lat if ranks[nxt] != ranks[s] else 0.0
         self.p = pl.p
         self.sim = sim
+        self.S, self.m = S, m
+        self.bk = bk
 
     def run(self, codes: Sequence[Sequence[int]]) -> tuple[list[float], list[list[float]]] | None:
         """(finish time of each rank, start time of each action per rank), or None on a deadlock."""
@@ -91,13 +96,15 @@ class LocalResult:
 
 
 Move = tuple[int, int, int]   # (rank, from index, to index)
+Chain = tuple[tuple[int, int, int], ...]   # (rank, index, shift) for each moved action
 
 
 class LocalSearch:
     """Descent on (makespan, sum of finish times) with timeline-guided moves."""
 
-    def __init__(self, part: PlacementProblem, reach: int = 3, gap_reach: int = 4):
+    def __init__(self, part: PlacementProblem, reach: int = 3, gap_reach: int = 4, chains: bool = True):
         self.part = part
+        self.chains = chains
         self.timing = Timing(part)
         self.reach = reach
         self.gap_reach = gap_reach
@@ -168,6 +175,41 @@ class LocalSearch:
                             moves.append((r, i + k, i))
         return moves
 
+    def chain_moves(self, codes: list[list[int]], starts: list[list[float]], free: list[float]) -> list[Chain]:
+        """For each rank-bound link Y -> X of the critical path: X's microbatch, X's op kind, on
+        every stage, 1..K places earlier; and Y's, 1..K places later."""
+        S, m = self.timing.S, self.timing.m
+        where = {}
+        for r, order in enumerate(codes):
+            for i, c in enumerate(order):
+                where[c] = (r, i)
+        out: list[Chain] = []
+        seen = set()
+        for r, i, j in self.critical_moves(codes, starts, free):
+            c = codes[r][i]
+            kind, rest = divmod(c, S * m)
+            mb = rest % m
+            d = j - i
+            if (kind, mb, d) in seen or kind == 3:
+                continue
+            seen.add((kind, mb, d))
+            chain = []
+            for st in range(S):
+                loc = where.get((kind * S + st) * m + mb)
+                if loc is not None:
+                    chain.append((loc[0], loc[1], d))
+            if len(chain) > 1:
+                out.append(tuple(chain))
+        return out
+
+    @staticmethod
+    def apply(tokens: list[int], shifts: list[tuple[int, int]]) -> list[int]:
+        """Move token i by d places for each (i, d), all at once (positions of the old list)."""
+        key = [float(k) for k in range(len(tokens))]
+        for i, d in shifts:
+            key[i] = i + d + (-0.5 if d < 0 else 0.5)
+        return [t for _, t in sorted(zip(key, tokens), key=lambda x: x[0])]
+
     # -- descent ------------------------------------------------------------------------
     def descend(self, tokens: Sequence[Sequence[int]], rng: random.Random,
                 deadline: Callable[[], bool], max_evals: int | None = None) -> LocalResult | None:
@@ -221,6 +263,36 @@ class LocalSearch:
                         break
                 if improved:
                     break
+            if not improved and self.chains:
+                cands = list(dict.fromkeys(self.chain_moves(cur_c, starts, free)))
+                rng.shuffle(cands)
+                for chain in cands:
+                    if deadline() or (max_evals is not None and self.evaluations - start_evals >= max_evals):
+                        return LocalResult(cur_t, cur_c, cur_key[0], self.evaluations - start_evals, moves_done)
+                    by_rank: dict[int, list[tuple[int, int]]] = {}
+                    for r, i, d in chain:
+                        by_rank.setdefault(r, []).append((i, d))
+                    new_t, new_c = list(cur_t), list(cur_c)
+                    ok = True
+                    for r, shifts in by_rank.items():
+                        dd = self.decode(r, self.apply(cur_t[r], shifts))
+                        if dd is None:
+                            ok = False
+                            break
+                        new_t[r], new_c[r] = dd
+                    if not ok or new_c == cur_c:
+                        continue
+                    k = self.key(new_c)
+                    if k is None:
+                        continue
+                    if k[0] < cur_key[0] - EPS or (k[0] <= cur_key[0] + EPS and k[1] < cur_key[1] - EPS):
+                        cur_t, cur_c, cur_key = new_t, new_c, k
+                        res = self.timing.run(cur_c)
+                        assert res is not None
+                        free, starts = res
+                        moves_done += 1
+                        improved = True
+                        break
             if not improved:
                 return LocalResult(cur_t, cur_c, cur_key[0], self.evaluations - start_evals, moves_done)
 
