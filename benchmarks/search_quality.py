@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 from koala_ds.sim import CostProfile, StageCost
-from koala_ds.search import SearchProblem, best_predefined, one_f_one_b_peak, search
+from koala_ds.search import SearchProblem, best_predefined, one_f_one_b_peak, relative_gap, search
 from koala_ds.search.exact import solve_exact
 
 
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                 ref = max(ref, ex.bound)
             else:
                 exact_txt = ex.status
-        gap = res.makespan / ref - 1
+        gap = relative_gap(res.makespan, ref)
         gaps.append(gap)
         if pred is not None and res.makespan > pred.makespan + 1e-9:
             never_worse = False

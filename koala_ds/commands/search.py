@@ -9,7 +9,7 @@ from pathlib import Path
 from ..dsl import print_schedule
 from ..ir import KoalaError
 from .table import format_table
-from ..search.problem import PLACEMENT_CHOICES
+from ..search.problem import PLACEMENT_CHOICES, relative_gap
 from ..sim import bundled_profiles, load_profile, simulate
 
 log = logging.getLogger(__name__)
@@ -22,7 +22,7 @@ def result_table(result, limit: float | None) -> str:
     def row(name: str, ms: float, bubble: float, peak: float, fits: bool, note: str) -> tuple:
         return (name, f"{ms:.6g}", "-" if base is None else f"{base / ms:.3f}x", f"{bubble:.1%}", f"{peak:.6g}",
                 "-" if limit is None else ("yes" if fits else "NO"),
-                f"{ms / result.lower_bound - 1:+.2%}" if result.lower_bound > 0 else "-", note)
+                f"{relative_gap(ms, result.lower_bound):+.2%}" if result.lower_bound > 0 else "-", note)
 
     copies = result.schedule.placement.pipelines
     rows = [row("searched *", result.makespan, result.bubble, result.peak, result.fits,

@@ -4,12 +4,12 @@ from .encoding import Encoding, EncodingError, GenomeDecoder, Walk, decode, enco
 from .ga import GAConfig, LibraryRow, SearchResult, best_predefined, library_rows, search
 from .greedy import Policy, greedy_seeds, greedy_walk, policies
 from .problem import (PLACEMENT_CHOICES, SearchError, SearchProblem, default_placements, one_f_one_b_peak,
-                      placements_for, weight_copies)
+                      placements_for, relative_gap, weight_copies)
 
 __all__ = [
     "Encoding", "EncodingError", "GenomeDecoder", "Walk", "decode", "encode",
     "GAConfig", "LibraryRow", "SearchResult", "best_predefined", "library_rows", "search",
     "Policy", "greedy_seeds", "greedy_walk", "policies",
     "PLACEMENT_CHOICES", "SearchError", "SearchProblem", "default_placements", "one_f_one_b_peak",
-    "placements_for", "weight_copies",
+    "placements_for", "relative_gap", "weight_copies",
 ]

@@ -33,7 +33,7 @@ from ..sim import CostProfile, random_schedule, simulate
 from .encoding import W_K
 from .greedy import greedy_seeds
 from .local import LocalSearch
-from .problem import INFEASIBLE, PlacementProblem, SearchError, SearchProblem, weight_copies
+from .problem import INFEASIBLE, PlacementProblem, SearchError, SearchProblem, relative_gap, weight_copies
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class SearchResult:
 
     @property
     def gap(self) -> float:
-        return self.makespan / self.lower_bound - 1 if self.lower_bound > 0 else 0.0
+        return relative_gap(self.makespan, self.lower_bound)
 
 
 # -- library seeds ------------------------------------------------------------------------
@@ -414,7 +414,7 @@ def search(problem: SearchProblem, *, time_budget: float | None = 10.0, generati
             try:
                 from tqdm import tqdm
                 bar = tqdm(total=generations, desc="koala search", unit="gen", file=sys.stderr, leave=False,
-                           dynamic_ncols=True)
+                           dynamic_ncols=True, disable=None)  # None: off when stderr is not a terminal
             except ImportError:  # pragma: no cover
                 bar = None
         strength = 2.0

@@ -22,6 +22,14 @@ class SearchError(KoalaError):
     """Bad input to the search (configuration, memory limit, budgets)."""
 
 
+def relative_gap(value: float, bound: float) -> float:
+    """value / bound - 1, with float noise at the bound shown as 0 (never "-0.00%")."""
+    if bound <= 0:
+        return 0.0
+    g = value / bound - 1
+    return 0.0 if abs(g) < 1e-9 else g
+
+
 def one_f_one_b_peak(profile: CostProfile, p: int, m: int, v: int = 1) -> float:
     """Peak activation memory (MB, the worst rank) of 1F1B for this model on p ranks.
 
