@@ -261,7 +261,7 @@ def test_local_search_never_worsens_and_stays_valid():
 @pytest.mark.parametrize("p,m,v,backward,tight,style", [
     (4, 8, 1, "split", False, "linear"), (4, 8, 1, "split", True, "linear"), (3, 7, 1, "full", True, "linear"),
     (4, 8, 2, "split", True, "vshape"), (4, 6, 2, "full", False, "interleaved"),
-    (4, 8, 1, "split", False, "bidirectional")])
+    (4, 8, 1, "split", False, "bidirectional"), (4, 12, 2, "full", True, "vshape")])
 def test_release_tail_bound_is_below_every_schedule(p, m, v, backward, tight, style):
     from koala_ds.ir import Placement
     from koala_ds.search.bound import jackson_bound

@@ -30,6 +30,10 @@ The proof is in docs/search.md ("A tighter bound"). In short, for one placement:
    jobs that respects the releases, and T >= C_j + q_j for every job j. So T is at least the
    optimum of the preemptive one-machine problem with releases and tails, which Jackson's
    preemptive schedule (always run the released job with the largest tail) attains.
+4. Memory also caps the run-ahead of a rank's forwards: until t0, the least release of its
+   I/B jobs, the rank can run only forwards, and only as much forward work as fits in its
+   limit (fractional knapsack, an upper bound); so T >= t0 + (all its work) - min(t0 - r0,
+   that), r0 the least release of its jobs.
 """
 from __future__ import annotations
 
@@ -148,8 +152,34 @@ def jackson_bound(profile: CostProfile, placement: Placement, m: int, backward: 
                 jobs.append((RI[s][k], dI[s], qI[s]))
                 if split:
                     jobs.append((RW[s][k], dW[s], 0.0))
-        per_rank.append(_jackson(jobs))
+        value = _jackson(jobs)
+        # forward-only prefix: until the rank's first backward can start (t0) it runs only
+        # forwards, and no more than fit in its memory (nothing is freed before an I/B); the
+        # rest of its work comes after t0
+        lim = limits[rr]
+        stages = [s for s in placement.stages_of(rr) if n[s]]
+        if lim is not None and stages:
+            t0 = min(RI[s][0] for s in stages)
+            r0 = min(RF[s][0] for s in stages)
+            fits = _forward_work_that_fits([(dF[s], costs[s].activation_mb, n[s]) for s in stages], lim)
+            value = max(value, t0 + sum(j[1] for j in jobs) - min(t0 - r0, fits))
+        per_rank.append(value)
     return JacksonBound(max(per_rank) if per_rank else 0.0, tuple(per_rank))
+
+
+def _forward_work_that_fits(forwards: list[tuple[float, float, int]], limit: float) -> float:
+    """At most this much forward time fits in `limit` (fractional knapsack: an upper bound)."""
+    room = limit * (1 + MEMORY_RTOL)
+    total = 0.0
+    for d, act, count in sorted(forwards, key=lambda x: -(x[0] / x[1]) if x[1] > 0 else -math.inf):
+        if act <= 0:
+            return math.inf
+        take = min(count, room / act)
+        total += take * d
+        room -= take * act
+        if room <= 0:
+            break
+    return total
 
 
 def _jackson(jobs: list[tuple[float, float, float]]) -> float:
