@@ -31,7 +31,7 @@ import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from deepspeed import comm as dist
@@ -227,6 +227,12 @@ class KoalaPipelineEngine(PipelineEngine):
                                    "build the PipelineModule with dynamic_shape=False")
         self._check_backend_order()
         self._stage_chunk = {s: c for c, s in enumerate(placement.stages_of(self.stage_id))}
+        # Called before the work of a stage when the module holds several chunks (see _activate).
+        self._activate_chunk: Callable[[int], None] | None = (
+            getattr(self.module, "activate_chunk", None) if len(self._stage_chunk) > 1 else None)
+        # Global rank of the rank holding each virtual stage (the grid is fixed after set-up).
+        self._stage_peer = [self.grid.stage_to_global(stage_id=placement.rank_of(s))
+                            for s in range(placement.num_stages)]
         self._first_stage = 0
         self._last_stage = placement.num_stages - 1
         self._params = [p for p in self.module.parameters() if p.requires_grad]
@@ -311,28 +317,44 @@ class KoalaPipelineEngine(PipelineEngine):
     def _reset_step_state(self) -> None:
         self._mail: dict[tuple[str, int, int], Any] = {}
         self._w_state: dict[tuple[int, int], tuple] = {}
-        self._batches: dict[int, list] = {}
-        self._batches_pulled = 0
+        self._batches: list[list | None] = []  # per microbatch pulled: [batch, uses left], None once used up
         self._pending_sends: list[tuple[Any, Any, str]] = []
+        self._p2p = self._p2p_backend()
 
     def _exec_schedule(self, pipe_schedule):
+        """`PipelineEngine._exec_schedule`, dispatching without its per-instruction
+        `self._exec_instr = MethodType(...)` (an `nn.Module.__setattr__` per instruction)."""
         self._reset_step_state()
-        super()._exec_schedule(pipe_schedule)
+        self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
+        self.fwd_outputs = []
+        handlers = self._INSTRUCTION_MAP
+        for step_cmds in pipe_schedule:
+            for cmd in step_cmds:
+                handler = handlers.get(type(cmd))
+                if handler is None:
+                    raise RuntimeError(f'{self.__class__.__name__} does not understand instruction {repr(cmd)}')
+                handler(self, **cmd.kwargs)
         leftover = [f"{s}W{mb}" for s, mb in self._w_state] + [f"{k} {s}/{mb}" for k, s, mb in self._mail]
         if leftover:
             raise RuntimeError(f"Koala engine: step ended with unfinished work {leftover[:8]} "
                                f"(schedule {self._koala_schedule.name!r}); this is a bug")
 
-    @contextmanager
-    def _chunk(self, stage: int):
-        activate = getattr(self.module, "activate_chunk", None)
-        if activate is not None:
-            activate(self._stage_chunk[stage])
-        yield
+    def _activate(self, stage: int) -> None:
+        """Expose the chunk holding `stage` through the module's forward (multi-chunk modules;
+        a no-op when that chunk is already the active one)."""
+        if self._activate_chunk is not None:
+            chunk = self._stage_chunk[stage]
+            if getattr(self.module, "active_chunk", None) != chunk:
+                self._activate_chunk(chunk)
+
+    def _set_running_backward(self, flag: bool) -> None:
+        # DeepSpeedEngine's flag for its backward hooks; a plain attribute, so skip
+        # nn.Module.__setattr__'s parameter / buffer / submodule checks (run twice per B, I and W).
+        object.__setattr__(self, "_running_engine_backward", flag)
 
     # -- communication ------------------------------------------------------------------
     def _peer(self, stage: int) -> int:
-        return self.grid.stage_to_global(stage_id=self._koala_placement.rank_of(stage))
+        return self._stage_peer[stage]
 
     def _is_local(self, stage: int) -> bool:
         return stage in self._stage_chunk
@@ -354,19 +376,30 @@ class KoalaPipelineEngine(PipelineEngine):
                 f"Slow steps need a larger \"pipeline\": {{\"koala\": {{\"timeout_s\": ...}}}}. "
                 f"({str(exc).splitlines()[0][:200]})") from None
 
+    def _p2p_backend(self):
+        """What `_isend` / `_recv` call: `torch.distributed` itself when `deepspeed.comm` would only
+        forward to it (its torch backend, comms logger off, no CPU staging of MPS tensors), which
+        saves deepspeed.comm's per-call wrappers; `deepspeed.comm` otherwise."""
+        from deepspeed.comm import comm as ds_comm
+        from deepspeed.comm.torch import TorchBackend
+
+        if isinstance(ds_comm.cdb, TorchBackend) and not ds_comm.comms_logger.enabled and self.device.type != "mps":
+            return torch.distributed
+        return dist
+
     def _isend(self, tensor, peer: int, tag: int, what: str) -> None:
         tensor = tensor.detach().contiguous()
-        work = dist.isend(tensor, peer, tag=tag)
+        work = self._p2p.isend(tensor, peer, tag=tag)
         self._pending_sends.append((work, tensor, what))
 
     def _recv(self, tensor, peer: int, tag: int, what: str) -> None:
-        work = dist.irecv(tensor, src=peer, tag=tag)
+        work = self._p2p.irecv(tensor, src=peer, tag=tag)
         self._wait(work, what)
 
     def _exec_wait_sends(self):
         for work, _tensor, what in self._pending_sends:
             self._wait(work, what)
-        self._pending_sends = []
+        self._pending_sends.clear()
 
     def _send_meta(self, outputs, stage: int, microbatch: int, peer: int) -> None:
         tensors = _as_list(outputs)
@@ -454,14 +487,14 @@ class KoalaPipelineEngine(PipelineEngine):
     # -- data ---------------------------------------------------------------------------
     def _batch(self, microbatch: int):
         """The batch of `microbatch`, pulling the data iterator in microbatch order."""
-        while self._batches_pulled <= microbatch:
+        batches = self._batches
+        while len(batches) <= microbatch:
             uses = int(self._first_stage in self._stage_chunk) + int(self._last_stage in self._stage_chunk)
-            self._batches[self._batches_pulled] = [self._next_batch(), uses]
-            self._batches_pulled += 1
-        entry = self._batches[microbatch]
+            batches.append([self._next_batch(), uses])
+        entry = batches[microbatch]
         entry[1] -= 1
         if entry[1] <= 0:
-            del self._batches[microbatch]
+            batches[microbatch] = None
         return entry[0]
 
     def _exec_load_micro_batch(self, buffer_id, stage, microbatch):
@@ -484,8 +517,8 @@ class KoalaPipelineEngine(PipelineEngine):
     def _exec_forward_pass(self, buffer_id, stage, microbatch):
         self.tput_timer.start()
         inputs = self.pipe_buffers["inputs"][buffer_id]
-        with self._chunk(stage):
-            outputs = DeepSpeedEngine.forward(self, inputs)
+        self._activate(stage)
+        outputs = DeepSpeedEngine.forward(self, inputs)
         if not self.module.training:
             ds_checkpointing.reset()
         if stage != self._last_stage:
@@ -529,17 +562,18 @@ class KoalaPipelineEngine(PipelineEngine):
         """Around a step that accumulates weight gradients (B or W)."""
         if self.using_bf16_optimizer:
             self.optimizer.clear_lp_grads()
-        self._running_engine_backward = True
+        self._set_running_backward(True)
         try:
             yield
         finally:
-            self._running_engine_backward = False
+            self._set_running_backward(False)
         if self.using_bf16_optimizer and not self._config.bfloat16_config.immediate_grad_update:
             self.optimizer.update_hp_grads(clear_lp_grads=False)
 
     def _exec_backward_pass(self, buffer_id, stage, microbatch):
         tensors, grads = self._backward_targets(buffer_id, stage)
-        with self._chunk(stage), self._param_grad_step():
+        self._activate(stage)
+        with self._param_grad_step():
             torch.autograd.backward(tensors, grad_tensors=grads)
 
     def _exec_backward_input_pass(self, buffer_id, stage, microbatch):
@@ -551,18 +585,20 @@ class KoalaPipelineEngine(PipelineEngine):
         if not inputs:  # first stage: nothing to send; the whole backward runs at W
             self._w_state[(stage, microbatch)] = ("full", tensors, grads)
             return
-        self._running_engine_backward = True
+        self._activate(stage)
+        self._set_running_backward(True)
         try:
             _, param_groups = stage_backward_input(tensors, grads, inputs, iter(self._params))
         finally:
-            self._running_engine_backward = False
+            self._set_running_backward(False)
         self._w_state[(stage, microbatch)] = ("groups", param_groups)
 
     def _exec_backward_weight_pass(self, stage, microbatch):
         from torch.distributed.pipelining._backward import stage_backward_weight
 
         kind, *state = self._w_state.pop((stage, microbatch))
-        with self._chunk(stage), self._param_grad_step():
+        self._activate(stage)
+        with self._param_grad_step():
             if kind == "full":
                 tensors, grads = state
                 torch.autograd.backward(tensors, grad_tensors=grads)

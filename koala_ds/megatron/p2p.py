@@ -23,6 +23,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -39,12 +40,12 @@ class P2PTimeoutError(KoalaError, TimeoutError):
     """A pipeline receive or send did not complete in time (a peer died, hung or diverged)."""
 
 
-@dataclass(frozen=True)
-class MessageKey:
+class MessageKey(NamedTuple):
     """One message: the `kind` of tensor for virtual `stage` and `microbatch`.
 
     An activation message carries the input of `stage`; a gradient message carries the
-    gradient of the output of `stage`."""
+    gradient of the output of `stage`. (A named tuple: hashed and compared in C, several
+    times per action, as a dict key of the p2p layer.)"""
 
     kind: str
     stage: int

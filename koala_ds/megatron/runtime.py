@@ -21,7 +21,7 @@ from ..ir import Op, Schedule
 from . import resolve as _resolve
 from .p2p import ACT, GRAD, ChannelGroups, CommPlan, MessageKey, P2P, schedule_channels
 from .resolve import MegatronScheduleError
-from .split_backward import backward_input, backward_weight
+from .split_backward import backward_input, backward_weight, param_nodes
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,18 @@ class _ReorderingIterator:
         return self.cache.pop(self.current)
 
 
+@dataclass(frozen=True)
+class _StageInfo:
+    """Where a local virtual stage's input comes from and its output goes (fixed per schedule)."""
+
+    chunk: int
+    prev: int | None  # the stage feeding this one, None for a first stage
+    prev_rank: int | None
+    next: int | None  # the stage this one feeds, None for a last stage
+    next_rank: int | None
+    is_last: bool
+
+
 @dataclass
 class _Prepared:
     schedule: Schedule
@@ -55,6 +67,42 @@ class _Prepared:
     plan: CommPlan
     chunks_reading_data: tuple
     last_weight_action: dict  # chunk -> index of its last action producing weight gradients
+    stages: dict  # local stage -> _StageInfo
+    posts: tuple  # per action: the receives to post before it (see _post_plan)
+
+
+def _incoming_key(a, pl, rank: int) -> MessageKey | None:
+    """The message action `a` of `rank` receives from another rank, if any."""
+    if a.op is Op.F:
+        prev = pl.prev_stage(a.stage)
+        if prev is not None and pl.rank_of(prev) != rank:
+            return MessageKey(ACT, a.stage, a.microbatch)
+    elif a.op in (Op.B, Op.I):
+        nxt = pl.next_stage(a.stage)
+        if nxt is not None and pl.rank_of(nxt) != rank:
+            return MessageKey(GRAD, a.stage, a.microbatch)
+    return None
+
+
+def _post_plan(actions: tuple, pl, rank: int, plan: CommPlan, lookahead: int) -> tuple:
+    """Per action i: the receives to post before running it, so that the messages of actions
+    i .. i + lookahead are posted. `P2P.post(key)` posts every earlier message of key's channel
+    too, so per peer only the furthest message not posted yet is listed."""
+    keys = [_incoming_key(a, pl, rank) for a in actions]
+    posted: dict[int, int] = {}  # peer -> channel index posted up to (exclusive)
+    out = []
+    for i in range(len(actions)):
+        furthest: dict[int, MessageKey] = {}
+        for key in keys[i:i + 1 + lookahead]:
+            if key is None:
+                continue
+            peer, index = plan.recv_index[key]
+            if index >= posted.get(peer, 0) and (peer not in furthest or index > plan.recv_index[furthest[peer]][1]):
+                furthest[peer] = key
+        for peer, key in furthest.items():
+            posted[peer] = plan.recv_index[key][1] + 1
+        out.append(tuple(furthest.values()))
+    return tuple(out)
 
 
 class KoalaForwardBackward:
@@ -244,7 +292,13 @@ class KoalaForwardBackward:
         for i, a in enumerate(actions):
             if a.op in (Op.B, Op.W):
                 last_w[pl.chunk_of(a.stage)] = i
-        prep = _Prepared(schedule, actions, plan, tuple(reading), last_w)
+        stages = {}
+        for chunk, stage in enumerate(pl.stages_of(rank)):
+            prev, nxt = pl.prev_stage(stage), pl.next_stage(stage)
+            stages[stage] = _StageInfo(chunk, prev, None if prev is None else pl.rank_of(prev),
+                                       nxt, None if nxt is None else pl.rank_of(nxt), nxt is None)
+        posts = _post_plan(actions, pl, rank, plan, _StepRunner.LOOKAHEAD)
+        prep = _Prepared(schedule, actions, plan, tuple(reading), last_w, stages, posts)
         self._prepared[key] = prep
         return prep
 
@@ -281,6 +335,8 @@ class _StepRunner:
         self.model_device = model_device
         self.rank = rank
         self.v = len(models)
+        self.stages = prep.stages
+        self._params: dict[int, tuple[list, dict]] = {}  # chunk -> (its trainable parameters, param_nodes), this step
         self.iterators = [(_ReorderingIterator(it) if reorder and it is not None else it)
                           for it, reorder in zip(iterators, prep.chunks_reading_data)]
         self.inputs: dict = {}
@@ -325,17 +381,15 @@ class _StepRunner:
 
     # -- main loop -------------------------------------------------------------------------
     def run(self) -> None:
-        actions = self.prep.actions
+        actions, posts, stages, comm = self.prep.actions, self.prep.posts, self.stages, self.comm
         last_w = {i: c for c, i in self.prep.last_weight_action.items()}
         synced = set()
         if not self.forward_only:
             self._disable_sync()
         for i, a in enumerate(actions):
-            for b in actions[i:i + 1 + self.LOOKAHEAD]:
-                key = self._incoming_key(b)
-                if key is not None:
-                    self.comm.post(key)
-            chunk = self.pl.chunk_of(a.stage)
+            for key in posts[i]:
+                comm.post(key)
+            chunk = stages[a.stage].chunk
             sync_now = i in last_w and not self.forward_only
             if sync_now and self.grad_sync_funcs is None:
                 self._enable_sync()
@@ -353,8 +407,9 @@ class _StepRunner:
                     self.grad_sync_funcs[chunk](self.models[chunk].parameters())
                 synced.add(chunk)
                 self._disable_sync()
-            for key in self.comm.reap():
-                self._maybe_deallocate(key)
+            if comm.pending_sends:
+                for key in comm.reap():
+                    self._maybe_deallocate(key)
         if not self.forward_only:
             self._enable_sync()
             if self.grad_sync_funcs is not None:
@@ -370,24 +425,13 @@ class _StepRunner:
             return []
         return [item for mb in sorted(self.loss_slots) for item in self.loss_slots[mb]]
 
-    def _incoming_key(self, a) -> MessageKey | None:
-        if a.op is Op.F:
-            prev = self.pl.prev_stage(a.stage)
-            if prev is not None and self.pl.rank_of(prev) != self.rank:
-                return MessageKey(ACT, a.stage, a.microbatch)
-        elif a.op in (Op.B, Op.I):
-            nxt = self.pl.next_stage(a.stage)
-            if nxt is not None and self.pl.rank_of(nxt) != self.rank:
-                return MessageKey(GRAD, a.stage, a.microbatch)
-        return None
-
     # -- actions ---------------------------------------------------------------------------
     def _forward(self, a, chunk: int) -> None:
         s, mb = a.stage, a.microbatch
-        prev = self.pl.prev_stage(s)
-        if prev is None:
+        info = self.stages[s]
+        if info.prev is None:
             input_tensor = None
-        elif self.pl.rank_of(prev) == self.rank:
+        elif info.prev_rank == self.rank:
             input_tensor = self.local_acts.pop((s, mb))
         else:
             input_tensor = self.comm.recv(MessageKey(ACT, s, mb))
@@ -400,7 +444,7 @@ class _StepRunner:
         it = self.iterators[chunk]
         if isinstance(it, _ReorderingIterator):
             it.current = mb
-        is_last = self.pl.is_last(s)
+        is_last = info.is_last
         store: list = []
         first = self.forwards_done[chunk] == 0
         output_tensor, num_tokens = self.mcs.forward_step(
@@ -413,19 +457,19 @@ class _StepRunner:
             self.total_num_tokens = self.total_num_tokens.to(num_tokens.device) + num_tokens
         if is_last:
             self.loss_slots[mb] = store
-        nxt = self.pl.next_stage(s)
+        nxt = info.next
         if nxt is not None:
-            if self.pl.rank_of(nxt) == self.rank:
+            if info.next_rank == self.rank:
                 passed = output_tensor.detach()
                 if self.dealloc:
                     passed = passed.clone()
                 self.local_acts[(nxt, mb)] = passed.requires_grad_(not self.forward_only)
             else:
-                self.comm.send(MessageKey(ACT, nxt, mb), self.pl.rank_of(nxt), output_tensor)
+                self.comm.send(MessageKey(ACT, nxt, mb), info.next_rank, output_tensor)
         if not self.forward_only:
             self.inputs[(s, mb)] = input_tensor
             self.outputs[(s, mb)] = output_tensor
-            if self.dealloc and (nxt is None or self.pl.rank_of(nxt) == self.rank):
+            if self.dealloc and (nxt is None or info.next_rank == self.rank):
                 self._deallocate(s, mb)
 
     def _maybe_deallocate(self, key: MessageKey) -> None:
@@ -446,25 +490,26 @@ class _StepRunner:
             self._deallocate(s, mb)
 
     def _output_grad(self, s: int, mb: int):
-        nxt = self.pl.next_stage(s)
-        if nxt is None:
+        info = self.stages[s]
+        if info.next is None:
             return None
-        if self.pl.rank_of(nxt) == self.rank:
+        if info.next_rank == self.rank:
             return self.local_grads.pop((s, mb))
         grad = self.comm.recv(MessageKey(GRAD, s, mb))
         return grad.to(self.model_device) if grad.device != self.model_device else grad
 
     def _send_input_grad(self, s: int, mb: int, grad) -> None:
-        prev = self.pl.prev_stage(s)
+        info = self.stages[s]
+        prev = info.prev
         if prev is None:
             return
         if grad is None:
             raise RuntimeError(f"koala runtime: stage {s} microbatch {mb} produced no input gradient; "
                                f"does the model chunk use its input tensor (set_input_tensor)?")
-        if self.pl.rank_of(prev) == self.rank:
+        if info.prev_rank == self.rank:
             self.local_grads[(prev, mb)] = grad
         else:
-            self.comm.send(MessageKey(GRAD, prev, mb), self.pl.rank_of(prev), grad)
+            self.comm.send(MessageKey(GRAD, prev, mb), info.prev_rank, grad)
 
     def _backward_full(self, a) -> None:
         s, mb = a.stage, a.microbatch
@@ -491,9 +536,13 @@ class _StepRunner:
             output_tensor = config.grad_scale_func(output_tensor)
         if output_grad is None and deallocated:
             output_grad = torch.ones((), dtype=output_tensor.dtype, device=output_tensor.device)
-        chunk = self.pl.chunk_of(s)
-        params = [q for q in self.models[chunk].parameters() if q.requires_grad]
-        grad, state = backward_input(input_tensor, output_tensor, output_grad, params, deallocated)
+        chunk = self.stages[s].chunk
+        cached = self._params.get(chunk)
+        if cached is None:  # once per chunk and step: a real model chunk has many parameters
+            params = [q for q in self.models[chunk].parameters() if q.requires_grad]
+            cached = self._params[chunk] = (params, param_nodes(params))
+        params, nodes = cached
+        grad, state = backward_input(input_tensor, output_tensor, output_grad, params, deallocated, nodes)
         self.deferred[(s, mb)] = state
         if config.timers is not None:
             config.timers("backward-compute").stop()

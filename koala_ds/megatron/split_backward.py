@@ -91,24 +91,32 @@ def _run_engine(outputs, grads, inputs, keep_graph: bool, accumulate: bool):
         inputs=tuple(inputs), allow_unreachable=True, accumulate_grad=accumulate)
 
 
+def param_nodes(params: list) -> dict:
+    """{AccumulateGrad node: parameter} of the parameters that need gradients. Holding the nodes
+    keeps them the parameters' accumulators, so one map serves every microbatch of a step."""
+    out = {}
+    for p in params:
+        if p.requires_grad:
+            node = _grad_node(p)
+            if node is not None:
+                out[node] = p
+    return out
+
+
 def backward_input(input_tensor, output_tensor: torch.Tensor, output_grad, params: list,
-                   deallocated: bool) -> tuple[torch.Tensor | None, DeferredWeightGrad]:
+                   deallocated: bool, nodes: dict | None = None) -> tuple[torch.Tensor | None, DeferredWeightGrad]:
     """Gradient of the stage input only; returns it and the state W needs.
 
     `output_grad` None means `output_tensor` is the (scaled) loss. `deallocated` says the
-    output's data was replaced by a placeholder (Megatron's deallocate_pipeline_outputs)."""
+    output's data was replaced by a placeholder (Megatron's deallocate_pipeline_outputs).
+    `nodes`: `param_nodes(params)`, when the caller keeps it between calls."""
     if output_grad is None:
         output_grad = torch.ones_like(output_tensor)
     if input_tensor is None or not input_tensor.requires_grad or not output_tensor.requires_grad:
         return None, DeferredWeightGrad(params, output=output_tensor, output_grad=output_grad, deallocated=deallocated)
     out_node = _grad_node(output_tensor)
     in_node = _grad_node(input_tensor)
-    node_param = {}
-    for p in params:
-        if p.requires_grad:
-            node = _grad_node(p)
-            if node is not None:
-                node_param[node] = p
+    node_param = param_nodes(params) if nodes is None else nodes
     edges = _reverse_edges([out_node])
     input_closure, _ = _closure([in_node], set(), edges)
     by_boundary: dict = {}
