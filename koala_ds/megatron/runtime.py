@@ -139,7 +139,7 @@ class KoalaForwardBackward:
         else:
             data = profile
         if not isinstance(data, dict) or data.get("version") != 1 or not isinstance(data.get("stages"), list):
-            raise MegatronScheduleError(f"--koala-profile: expected a version 1 cost profile with a 'stages' list")
+            raise MegatronScheduleError("--koala-profile: expected a version 1 cost profile with a 'stages' list")
 
     # ------------------------------------------------------------------------------------
     def __call__(
