@@ -3,8 +3,8 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from koala_ds.dsl import KoalaCompileError, KoalaSyntaxError, parse_program, print_schedule
-from koala_ds.ir import Placement
+from koala_ds.dsl import KoalaCompileError, KoalaSyntaxError, parse_program, print_schedule, python_program
+from koala_ds.ir import KoalaError, Placement
 from koala_ds.sim import random_schedule
 
 ONE_F_ONE_B = """\
@@ -88,6 +88,12 @@ def test_global_lets_and_supports_message_names_parameters():
     ("schedule t\nrank:\n  F\n    B\n", 4, 5, "same indentation"),
     ("schedule t\nrank:\n  F[1\n", 3, 6, "']'"),
     ("schedule t\nrank:\n  F * foo(2)\n", 3, 7, "one of min"),
+    ("schedule t\nrank:\n  slot\n  F\n", 3, 7, "a slot number or expression"),
+    ("schedule t\nrank:\n  slot 2 F\n", 3, 10, "end of line after the slot expression"),
+    ("schedule t\nrank:\n  slot (r +\n", 3, 12, "a number, a name"),
+    ("schedule t\nrank:\n  let slot = 2\n  F\n", 3, 7, "a variable name"),
+    ("schedule t\ncompact tight\nrank:\n  F\n", 2, 9, "'greedy'"),
+    ("schedule t\ncompact greedy\ncompact greedy\nrank:\n  F\n", 3, 1, ""),
 ])
 def test_syntax_errors_carry_position_and_expectation(text, line, col, expect):
     with pytest.raises(KoalaSyntaxError) as info:
@@ -128,6 +134,78 @@ def test_deadlock_is_reported():
         parse_program(text).compile(2, 2)
 
 
+SLOTTED = """\
+schedule blocks
+placement vshape
+backward split
+supports v == 2
+compact greedy
+rank:
+  for j in 0..m:
+    slot r + 6 * j
+    F[0]
+    slot 2 * p - r - 1 + 6 * j
+    F[1]
+    slot 2 * p + r + 6 * j
+    I[1]
+    slot 4 * p - r - 1 + 6 * j
+    I[0]
+  W * (2 * m)
+"""
+
+
+def test_slots_without_compact_keep_the_emission_order():
+    text = "schedule t\nbackward split\nrank:\n  slot 5\n  F\n  slot 1\n  I\n  W\n"
+    s = parse_program(text).compile(1, 1)
+    assert ops(s, 0) == ["0F0", "0I0", "0W0"]
+
+
+def test_compact_greedy_orders_by_slot_and_places_weights():
+    s = parse_program(SLOTTED, "s.koala").compile(2, 3, 2)
+    # emitted per microbatch (F[0] F[1] I[1] I[0]), run in slot order: on rank 1 (stages 1
+    # and 2) microbatch 0 takes slots 1, 2, 5, 6 and microbatch 1 starts at slot 7
+    assert ops(s, 1)[:5] == ["1F0", "2F0", "2I0", "1I0", "1F1"]
+    assert sum(a.op.value == "W" for a in s.ranks[0]) == 6
+    # without `compact`, the slots are ignored: the emission order is kept
+    plain = parse_program(SLOTTED.replace("compact greedy\n", "")).compile(2, 3, 2)
+    assert ops(plain, 0)[:8] == ["0F0", "3F0", "3I0", "0I0", "0F1", "3F1", "3I1", "0I1"]
+    assert not plain.same_order(s)
+
+
+@pytest.mark.parametrize("change,args,expect", [
+    (("placement vshape", "placement interleaved"), (2, 3, 2), "s.koala:5:1: compact greedy: it needs placement vshape"),
+    (("backward split", "backward full"), (2, 3, 2), "s.koala:5:1: compact greedy: it needs backward split"),
+    (("supports v == 2", "supports v >= 2"), (2, 3, 3), "s.koala:5:1: compact greedy: it needs v == 2, got p=2, m=3, v=3"),
+    (("    slot r + 6 * j\n", ""), (2, 3, 2), "s.koala:5:1: compact greedy: F\\[0\\]@0 on rank 0 has no slot"),
+    (("slot 2 * p + r + 6 * j", "slot r + 6 * j"), (2, 3, 2), "s.koala:5:1: compact greedy: rank 0 has two passes"),
+])
+def test_compact_greedy_elsewhere_is_a_clear_error(change, args, expect):
+    prog = parse_program(SLOTTED.replace(*change), "s.koala")
+    with pytest.raises(KoalaCompileError, match=expect):
+        prog.compile(*args)
+
+
+def test_compacted_schedules_round_trip_through_the_printer():
+    s = parse_program(SLOTTED).compile(4, 5, 2)
+    text = print_schedule(s)
+    assert "slot " not in text and "compact" not in text
+    assert parse_program(text).compile(4, 5, 2).same_order(s)
+
+
+def test_python_builder_slots_and_compact():
+    @python_program("slotted-py", placement="vshape", backward="split", compact="greedy")
+    def slotted(b, p, m, v, r):
+        for j in range(m):
+            for op, chunk, t in (("F", 0, r), ("F", 1, 2 * p - r - 1), ("I", 1, 2 * p + r), ("I", 0, 4 * p - r - 1)):
+                b.slot(t + 6 * j)
+                getattr(b, op)(chunk=chunk)
+        b.W(2 * m)
+
+    assert slotted.compile(4, 5, 2).same_order(parse_program(SLOTTED).compile(4, 5, 2))
+    with pytest.raises(KoalaError, match="the only mode is 'greedy'"):
+        python_program("x", compact="tight")
+
+
 def test_printer_normal_form_is_readable():
     schedule = parse_program(ONE_F_ONE_B).compile(4, 8)
     text = print_schedule(schedule)
@@ -152,7 +230,7 @@ def test_print_parse_round_trip_random_schedules(seed, p, m, layout, backward):
 
 
 GRAMMAR_PIECES = ["schedule", "rank", "rank 0", ":", "\n", "  ", "F", "B", "I", "W", "[", "]", "(", ")", "*", "@",
-                  "?", "let", "=", "for", "in", "..", "if", "else", "min(", ",", "p", "m", "r", "1", "2", "-", "+",
+                  "?", "let", "=", "slot", "compact greedy", "for", "in", "..", "if", "else", "min(", ",", "p", "m", "r", "1", "2", "-", "+",
                   "//", "%", "#", "\"", "placement", "map", "|", "supports", "==", "and", "not", "x", "\t", "é"]
 
 

@@ -113,7 +113,15 @@ class If:
     pos: Pos
 
 
-Stmt = Union[Seq, Let, For, If]
+@dataclass(frozen=True)
+class Slot:
+    """`slot EXPR`: the ops emitted after it (until the next `slot`) run at that unit-time slot."""
+
+    value: Expr
+    pos: Pos
+
+
+Stmt = Union[Seq, Let, For, If, Slot]
 
 
 @dataclass(frozen=True)
@@ -133,6 +141,14 @@ class PlacementSpec:
 
 
 @dataclass(frozen=True)
+class CompactSpec:
+    """`compact greedy`: reorder each rank by the slots of its ops (see `compact.py`)."""
+
+    mode: str
+    pos: Pos
+
+
+@dataclass(frozen=True)
 class ProgramAst:
     name: str
     description: str
@@ -143,3 +159,4 @@ class ProgramAst:
     lets: tuple[Let, ...]
     ranks: dict  # rank number or None (every other rank) -> tuple[Stmt, ...]
     file: str
+    compact: CompactSpec | None = None

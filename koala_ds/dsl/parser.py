@@ -10,8 +10,9 @@ from ..ir import KoalaError
 from . import ast as A
 
 OPS = ("F", "B", "I", "W")
-KEYWORDS = {"let", "for", "in", "if", "else", "rank", "and", "or", "not"}
-HEADERS = ("schedule", "description", "source", "supports", "placement", "backward", "let", "rank")
+KEYWORDS = {"let", "for", "in", "if", "else", "rank", "slot", "and", "or", "not"}
+HEADERS = ("schedule", "description", "source", "supports", "placement", "backward", "compact", "let", "rank")
+COMPACT_MODES = ("greedy",)
 FUNCTIONS = {"min": (1, None), "max": (1, None), "abs": (1, 1)}
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 
@@ -284,6 +285,7 @@ class Parser:
         supports: list[A.Requirement] = []
         lets: list[A.Let] = []
         ranks: dict = {}
+        compact: A.CompactSpec | None = None
         seen: set[str] = set()
         for line in roots:
             word = line.content.split(None, 1)[0].rstrip(":")
@@ -291,7 +293,7 @@ class Parser:
             if word not in HEADERS:
                 raise KoalaSyntaxError(f"unknown statement {word!r} at top level", self.pos(line),
                                        "one of: " + ", ".join(HEADERS))
-            if word in ("schedule", "description", "source", "placement", "backward") and word in seen:
+            if word in ("schedule", "description", "source", "placement", "backward", "compact") and word in seen:
                 raise KoalaSyntaxError(f"second {word!r} line", self.pos(line))
             seen.add(word)
             if word != "rank" and line.children:
@@ -317,6 +319,11 @@ class Parser:
                     raise KoalaSyntaxError(f"bad backward mode {rest!r}", self.pos(line, rest_at + 1),
                                            "'full' or 'split'")
                 backward = rest
+            elif word == "compact":
+                if rest not in COMPACT_MODES:
+                    raise KoalaSyntaxError(f"bad compact mode {rest!r}", self.pos(line, rest_at + 1),
+                                           " or ".join(f"'{mode}'" for mode in COMPACT_MODES))
+                compact = A.CompactSpec(rest, self.pos(line))
             elif word == "placement":
                 placement = self._placement(line, rest_at)
             elif word == "supports":
@@ -336,7 +343,7 @@ class Parser:
             raise KoalaSyntaxError("no 'rank:' block", A.Pos(self.file, max(1, len(self.text.splitlines())), 1, ""),
                                    "a block 'rank:' with the actions of each rank")
         return A.ProgramAst(name, description, source, tuple(supports), placement, backward, tuple(lets),
-                            ranks, self.file)
+                            ranks, self.file, compact)
 
     def _placement(self, line: Line, at: int) -> A.PlacementSpec:
         toks = _Tokens(line, self.file, at)
@@ -448,6 +455,15 @@ class Parser:
             cond = toks.expr()
             toks.expect(":", "':'")
             return A.If(cond, self._body(line, "if", toks), (), pos)
+        if toks.at("slot"):
+            if line.children:
+                raise KoalaSyntaxError("unexpected indented block", self.pos(line.children[0]))
+            pos = toks.next().pos
+            if toks.cur.kind == "end":
+                toks.fail("a slot number or expression, e.g. 'slot 6 * j + r'")
+            value = toks.expr()
+            toks.end("end of line after the slot expression")
+            return A.Slot(value, pos)
         if toks.at("else"):
             toks.fail("a statement", "'else' without a matching 'if' just above")
         if toks.at("rank"):

@@ -9,6 +9,8 @@ Python builder function with the same ops give the same schedule:
 - a bare `W` takes the oldest pending weight gradient of the rank (first in, first out);
   other ops without a chunk use chunk 0.
 - `X@n` names the microbatch explicitly; `X?` is skipped when there is nothing left to do.
+- `slot t` gives the ops emitted after it unit-time slot t; only `compact greedy` uses the
+  slots (`compact.py`), otherwise each rank's order is its emission order.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import Callable
 from ..ir import Action, KoalaError, Op, Placement, Schedule, ScheduleError
 from ..validate import validate
 from . import ast as A
+from .compact import CompactError, Pass, compact_greedy
 
 
 class KoalaCompileError(ScheduleError):
@@ -36,6 +39,8 @@ class RankEmitter:
         self.placement, self.m, self.rank = placement, m, rank
         self.stages = placement.stages_of(rank)
         self.actions: list[Action] = []
+        self.slot: int | None = None  # set by `slot`; recorded with each action
+        self.slots: list[int | None] = []
         self.done: dict[tuple[str, int], set[int]] = {}
         self.pending_w: deque[tuple[int, int]] = deque()
 
@@ -87,6 +92,7 @@ class RankEmitter:
             except ValueError:
                 pass
         self.actions.append(Action(Op(op), stage, mb))
+        self.slots.append(self.slot)
         return True
 
 
@@ -101,6 +107,10 @@ class RankBuilder:
             raise KoalaError(f"{op}: repetition count {times} < 0")
         for _ in range(times):
             self._e.emit(op, chunk, mb, optional)
+
+    def slot(self, t: int) -> None:
+        """The unit-time slot of the ops that follow (used by `compact="greedy"`)."""
+        self._e.slot = int(t)
 
     def F(self, times: int = 1, chunk: int | None = None, mb: int | None = None, optional: bool = False):
         self._op("F", times, chunk, mb, optional)
@@ -157,6 +167,8 @@ class _Interpreter:
         for stmt in stmts:
             if isinstance(stmt, A.Let):
                 self.env[stmt.name] = evaluate(stmt.value, self.env)
+            elif isinstance(stmt, A.Slot):
+                self.e.slot = evaluate(stmt.value, self.env)
             elif isinstance(stmt, A.Seq):
                 for item in stmt.items:
                     self.item(item)
@@ -221,6 +233,8 @@ class Program:
     requirements: tuple[Requirement, ...] = ()
     file: str = ""
     text: str = field(default="", repr=False)
+    compact: str | None = None  # "greedy": reorder by slots after every rank ran (compact.py)
+    compact_where: str = ""  # file:line:col of the `compact` line, for messages
 
     def supports(self, p: int, m: int, v: int = 1) -> str | None:
         """None when (p, m, v) is supported; else the reason, naming what to change."""
@@ -254,8 +268,10 @@ class Program:
         except ScheduleError as exc:
             raise KoalaCompileError(f"schedule {self.name!r} ({self.file or 'python'}): {exc}") from None
         ranks = []
+        emitters = []
         for r in range(p):
             emitter = RankEmitter(placement, m, r)
+            emitters.append(emitter)
             try:
                 self.rank_body(emitter, {"p": p, "m": m, "v": v, "r": r})
             except KoalaCompileError:
@@ -263,6 +279,8 @@ class Program:
             except KoalaError as exc:
                 raise KoalaCompileError(f"schedule {self.name!r}, rank {r} (p={p}, m={m}, v={v}): {exc}") from None
             ranks.append(tuple(emitter.actions))
+        if self.compact:
+            ranks = self._compacted(placement, ranks, emitters, p, m, v)
         schedule = Schedule(p, m, v, placement, tuple(ranks), self.backward, self.name,
                             {"program": self.name, "file": self.file})
         try:
@@ -271,6 +289,26 @@ class Program:
             raise KoalaCompileError(f"{self.file or self.name}: compiles to an invalid schedule for "
                                     f"p={p}, m={m}, v={v}: {exc}") from None
         return schedule
+
+    def _compacted(self, placement: Placement, ranks: list[tuple[Action, ...]], emitters: list[RankEmitter],
+                   p: int, m: int, v: int) -> list[tuple[Action, ...]]:
+        """Each rank's order after `compact greedy` (V-shape, v == 2, split backward only)."""
+        where = self.compact_where or self.file or self.name
+        params = f"p={p}, m={m}, v={v}"
+        vshape = Placement.named("vshape", p, v).stage_ranks == placement.stage_ranks and placement.pipelines == 1
+        why = ("it needs backward split" if self.backward != "split" else
+               f"it needs v == 2, got {params}: change -v" if v != 2 else
+               "it needs placement vshape" if not vshape else "")
+        if why:
+            raise KoalaCompileError(f"{where}: compact {self.compact}: {why}")
+        passes = [[Pass(a.op.value, placement.chunk_of(a.stage), a.microbatch, slot)
+                   for a, slot in zip(actions, e.slots)] for actions, e in zip(ranks, emitters)]
+        try:
+            orders = compact_greedy(passes, m)
+        except CompactError as exc:
+            raise KoalaCompileError(f"{where}: compact {self.compact}: {exc} ({params})") from None
+        return [tuple(Action(Op(op), placement.stages_of(r)[chunk], j) for op, chunk, j in order)
+                for r, order in enumerate(orders)]
 
 
 def _mentions(text: str, name: str) -> bool:
@@ -309,14 +347,21 @@ def from_ast(tree: A.ProgramAst, text: str = "") -> Program:
             return Placement.explicit([r for g in groups for r in g], len(groups))
     else:
         placement = spec.style
-    return Program(tree.name, placement, tree.backward, body, tree.description, tree.source, reqs, tree.file, text)
+    compact = tree.compact
+    return Program(tree.name, placement, tree.backward, body, tree.description, tree.source, reqs, tree.file, text,
+                   compact.mode if compact else None, str(compact.pos) if compact else "")
 
 
 def python_program(name: str, *, placement: str = "linear", backward: str = "full", description: str = "",
-                   source: str = "", supports: dict[str, Callable[[int, int, int], bool]] | None = None):
+                   source: str = "", supports: dict[str, Callable[[int, int, int], bool]] | None = None,
+                   compact: str | None = None):
     """Decorator: a Program from a Python function `body(b: RankBuilder, p, m, v, r)`.
 
-    `supports` maps a human-readable condition (e.g. "m >= p") to a predicate of (p, m, v)."""
+    `supports` maps a human-readable condition (e.g. "m >= p") to a predicate of (p, m, v);
+    `compact="greedy"` reorders each rank by the slots set with `b.slot(t)`, as `compact greedy`."""
+    if compact not in (None, "greedy"):
+        raise KoalaError(f"python_program {name!r}: compact={compact!r}; the only mode is 'greedy'")
+
     def wrap(fn: RankBody) -> Program:
         reqs = tuple(Requirement(text, (lambda f: lambda env: f(env["p"], env["m"], env["v"]))(pred))
                      for text, pred in (supports or {}).items())
@@ -324,6 +369,7 @@ def python_program(name: str, *, placement: str = "linear", backward: str = "ful
         def body(emitter: RankEmitter, env: dict) -> None:
             fn(RankBuilder(emitter), env["p"], env["m"], env["v"], env["r"])
 
+        where = f"python:{fn.__module__}.{fn.__qualname__}"
         return Program(name, placement, backward, body, description or (fn.__doc__ or "").strip(), source, reqs,
-                       f"python:{fn.__module__}.{fn.__qualname__}")
+                       where, compact=compact, compact_where=where if compact else "")
     return wrap

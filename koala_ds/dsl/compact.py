@@ -1,0 +1,279 @@
+"""`compact greedy`: the greedy compaction of V-shape schedules (Qi et al. 2024).
+
+The generator of V-Half and V-Min (zbv_greedy.py in sail-sg/zero-bubble-pipeline-
+parallelism, "Pipeline Parallelism with Controllable Memory", NeurIPS 2024) lays a V-shape
+building block every few unit-time slots and then compacts warm-up and cool-down. This
+module is that last step, on plain data: each rank's passes with the slot its program gave
+them (`slot EXPR` in a rank block), in, and each rank's order, out.
+
+Passes, on rank r of p with stages r (chunk 0) and 2p - 1 - r (chunk 1):
+  F0 / F1 = forward of chunk 0 / 1, I1 / I0 = input gradient of chunk 1 / 0 (this is also
+  the tie-break order of passes in one slot), W = a weight gradient of either chunk.
+Inputs of a pass (microbatch j): F0 and I1 need the same pass of rank r - 1, F1 and I0 that
+of rank r + 1 (none at the ends of the pipeline); F1, I1, I0 need the pass before them in
+F0 -> F1 -> I1 -> I0 on the same rank; every pass needs the same pass of microbatch j - 1.
+
+The rule, as the authors' generator applies it:
+  a. the F and I passes start at their given slots (the slots of W passes are ignored);
+  b. W passes fill free slots: walking the slots in order, each free slot takes the oldest
+     input gradient still waiting for its W (`place_weights`);
+  c. walk every pass of every rank in slot order (ties: lower rank first). Warm-up passes
+     (before rank 0's first I0) and cool-down passes (after the first F0 of the last
+     microbatch met after warm-up, i.e. rank 0's) each move to the earliest free slot of
+     their rank after their inputs (for W: after the rank's j-th input gradient in slot
+     order) where the rank's peak memory stays within the highest peak of all ranks at the
+     start of the walk (`_compact`); memory counts forwards held until their W;
+  d. squeeze to unit time: each pass at the earliest slot its inputs and the pass before it
+     on its rank allow, in the current order (`squeeze`);
+  e. drop the W passes, walk again moving the cool-down passes only, with memory counted
+     as if each W ran in the first free slot after its I; place W as in b and squeeze;
+  f. drop the W passes and put them back per chunk: each free slot takes a W of chunk 1
+     if one waits, else one of chunk 0 (oldest first); leftovers go after the last pass,
+     chunk 1 first (`place_weights_per_chunk`). Each rank's order is the slot order.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+from ..ir import KoalaError
+
+# pass kinds, in the tie-break order of the generator
+F0, F1, I1, I0, W = 0, 1, 2, 3, 4
+BLOCK_KINDS = (F0, F1, I1, I0)
+KIND_OF = {("F", 0): F0, ("F", 1): F1, ("I", 1): I1, ("I", 0): I0}
+NAME_OF = {kind: name for name, kind in KIND_OF.items()}
+_FROM_PREVIOUS_RANK = (F0, I1)
+_FROM_NEXT_RANK = (F1, I0)
+
+Key = tuple[int, int]  # (kind, index): index is the microbatch, or the count of a W on its rank
+Timeline = dict[Key, int]  # one rank: pass -> slot
+
+
+class CompactError(KoalaError):
+    """Passes that `compact greedy` cannot compact (wrong ops, missing or clashing slots)."""
+
+
+class Pass(NamedTuple):
+    """One pass of a rank as the program emitted it: op F/I/W (or B), chunk, microbatch, slot."""
+
+    op: str
+    chunk: int
+    microbatch: int
+    slot: int | None
+
+
+# -- building blocks ------------------------------------------------------------------------
+def block_timelines(ranks: Sequence[Sequence[Pass]], m: int) -> list[Timeline]:
+    """The F and I passes of every rank at their slots; checks that the rule applies."""
+    out: list[Timeline] = []
+    for r, passes in enumerate(ranks):
+        timeline: Timeline = {}
+        weights = 0
+        for ps in passes:
+            if ps.op == "W":
+                weights += 1
+                continue
+            if ps.op not in ("F", "I"):
+                raise CompactError(f"rank {r} runs {ps.op}; compaction needs split backward (F, I and W only)")
+            if ps.slot is None:
+                raise CompactError(f"{ps.op}[{ps.chunk}]@{ps.microbatch} on rank {r} has no slot "
+                                   f"(put 'slot EXPR' before it)")
+            if ps.slot < 0:
+                raise CompactError(f"{ps.op}[{ps.chunk}]@{ps.microbatch} on rank {r} is at slot {ps.slot} < 0")
+            if (ps.op, ps.chunk) not in KIND_OF:
+                raise CompactError(f"rank {r} runs chunk {ps.chunk}; compaction needs two chunks per rank")
+            timeline[(KIND_OF[(ps.op, ps.chunk)], ps.microbatch)] = ps.slot
+        want = {(kind, j) for kind in BLOCK_KINDS for j in range(m)}
+        if set(timeline) != want or weights != 2 * m:
+            raise CompactError(f"rank {r} must run F, I and W of both chunks for each of the {m} microbatches")
+        clash = _first_clash(timeline)
+        if clash is not None:
+            raise CompactError(f"rank {r} has two passes at slot {clash}")
+        out.append(timeline)
+    return out
+
+
+def _first_clash(timeline: Timeline) -> int | None:
+    seen: set[int] = set()
+    for slot in sorted(timeline.values()):
+        if slot in seen:
+            return slot
+        seen.add(slot)
+    return None
+
+
+def _by_slot(timeline: Timeline) -> dict[int, int]:
+    """slot -> kind of the pass there."""
+    return {slot: kind for (kind, _), slot in timeline.items()}
+
+
+def _without_weights(timeline: Timeline) -> Timeline:
+    return {key: slot for key, slot in timeline.items() if key[0] != W}
+
+
+def place_weights(timeline: Timeline) -> Timeline:
+    """Step b: the F and I passes of `timeline`, and a W (either chunk) in each free slot
+    while an input gradient waits for one, oldest first; leftovers after the last pass."""
+    out = _without_weights(timeline)
+    busy = _by_slot(out)
+    last = max(busy)
+    waiting = placed = 0
+    for slot in range(last + 1):
+        if slot in busy:
+            waiting += busy[slot] in (I1, I0)
+        elif waiting:
+            out[(W, placed)] = slot
+            placed, waiting = placed + 1, waiting - 1
+    for extra in range(waiting):
+        out[(W, placed + extra)] = last + 1 + extra
+    return out
+
+
+def place_weights_per_chunk(timeline: Timeline) -> list[tuple[int, str, int, int]]:
+    """Step f: every pass as (slot, op, chunk, microbatch), W passes placed per chunk."""
+    rows = [(slot, *NAME_OF[kind], j) for (kind, j), slot in timeline.items() if kind != W]
+    busy = {slot: (op, chunk, j) for slot, op, chunk, j in rows}
+    waiting: dict[int, list[int]] = {1: [], 0: []}  # chunk -> microbatches, chunk 1 first
+    last = max(busy)
+    for slot in range(last + 1):
+        if slot in busy:
+            op, chunk, j = busy[slot]
+            if op == "I":
+                waiting[chunk].append(j)
+            continue
+        for chunk, queue in waiting.items():
+            if queue:
+                rows.append((slot, "W", chunk, queue.pop(0)))
+                break
+    for chunk, queue in waiting.items():
+        for j in queue:
+            last += 1
+            rows.append((last, "W", chunk, j))
+    return sorted(rows)
+
+
+# -- memory -----------------------------------------------------------------------------------
+def peak(busy: dict[int, int], weights_placed: bool) -> int:
+    """Peak activations of one rank (slot -> kind): a forward holds its activation until a W
+    frees one; without W passes, each free slot frees one while an input gradient waits."""
+    held = top = waiting = 0
+    for slot in range(max(busy) + 1):
+        kind = busy.get(slot)
+        if kind is None:
+            if not weights_placed and waiting:
+                held, waiting = held - 1, waiting - 1
+        elif kind in (F0, F1):
+            held += 1
+        elif kind == W:
+            held -= 1
+        else:
+            waiting += 1
+        top = max(top, held)
+    return top
+
+
+# -- dependencies ---------------------------------------------------------------------------
+def inputs(rank: int, kind: int, index: int, p: int) -> list[tuple[int, int, int]]:
+    """The passes (rank, kind, index) that `kind` of microbatch `index` on `rank` waits for
+    (for W only the previous W; its input gradient is found by slot, see `_earliest`)."""
+    out = []
+    if kind in _FROM_PREVIOUS_RANK and rank > 0:
+        out.append((rank - 1, kind, index))
+    if kind in _FROM_NEXT_RANK and rank + 1 < p:
+        out.append((rank + 1, kind, index))
+    if kind in (F1, I1, I0):
+        out.append((rank, kind - 1, index))
+    if index:
+        out.append((rank, kind, index - 1))
+    return out
+
+
+def _walk_order(timelines: list[Timeline]) -> list[tuple[int, int, int, int]]:
+    return sorted((slot, r, kind, j) for r, tl in enumerate(timelines) for (kind, j), slot in tl.items())
+
+
+def squeeze(timelines: list[Timeline]) -> list[Timeline]:
+    """Step d: unit time; each pass at the earliest slot after its inputs and after the pass
+    before it on its rank, keeping every rank's order."""
+    p = len(timelines)
+    new: dict[tuple[int, int, int], int] = {}
+    previous: list[int] = [-1] * p
+    out: list[Timeline] = [{} for _ in range(p)]
+    for slot, r, kind, j in _walk_order(timelines):
+        earliest = previous[r] + 1
+        for dep in inputs(r, kind, j, p):
+            if dep not in new:
+                raise CompactError(f"slots out of dependency order: {_name(kind, j)} on rank {r} at slot "
+                                   f"{slot} needs {_name(*dep[1:])} of rank {dep[0]}, which comes later")
+            earliest = max(earliest, new[dep] + 1)
+        new[(r, kind, j)] = out[r][(kind, j)] = previous[r] = earliest
+    return out
+
+
+def _name(kind: int, index: int) -> str:
+    if kind == W:
+        return f"W #{index}"
+    op, chunk = NAME_OF[kind]
+    return f"{op}[{chunk}]@{index}"
+
+
+# -- the greedy walk --------------------------------------------------------------------------
+WARMUP, STEADY, COOLDOWN = "warm-up", "steady", "cool-down"
+
+
+def _earliest(timelines: list[Timeline], r: int, kind: int, j: int, p: int) -> int:
+    """The first slot after every input of the pass, at their current slots."""
+    last = -1
+    for dep_rank, dep_kind, dep_j in inputs(r, kind, j, p):
+        last = max(last, timelines[dep_rank][(dep_kind, dep_j)])
+    if kind == W:  # after the rank's j-th input gradient, in current slot order
+        grads = sorted(slot for (k, _), slot in timelines[r].items() if k in (I1, I0))
+        last = max(last, grads[j])
+    return last + 1
+
+
+def _compact(timelines: list[Timeline], m: int, move_warmup: bool) -> list[Timeline]:
+    """Steps c and e: move warm-up (when `move_warmup`) and cool-down passes earlier."""
+    p = len(timelines)
+    weights_placed = any(key[0] == W for tl in timelines for key in tl)
+    busy = [_by_slot(tl) for tl in timelines]
+    limit = max(peak(b, weights_placed) for b in busy)
+    out = [dict(tl) for tl in timelines]
+    taken: list[set[int]] = [set() for _ in range(p)]  # slots of passes already walked
+    phase = WARMUP
+    for slot, r, kind, j in _walk_order(timelines):
+        if phase == WARMUP and kind == I0 and r == 0:
+            phase = STEADY
+        if phase == STEADY or (phase == WARMUP and not move_warmup):
+            if phase == STEADY and kind == F0 and j == m - 1:
+                phase = COOLDOWN
+            taken[r].add(slot)
+            continue
+        final = slot
+        for candidate in range(_earliest(out, r, kind, j, p), slot):
+            if candidate in taken[r]:
+                continue
+            del busy[r][slot]
+            busy[r][candidate] = kind
+            fits = peak(busy[r], weights_placed) <= limit
+            del busy[r][candidate]
+            busy[r][slot] = kind
+            if fits:
+                final = candidate
+                break
+        if final != slot:
+            del busy[r][slot]
+            busy[r][final] = kind
+            out[r][(kind, j)] = final
+        taken[r].add(final)
+    return out
+
+
+def compact_greedy(ranks: Sequence[Sequence[Pass]], m: int) -> list[list[tuple[str, int, int]]]:
+    """Each rank's order, as (op, chunk, microbatch), after the greedy compaction of the
+    passes at their slots (steps a-f of the module docstring)."""
+    timelines = [place_weights(tl) for tl in block_timelines(ranks, m)]  # a, b
+    timelines = squeeze(_compact(timelines, m, move_warmup=True))  # c, d
+    timelines = _compact([_without_weights(tl) for tl in timelines], m, move_warmup=False)  # e
+    timelines = squeeze([place_weights(tl) for tl in timelines])
+    return [[(op, chunk, j) for _, op, chunk, j in place_weights_per_chunk(tl)] for tl in timelines]  # f
