@@ -16,6 +16,7 @@ import socket
 import tempfile
 import time
 import traceback
+import warnings
 from typing import Any, Callable
 
 GRACE_AFTER_FAILURE_S = 15.0
@@ -52,6 +53,9 @@ def _entry(target: str, rank: int, world: int, port: int, spec: Any, out: str, p
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "LOCAL_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                        "OMP_NUM_THREADS": "1", **env})
+    # megatron-core warns in every process that Apex / Transformer Engine (CUDA kernels) are
+    # missing and it falls back to torch; on CPU that is expected and only buries the output
+    warnings.filterwarnings("ignore", message=r".*(Apex is|Apex are) not installed")
     try:
         import torch
 
