@@ -3,7 +3,6 @@ examples/megatron_gpt) and the layers of a DeepSpeed PipelineModule."""
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
 
 import torch
 

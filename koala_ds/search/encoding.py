@@ -313,7 +313,6 @@ class GenomeDecoder:
         nB = [0] * C   # B or I done
         nI = [0] * C   # I done (W needs them)
         nW = [0] * C
-        isI: list[list[bool]] = [[False] * len(mbs[c]) for c in range(C)]
         total = [len(x) for x in mbs]
         mem = 0.0
         peak = 0.0

@@ -20,7 +20,6 @@ The dynamic rule (documented in docs/search.md):
 from __future__ import annotations
 
 import logging
-import math
 import random
 import sys
 import time
@@ -29,11 +28,11 @@ from typing import Callable, Sequence
 
 from .. import library
 from ..ir import KoalaError, Schedule
-from ..sim import CostProfile, random_schedule, simulate
+from ..sim import random_schedule, simulate
 from .encoding import W_K
 from .greedy import greedy_seeds
 from .local import LocalSearch
-from .problem import INFEASIBLE, PlacementProblem, SearchError, SearchProblem, relative_gap, weight_copies
+from .problem import INFEASIBLE, SearchError, SearchProblem, relative_gap, weight_copies
 
 log = logging.getLogger(__name__)
 

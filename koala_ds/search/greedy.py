@@ -116,8 +116,6 @@ def greedy_walk(part: PlacementProblem, policy: Policy) -> list[list[int]] | Non
     w_time: list[list[list[float]]] = [[[] for _ in range(C)] for _ in range(p)]
     mem = [0.0] * p
     committed = [0.0] * p
-    # remaining committed memory per (rank, mb): act of its stages on this rank not yet run
-    remaining = [dict() for _ in range(p)]
     units = [0.0] * p  # chunk-activations held (cap accounting)
     free = [0.0] * p
     total = [sum(len(mbs[r][c]) for c in range(C)) * (3 if split else 2) for r in range(p)]

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from ..ir import ScheduleError
+from .encoding import W_K
 from .problem import PlacementProblem
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,6 @@ class Timing:
         self.p = pl.p
         self.sim = sim
         self.S, self.m = S, m
-        self.bk = bk
 
     def run(self, codes: Sequence[Sequence[int]]) -> tuple[list[float], list[list[float]]] | None:
         """(finish time of each rank, start time of each action per rank), or None on a deadlock."""
@@ -93,6 +93,11 @@ class LocalResult:
     makespan: float
     evaluations: int
     moves: int
+
+
+def _improves(new: tuple[float, float], cur: tuple[float, float]) -> bool:
+    """(makespan, sum of finish times) lower, lexicographically, beyond float noise."""
+    return new[0] < cur[0] - EPS or (new[0] <= cur[0] + EPS and new[1] < cur[1] - EPS)
 
 
 Move = tuple[int, int, int]   # (rank, from index, to index)
@@ -190,7 +195,7 @@ class LocalSearch:
             kind, rest = divmod(c, S * m)
             mb = rest % m
             d = j - i
-            if (kind, mb, d) in seen or kind == 3:
+            if (kind, mb, d) in seen or kind == W_K:
                 continue
             seen.add((kind, mb, d))
             chain = []
@@ -252,7 +257,7 @@ class LocalSearch:
                     k = self.key(codes)
                     if k is None:
                         continue
-                    if k[0] < cur_key[0] - EPS or (k[0] <= cur_key[0] + EPS and k[1] < cur_key[1] - EPS):
+                    if _improves(k, cur_key):
                         cur_t[r], cur_c[r] = d[0], d[1]
                         cur_key = k
                         res = self.timing.run(cur_c)
@@ -285,7 +290,7 @@ class LocalSearch:
                     k = self.key(new_c)
                     if k is None:
                         continue
-                    if k[0] < cur_key[0] - EPS or (k[0] <= cur_key[0] + EPS and k[1] < cur_key[1] - EPS):
+                    if _improves(k, cur_key):
                         cur_t, cur_c, cur_key = new_t, new_c, k
                         res = self.timing.run(cur_c)
                         assert res is not None

@@ -11,7 +11,7 @@ from ..ir import KoalaError, Placement, Schedule, ScheduleError
 from ..sim import CostProfile, Simulator, lower_bound
 from ..sim.profile import ProfileError
 from .bound import jackson_bound
-from .encoding import B_K, F_K, I_K, W_K, GenomeDecoder, encode
+from .encoding import B_K, I_K, W_K, GenomeDecoder, encode
 
 log = logging.getLogger(__name__)
 
