@@ -182,6 +182,20 @@ def test_schedule_from_json_file_round_trips(tmp_path):
     assert resolve_schedule(str(path), 4, 8, 1).same_order(schedule)
 
 
+@pytest.mark.timeout(60)
+def test_fixed_schedule_file_for_other_sizes_names_the_deepspeed_setting(tmp_path):
+    # a .json / .csv file is taken as written; the engine check names DeepSpeed's setting
+    from koala_ds.deepspeed import resolve_schedule
+
+    schedule = load_schedule("1f1b", 2, 4)
+    for path, text in ((tmp_path / "m4.json", schedule.to_json()), (tmp_path / "m4.csv", schedule.to_torch_csv())):
+        path.write_text(text)
+        loaded = resolve_schedule(str(path), 2, 8, 1)
+        assert loaded.same_order(schedule)
+        with pytest.raises(KoalaConfigError, match="gradient_accumulation_steps=4"):
+            check_schedule(loaded, Placement.named("linear", 2), 8, str(path))
+
+
 # -- multi-process equality with DeepSpeed's stock TrainSchedule --------------------------
 @pytest.mark.timeout(420)
 def test_two_stages_every_schedule_equals_stock(tmp_path):

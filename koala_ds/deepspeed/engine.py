@@ -119,11 +119,11 @@ def resolve_schedule(spec: Any, p: int, m: int, v: int) -> Schedule:
         return spec
     if not isinstance(spec, (str, os.PathLike)):
         raise KoalaConfigError(f'"pipeline.koala.schedule" must be a schedule name or a file path, got {spec!r}')
-    text = str(spec)
-    if text.endswith(".json") and Path(text).is_file():
-        return Schedule.from_json(Path(text).read_text(encoding="utf-8"), source=text)
-    from ..library import load_schedule
+    from ..library import FIXED_SUFFIXES, load_schedule, read_schedule_file
 
+    text = str(spec)
+    if text.endswith(FIXED_SUFFIXES) and Path(text).is_file():
+        return read_schedule_file(text)  # as written: check_schedule names the setting to change
     return load_schedule(text, p, m, v)
 
 

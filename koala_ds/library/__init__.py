@@ -50,18 +50,29 @@ def load_program(name_or_path: str) -> Program:
     return get(name_or_path)
 
 
+FIXED_SUFFIXES = (".json", ".csv")
+
+
+def read_schedule_file(path: str | Path) -> Schedule:
+    """A fixed schedule from a `.json` (koala export) or torch compute-only `.csv` file, as
+    written: the caller checks that it fits its (p, m, v) and says which setting to change."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"schedule file {path} does not exist")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        return Schedule.from_json(text, str(path))
+    if path.suffix == ".csv":
+        return Schedule.from_torch_csv(text, name=path.stem, source=str(path))
+    raise KoalaError(f"{path}: a fixed schedule file ends in {' or '.join(FIXED_SUFFIXES)}")
+
+
 def load_schedule(name_or_path: str, p: int, m: int, v: int = 1) -> Schedule:
     """Compile a library schedule or a `.koala` file for (p, m, v), or load a fixed `.json` /
     `.csv` schedule and check that it was made for (p, m, v)."""
     path = Path(name_or_path)
-    if path.suffix in (".json", ".csv") and name_or_path not in _registry():
-        if not path.exists():
-            raise FileNotFoundError(f"schedule file {path} does not exist")
-        text = path.read_text(encoding="utf-8")
-        if path.suffix == ".json":
-            schedule = Schedule.from_json(text, str(path))
-        else:
-            schedule = Schedule.from_torch_csv(text, name=path.stem, source=str(path))
+    if path.suffix in FIXED_SUFFIXES and name_or_path not in _registry():
+        schedule = read_schedule_file(path)
         for key, want in (("p", p), ("m", m), ("v", v)):
             have = getattr(schedule, key)
             if have != want:

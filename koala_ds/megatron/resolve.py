@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 from ..ir import KoalaError, Schedule
+from ..library import FIXED_SUFFIXES, get, load_schedule, names, read_schedule_file
 from ..validate import validate
 
 FILE_SUFFIXES = (".koala", ".json", ".csv")
@@ -30,12 +31,7 @@ def check_spec(spec) -> None:
         if not os.path.isfile(spec):
             raise MegatronScheduleError(f"--koala-schedule {spec}: no such file")
         return
-    try:
-        from .. import library
-    except ImportError:
-        raise MegatronScheduleError(f"--koala-schedule {spec}: the schedule library (koala_ds.library) is not "
-                                    f"installed; pass a schedule .json file instead") from None
-    known = list(library.names())
+    known = names()
     if spec not in known:
         raise MegatronScheduleError(f"--koala-schedule {spec}: unknown schedule; known: {', '.join(known)} "
                                     f"(or give a .koala / .json / .csv file)")
@@ -76,12 +72,8 @@ def _resolve(key: _Key) -> Schedule:
         where = spec
         if not os.path.isfile(spec):
             raise MegatronScheduleError(f"--koala-schedule {spec}: no such file")
-        if spec.endswith(".json"):
-            with open(spec, encoding="utf-8") as fh:
-                schedule = Schedule.from_json(fh.read(), source=spec)
-        elif spec.endswith(".csv"):
-            with open(spec, encoding="utf-8") as fh:
-                schedule = Schedule.from_torch_csv(fh.read(), name=os.path.basename(spec), source=spec)
+        if spec.endswith(FIXED_SUFFIXES):
+            schedule = read_schedule_file(spec)  # as written: the checks below name the flags
         else:
             schedule = _library_load(spec, p, m, v)
     else:
@@ -107,11 +99,6 @@ def _resolve(key: _Key) -> Schedule:
 
 
 def _library_load(spec: str, p: int, m: int, v: int) -> Schedule:
-    try:
-        from ..library import get, load_schedule
-    except ImportError:
-        raise MegatronScheduleError(f"--koala-schedule {spec}: the schedule library (koala_ds.library) is not "
-                                    f"installed; pass a schedule .json file instead") from None
     if not looks_like_path(spec):
         reason = get(spec).supports(p, m, v)
         if reason is not None:
