@@ -9,6 +9,7 @@ another rank failed, are killed: nothing hangs. torch is imported only in the wo
 """
 from __future__ import annotations
 
+import glob
 import importlib
 import os
 import pickle
@@ -106,6 +107,19 @@ def spawn(target: Callable | str, world: int, spec: Any = None, **kwargs) -> lis
     return [res["value"] for res in launch(target, world, spec, **kwargs)]
 
 
+def remove_deepspeed_shm(port: int) -> None:
+    """DeepSpeed's CPU shared-memory allreduce creates /dev/shm/deepspeed_allreduce_buffer_<uid>_
+    <addr>_<port>_<rank> (about 66 MB per rank) and never unlinks it: a test suite or benchmark
+    would fill /dev/shm (and so RAM) job after job. The names carry the job's port, so exactly
+    this job's buffers are removed once its processes are gone."""
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{uid}_127.0.0.1_{port}_*"):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
 def _launch_once(target: str, world: int, spec: Any, timeout_s: float, pg_timeout_s: float, init: str | None,
                  env: dict, wait_ranks: list[int] | None) -> tuple[list[dict], bool]:
     import multiprocessing as mp
@@ -132,6 +146,7 @@ def _launch_once(target: str, world: int, spec: Any, timeout_s: float, pg_timeou
             if proc.is_alive():
                 proc.kill()
             proc.join(timeout=10)
+        remove_deepspeed_shm(port)
         results = []
         for r in range(world):
             path = os.path.join(out, f"rank{r}.pkl")

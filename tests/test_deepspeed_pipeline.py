@@ -28,6 +28,7 @@ from koala_ds.deepspeed import (KoalaConfigError, KoalaPipeSchedule, KoalaPipeli
 from koala_ds.deepspeed.schedule import BackwardInputPass, BackwardWeightPass, messages_between  # noqa: E402
 from koala_ds.deepspeed.testing import DEFAULT_EXTENSIONS_DIR, hang_worker, launch, train_worker  # noqa: E402
 from koala_ds.ir import Op, Placement  # noqa: E402
+from koala_ds.spawn import remove_deepspeed_shm  # noqa: E402
 from koala_ds.library import load_schedule  # noqa: E402
 from koala_ds.validate import validate  # noqa: E402
 
@@ -172,6 +173,20 @@ def test_config_section_and_engine_selection():
     assert select_engine_class(model, {"schedule": "koala"}) is KoalaPipelineEngine
 
 
+@pytest.mark.timeout(120)
+def test_launcher_removes_deepspeeds_shared_memory_buffers():
+    # DeepSpeed's CPU allreduce leaves /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>
+    # (~66 MB each) behind; without the launcher's clean-up a test run fills /dev/shm job by job
+    import glob
+
+    pattern = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_*"
+    before = set(glob.glob(pattern))
+    values = [r["value"] for r in launch("koala_ds.deepspeed.testing:allreduce_worker", 2, {"size": 4},
+                                         timeout_s=100)]
+    assert values == [2.0, 2.0]
+    assert set(glob.glob(pattern)) <= before
+
+
 @pytest.mark.timeout(60)
 def test_schedule_from_json_file_round_trips(tmp_path):
     from koala_ds.deepspeed import resolve_schedule
@@ -308,7 +323,10 @@ def test_launcher_patch_applies_and_the_flag_reaches_the_engine(tmp_path):
     port = str(29500 + os.getpid() % 1000)
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", port,
            "--pipeline_schedule", "koala", "--koala_schedule", "zb-h1", str(script)]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    try:
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    finally:
+        remove_deepspeed_shm(int(port))
     # two ranks print to one pipe: their lines may interleave, so pick the JSON objects out
     lines = sorted((json.loads(m) for m in re.findall(r"RESULT (\{[^{}]*\})", run.stdout)), key=lambda r: r["rank"])
     assert len(lines) == 2, run.stdout[-3000:] + run.stderr[-3000:]

@@ -199,3 +199,12 @@ def hang_worker(rank: int, world: int, spec: dict) -> dict:
         return {"error": type(exc).__name__, "message": str(exc), "elapsed": time.perf_counter() - start,
                 "refused": refused}
     return {"error": None, "elapsed": time.perf_counter() - start, "refused": refused}
+
+
+def allreduce_worker(rank: int, world: int, spec: dict) -> float:
+    """One allreduce through deepspeed.comm (DeepSpeed's CPU shared-memory path)."""
+    from deepspeed import comm as dist
+
+    t = torch.ones(spec.get("size", 4))
+    dist.all_reduce(t)
+    return float(t[0])
