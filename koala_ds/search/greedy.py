@@ -241,9 +241,7 @@ def greedy_walk(part: PlacementProblem, policy: Policy) -> list[list[int]] | Non
             else:
                 committed[r] -= ac[c]
                 tokens[r].append(B_K * C + c)
-                if entry[r][c]:
-                    units[r] -= 1
-            if split and entry[r][c]:
+            if entry[r][c]:
                 units[r] -= 1
             p_s = prev[s]
             if p_s is not None:

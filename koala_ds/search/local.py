@@ -233,73 +233,57 @@ class LocalSearch:
         cur_key = (max(free), sum(free))
         start_evals = self.evaluations
         moves_done = 0
+
+        def stop() -> bool:
+            return deadline() or (max_evals is not None and self.evaluations - start_evals >= max_evals)
+
         while True:
-            improved = False
-            for phase in (0, 1):
-                cand = self.critical_moves(cur_c, starts, free) if phase == 0 else self.gap_moves(cur_c, starts)
-                cand = list(dict.fromkeys(cand))
-                rng.shuffle(cand)
-                for r, i, j in cand:
-                    if deadline() or (max_evals is not None and self.evaluations - start_evals >= max_evals):
-                        return LocalResult(cur_t, cur_c, cur_key[0], self.evaluations - start_evals, moves_done)
-                    toks = list(cur_t[r])
-                    if i >= len(toks):
-                        continue
-                    x = toks.pop(i)
-                    toks.insert(j, x)
-                    if toks == cur_t[r]:
-                        continue
-                    d = self.decode(r, toks)
-                    if d is None or d[1] == cur_c[r]:
-                        continue
-                    codes = list(cur_c)
-                    codes[r] = d[1]
-                    k = self.key(codes)
-                    if k is None:
-                        continue
-                    if _improves(k, cur_key):
-                        cur_t[r], cur_c[r] = d[0], d[1]
-                        cur_key = k
-                        res = self.timing.run(cur_c)
-                        assert res is not None
-                        free, starts = res
-                        moves_done += 1
-                        improved = True
-                        break
-                if improved:
-                    break
-            if not improved and self.chains:
-                cands = list(dict.fromkeys(self.chain_moves(cur_c, starts, free)))
+            found = None
+            phases = [lambda: [((r, i, j - i),) for r, i, j in self.critical_moves(cur_c, starts, free)],
+                      lambda: [((r, i, j - i),) for r, i, j in self.gap_moves(cur_c, starts)]]
+            if self.chains:  # only when no single move helps
+                phases.append(lambda: self.chain_moves(cur_c, starts, free))
+            for phase in phases:
+                cands = list(dict.fromkeys(phase()))
                 rng.shuffle(cands)
                 for chain in cands:
-                    if deadline() or (max_evals is not None and self.evaluations - start_evals >= max_evals):
+                    if stop():
                         return LocalResult(cur_t, cur_c, cur_key[0], self.evaluations - start_evals, moves_done)
-                    by_rank: dict[int, list[tuple[int, int]]] = {}
-                    for r, i, d in chain:
-                        by_rank.setdefault(r, []).append((i, d))
-                    new_t, new_c = list(cur_t), list(cur_c)
-                    ok = True
-                    for r, shifts in by_rank.items():
-                        dd = self.decode(r, self.apply(cur_t[r], shifts))
-                        if dd is None:
-                            ok = False
-                            break
-                        new_t[r], new_c[r] = dd
-                    if not ok or new_c == cur_c:
+                    nb = self._neighbour(cur_t, cur_c, chain)
+                    if nb is None:
                         continue
-                    k = self.key(new_c)
-                    if k is None:
-                        continue
-                    if _improves(k, cur_key):
-                        cur_t, cur_c, cur_key = new_t, new_c, k
-                        res = self.timing.run(cur_c)
-                        assert res is not None
-                        free, starts = res
-                        moves_done += 1
-                        improved = True
+                    k = self.key(nb[1])
+                    if k is not None and _improves(k, cur_key):
+                        found = (nb, k)
                         break
-            if not improved:
+                if found:
+                    break
+            if found is None:
                 return LocalResult(cur_t, cur_c, cur_key[0], self.evaluations - start_evals, moves_done)
+            (cur_t, cur_c), cur_key = found
+            res = self.timing.run(cur_c)
+            assert res is not None
+            free, starts = res
+            moves_done += 1
+
+    def _neighbour(self, cur_t: list[list[int]], cur_c: list[list[int]], chain: Chain
+                   ) -> tuple[list[list[int]], list[list[int]]] | None:
+        """(tokens, codes) after moving each (rank, index, shift) of `chain`, decoded with
+        repair; None when nothing changes or a rank does not decode within its limit."""
+        by_rank: dict[int, list[tuple[int, int]]] = {}
+        for r, i, d in chain:
+            if i < len(cur_t[r]):
+                by_rank.setdefault(r, []).append((i, d))
+        new_t, new_c = list(cur_t), list(cur_c)
+        for r, shifts in by_rank.items():
+            toks = self.apply(cur_t[r], shifts)
+            if toks == cur_t[r]:
+                continue
+            dec = self.decode(r, toks)
+            if dec is None:
+                return None
+            new_t[r], new_c[r] = dec
+        return None if new_c == cur_c else (new_t, new_c)
 
 
 def iterated_local_search(part: PlacementProblem, tokens: Sequence[Sequence[int]], rng: random.Random,
