@@ -322,3 +322,54 @@ def test_chain_moves_shift_one_microbatch_on_every_stage():
         assert len(kinds) == 1 and len(mbs) == 1 and kinds != {3}   # one op kind (never W), one microbatch
         assert len(stages) == len(chain) == S                       # ... on every stage
         assert len({d for _, _, d in chain}) == 1                   # ... by the same shift
+
+
+def test_a_walk_that_deadlocks_is_repaired_not_rejected():
+    # p = 2: rank 0 alternates F, I after one forward; rank 1 runs two forwards first. Rank 0
+    # waits for the gradient of microbatch 0 while rank 1 waits for the forward of microbatch 1.
+    profile = CostProfile.uniform(2, p2p_latency=0.1)
+    problem = SearchProblem(profile, 2, 4, 1, "full", None)
+    part = problem.parts[0]
+    F, B = 0, 1
+    walk = [[F, B, F, B, F, B, F, B], [F, F, B, B, F, F, B, B]]
+    codes = [[part.decoder.decode_rank(r, w)[1] for r, w in enumerate(walk)]][0]
+    with pytest.raises(KoalaError, match="deadlock"):
+        part.sim.makespan(codes)
+    ev = part.evaluate(walk)
+    assert ev.makespan < float("inf")
+    schedule = part.schedule(ev.codes, "repaired")
+    validate(schedule)
+    assert simulate(schedule, problem.search_profile, timeline=False).makespan == pytest.approx(ev.makespan)
+    # each time both ranks wait, the repair moves rank 1's next backward (it needs nothing) in front
+    # of the forward it waits at; rank 0's walk is kept
+    assert ev.tokens == [walk[0], [F, B] * 4]
+
+
+def test_repaired_random_walks_are_valid_schedules():
+    import random
+
+    from koala_ds.search.ga import mutate
+
+    profile = CostProfile.uniform(8, activation_mb=10.0, w_hold_mb=2.0, p2p_latency=0.1)
+    limit = 0.6 * one_f_one_b_peak(profile, 4, 8, 2)
+    problem = SearchProblem(profile, 4, 8, 2, "split", limit)
+    rng = random.Random(0)
+    repaired = 0
+    for part in problem.parts:
+        walk = part.tokens_of(library.get("v-min" if part.placement.describe() == "vshape" else
+                                          "interleaved-1f1b").compile(4, 8, 2)) \
+            if part.placement.describe() in ("vshape", "interleaved") else greedy_seeds(part)[0][1]
+        for _ in range(40):
+            kicked = mutate(walk, rng, 6.0, part.placement.chunks_per_rank)
+            plain = [part.decoder.decode_rank(r, t)[1] for r, t in enumerate(kicked)]
+            deadlocks = part.sim.stalled(plain) is not None
+            ev = part.evaluate(kicked)
+            if ev.makespan == float("inf"):
+                continue
+            repaired += deadlocks
+            schedule = part.schedule(ev.codes, "kicked")
+            validate(schedule)
+            res = simulate(schedule, problem.search_profile, timeline=False)
+            assert res.makespan == pytest.approx(ev.makespan)
+            assert res.peak_memory_max <= limit * (1 + 1e-9)
+    assert repaired > 0  # the kicks did produce deadlocks, and they were repaired

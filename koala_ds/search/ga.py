@@ -346,8 +346,9 @@ def search(problem: SearchProblem, *, time_budget: float | None = 10.0, generati
     polished: set[tuple] = set()
 
     def polish(ind: Individual, origin: str, kick: bool = False,
-               deadline: Callable[[], bool] = out_of_time) -> bool:
-        """Local search from `ind` (after a random kick when `kick`); True if it found a new best."""
+               deadline: Callable[[], bool] = out_of_time) -> tuple[bool, Individual | None]:
+        """Local search from `ind` (after a random kick when `kick`): (whether it found a new
+        best, the walk it ended at)."""
         polished.add(ind.key)
         part = problem.parts[ind.part]
         ls = searchers.get(ind.part)
@@ -355,16 +356,21 @@ def search(problem: SearchProblem, *, time_budget: float | None = 10.0, generati
             ls = searchers[ind.part] = LocalSearch(part)
         toks = ind.tokens
         if kick:
-            toks = mutate(toks, rng, cfg.kick_strength, part.placement.chunks_per_rank)
+            # through the decoder, which repairs a kick that deadlocks
+            ev = part.evaluate(mutate(toks, rng, cfg.kick_strength, part.placement.chunks_per_rank))
+            evaluator.count += 1
+            if ev.makespan == INFEASIBLE:
+                return False, None
+            toks = ev.tokens
         before = ls.evaluations
         res = ls.descend(toks, rng, deadline, cfg.local_evals)
         evaluator.count += ls.evaluations - before
         if res is None:
-            return False
+            return False, None
         ev = part.evaluate(res.tokens)
         new = Individual(ind.part, ev.tokens, ev.makespan, ev.peak, origin)
         polished.add(new.key)
-        return consider(new)
+        return consider(new), new
 
     try:
         # seeds: library, greedy, random walks
@@ -419,6 +425,7 @@ def search(problem: SearchProblem, *, time_budget: float | None = 10.0, generati
         strength = 2.0
         trials = cfg.trials
         since = 0
+        walker: Individual | None = None
         while True:
             if best.makespan <= stop_at:
                 stopped = "lower-bound"
@@ -454,11 +461,17 @@ def search(problem: SearchProblem, *, time_budget: float | None = 10.0, generati
                 pop.sort(key=lambda x: x.makespan)
                 # polish the best walk not yet polished, then one iterated-local-search kick
                 fresh_top = [x for x in pop[:3] if x.key not in polished]
-                if fresh_top and polish(fresh_top[0], f"generation {gen} + local search"):
+                if fresh_top and polish(fresh_top[0], f"generation {gen} + local search")[0]:
                     improved = True
-                if not out_of_time() and polish(_tournament(pop[:4], rng), f"generation {gen} kick + local search",
-                                                kick=True):
-                    improved = True
+                # the iterated local search walks on: it kicks the walk it last accepted, and
+                # accepts a result no worse than it (so it drifts across plateaus)
+                if walker is None or walker.makespan > best.makespan + 1e-12:
+                    walker = best
+                if not out_of_time():
+                    found, new = polish(walker, f"generation {gen} kick + local search", kick=True)
+                    improved = improved or found
+                    if new is not None and new.makespan <= walker.makespan + 1e-12:
+                        walker = new
             pop.sort(key=lambda x: x.makespan)
             del pop[cfg.population:]
             if improved:

@@ -104,6 +104,36 @@ class Evaluation:
     codes: list[list[int]]
 
 
+def _runnable(order: list[int], i0: int, avail: list[float], dep: list[int], S: int, m: int
+              ) -> tuple[int, int | None]:
+    """(preference, position > i0) in a stuck rank's order of a step that could run now: the
+    first of its kind on its stage after i0 (so microbatch order is kept), its input there, and
+    its local predecessor (the forward of a backward, the I of a W) not among the steps skipped.
+    A backward is preferred (0: it passes a gradient on and frees memory), then a forward (1),
+    then a W (2); position None when there is none."""
+    seen: set[tuple[int, int]] = set()
+    pending: set[tuple[int, int, int]] = set()
+    found: dict[int, int] = {}
+    for j in range(i0, len(order)):
+        c = order[j]
+        rest, mb = divmod(c, m)
+        kind, s = divmod(rest, S)
+        cls = 1 if kind in (B_K, I_K) else (0 if kind == 0 else 2)
+        if j > i0 and (cls, s) not in seen and cls not in found:
+            d = dep[c]
+            local = (0, s, mb) if cls == 1 else ((1, s, mb) if cls == 2 else None)
+            if (d < 0 or avail[d] >= 0.0) and (local is None or local not in pending):
+                found[cls] = j
+                if cls == 1:
+                    break
+        seen.add((cls, s))
+        pending.add((cls, s, mb))
+    for pref, cls in enumerate((1, 0, 2)):
+        if cls in found:
+            return pref, found[cls]
+    return 3, None
+
+
 @dataclass
 class PlacementProblem:
     """One placement of the configuration: simulator, decoder, lower bound."""
@@ -126,9 +156,37 @@ class PlacementProblem:
             return Evaluation(INFEASIBLE, max(peaks), False, rep, codes)
         try:
             ms = self.sim.makespan(codes, check=False)
-        except ScheduleError:  # deadlock
-            return Evaluation(INFEASIBLE, max(peaks), True, rep, codes)
+        except ScheduleError:  # deadlock: move a step that can run to where its rank is stuck
+            if not self.unblock(rep, codes, peaks, memory_repair):
+                return Evaluation(INFEASIBLE, max(peaks), True, rep, codes)
+            ms = self.sim.makespan(codes, check=False)
         return Evaluation(ms, max(peaks), True, rep, codes)
+
+    def unblock(self, tokens: list[list[int]], codes: list[list[int]], peaks: list[float],
+                memory_repair: bool = True, rounds: int | None = None) -> bool:
+        """Repair a deadlocked walk in place: where every rank waits, move a step of a stuck rank
+        that can run (its input is there; a backward before a forward, a W last) to the place
+        its rank is stuck at, re-decode that rank, and repeat. True when the walk then runs
+        (within the memory limit), False when no such step is left or after `rounds` moves."""
+        sim, m, S = self.sim, self.sim.m, self.sim.num_stages
+        dep = sim._dep
+        for _ in range(rounds if rounds is not None else 3 * self.placement.p):
+            state = sim.stalled(codes)
+            if state is None:
+                return True
+            pos, avail = state
+            found = [(cls, r, j) for r in range(self.placement.p) if pos[r] < len(codes[r])
+                     for cls, j in [_runnable(codes[r], pos[r], avail, dep, S, m)] if j is not None]
+            if not found:
+                return False
+            _, r, j = min(found)  # a backward first (see _runnable), then the lowest rank
+            toks = list(tokens[r])  # the decoder caches what it returned: never edit in place
+            toks.insert(pos[r], toks.pop(j))
+            t, c, pk = self.decoder.decode_rank(r, toks, memory_repair)
+            tokens[r], codes[r], peaks[r] = list(t), list(c), pk
+            if pk > self.decoder.limits[r]:
+                return False
+        return sim.stalled(codes) is None
 
     def schedule(self, codes: Sequence[Sequence[int]], name: str) -> Schedule:
         ranks = tuple(tuple(self.sim.decode(c) for c in order) for order in codes)

@@ -319,7 +319,23 @@ class Simulator:
             return self._run_rendezvous(codes)
         raise ScheduleError(f"unknown simulation mode {mode!r}; use one of {', '.join(MODES)}")
 
+    def stalled(self, codes: Sequence[Sequence[int]]) -> tuple[list[int], list[float]] | None:
+        """Where integer-coded orders deadlock in async mode: (position each rank stopped at,
+        when each slot's data arrived, -1 for slots never filled); None when they run."""
+        codes = [list(c) for c in codes]
+        _, _, pos, avail = self._async(codes, False)
+        if all(pos[r] == len(codes[r]) for r in range(self.p)):
+            return None
+        return pos, avail
+
     def _run_async(self, codes: list[list[int]], record: bool) -> tuple[list[float], list[list[float]]]:
+        free, starts, pos, _ = self._async(codes, record)
+        if any(pos[r] < len(codes[r]) for r in range(self.p)):
+            self._deadlock(codes, pos, [-1] * self.p, "async")
+        return free, starts
+
+    def _async(self, codes: list[list[int]], record: bool
+               ) -> tuple[list[float], list[list[float]], list[int], list[float]]:
         # Each rank runs until its next action waits for a slot no one has filled yet; it then
         # registers as that slot's (only) waiter and is pushed back when the slot is filled.
         dur, dep, out, olat = self._dur, self._dep, self._out, self._olat
@@ -360,9 +376,7 @@ class Simulator:
                 i += 1
             pos[r] = i
             free[r] = t
-        if any(pos[r] < len(codes[r]) for r in range(p)):
-            self._deadlock(codes, pos, [-1] * p, "async")
-        return free, starts
+        return free, starts, pos, avail
 
     def _run_rendezvous(self, codes: list[list[int]]) -> tuple[list[float], list[list[float]]]:
         dur, dep, out, dcross, ocross = self._dur, self._dep, self._out, self._dcross, self._ocross
