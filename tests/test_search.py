@@ -263,7 +263,6 @@ def test_local_search_never_worsens_and_stays_valid():
     (4, 8, 2, "split", True, "vshape"), (4, 6, 2, "full", False, "interleaved"),
     (4, 8, 1, "split", False, "bidirectional"), (4, 12, 2, "full", True, "vshape")])
 def test_release_tail_bound_is_below_every_schedule(p, m, v, backward, tight, style):
-    from koala_ds.ir import Placement
     from koala_ds.search.bound import jackson_bound
     from koala_ds.sim import StageCost, random_schedule
 

@@ -517,8 +517,9 @@ def search(problem: SearchProblem, *, time_budget: float | None = 10.0, generati
     res = part.sim.run(schedule.ranks, timeline=False)
     chosen_makespan, origin = res.makespan, best.origin
     fit_lib = sorted((row for row in seeds_lib if row.fits), key=lambda r: (r.makespan, r.name))
-    if fit_lib and fit_lib[0].makespan < chosen_makespan - 1e-12 and fit_lib[0].schedule is not None:
-        # the decoder takes microbatches in order; a library order that does not may still win
+    if fit_lib and fit_lib[0].makespan <= chosen_makespan + 1e-9 and fit_lib[0].schedule is not None:
+        # the decoder takes microbatches in order, so a library order that does not may still
+        # win; and on a tie the known schedule is the better answer (nothing faster was found)
         schedule = fit_lib[0].schedule
         res = simulate(schedule, problem.search_profile, timeline=False)
         chosen_makespan, origin = res.makespan, f"library {fit_lib[0].name}"
