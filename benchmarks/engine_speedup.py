@@ -356,11 +356,13 @@ def main(argv=None) -> int:
         say(f"deepspeed engine skipped: {missing}")
         engines.remove("deepspeed")
 
-    from koala_ds.profiler.p2p import measure_p2p_latency
+    from koala_ds.profiler.p2p import measure_p2p
 
     t_start = time.time()
-    latency = measure_p2p_latency(8 * 2, iters=100)  # the emulated activation: seq 2 x mbs 1 x hidden 8
-    say(f"measured p2p latency (gloo ping-pong, one way, 64-byte message): {latency:.3f} ms")
+    p2p = measure_p2p(8 * 2, iters=100)  # the emulated activation: seq 2 x mbs 1 x hidden 8
+    latency = p2p.latency_ms
+    say(f"measured p2p latency (gloo ping-pong, one way, 64-byte message): {latency:.3f} ms; "
+        f"CPU {p2p.cpu_ms_per_message:.3f} ms per message sent or received, per rank")
     rows = []
     for p in ps:
         m = 2 * p
@@ -412,6 +414,7 @@ def main(argv=None) -> int:
                        "overhead_ms": round(c, 4), "overhead_step_ms": round(k, 3),
                        "overhead_single_ms": round(oh["single"], 4), "overhead_zero_ms": round(oh["zero"], 4),
                        "cpu_ms_per_action": round(cpu, 4), "p2p_latency_ms": round(latency, 4),
+                       "p2p_cpu_ms_per_message": round(p2p.cpu_ms_per_message, 4),
                        "steps_ms": [round(x, 2) for x in steps], "scale": args.scale, "schedule_json": job["schedule"]}
                 rows.append(row)
                 if args.json:
@@ -448,13 +451,26 @@ def summary(rows: list[dict]) -> str:
                          f"predicted {r['predicted_speedup_vs_1f1b']:.3f}x over 1f1b ({ratio:.1%} of predicted; "
                          f"gain {got:+.1%} vs {pred_gain:+.1%}; target >= 90%)")
     consts = sorted({(r["engine"], r["p"], r["overhead_ms"], r.get("overhead_step_ms", 0.0), r["overhead_zero_ms"],
-                      r.get("cpu_ms_per_action", float("nan")), r["p2p_latency_ms"]) for r in rows})
+                      r.get("cpu_ms_per_action", float("nan")), r["p2p_latency_ms"],
+                      r.get("p2p_cpu_ms_per_message", float("nan"))) for r in rows})
     cores = os.cpu_count() or 1
-    for e, p, c, k, c0, cpu, lat in consts:
+    for e, p, c, k, c0, cpu, lat, msg in consts:
         lines.append(f"{e} p={p}: measured runtime overhead {c:.3f} ms per action + {k:.1f} ms per step "
                      f"(1 ms ops; {c0:.3f} ms per action at zero compute, of which CPU {cpu:.3f} ms per action; "
                      f"{p} ranks share {cores} cores: p x CPU / cores = {p * cpu / cores:.3f} ms); "
                      f"gloo p2p latency {lat:.3f} ms one way")
+    msgs = {r.get("p2p_cpu_ms_per_message") for r in rows} - {None}
+    if msgs:
+        msg = max(msgs)
+        per_action = {p: 2 * (p - 1) / p * msg for p in sorted({r["p"] for r in rows})}
+        lines.append(f"floor of the runtime overhead on this machine: gloo alone costs a rank {msg:.3f} ms of CPU per "
+                     f"message sent or received; with full backward each microbatch crosses each of the p - 1 links "
+                     f"twice and a message costs both ends, so gloo takes 2 (p - 1) / p x {msg:.3f} ms of CPU per "
+                     f"action before any engine code, and with p ranks on {cores} cores each action waits p / "
+                     f"{cores} times that: " + ", ".join(f"p={p}: {c:.3f} ms CPU, {p * c / cores:.2f} ms wait"
+                                                    for p, c in per_action.items()) +
+                     " per action (the engines' own Python comes on top): at 1 ms ops the overhead cannot be "
+                     "small here; that needs >= p cores")
     return "\n".join(lines)
 
 

@@ -110,11 +110,13 @@ def test_pipeline_module_layers_are_partitioned_like_deepspeed():
 
 
 @pytest.mark.timeout(90)
-def test_p2p_pingpong_latency():
-    from koala_ds.profiler.p2p import measure_p2p_latency
+def test_p2p_pingpong_latency_and_cpu_per_message():
+    from koala_ds.profiler.p2p import measure_p2p
 
-    ms = measure_p2p_latency(1024, iters=10, timeout_s=80)
-    assert 0 < ms < 100
+    cost = measure_p2p(1024, iters=20, timeout_s=80)
+    assert 0 < cost.latency_ms < 100
+    # a message costs its rank some CPU time (at most its wall time on every core, plus slack)
+    assert 0 < cost.cpu_ms_per_message < 2 * 2 * cost.latency_ms * 4
 
 
 @pytest.mark.timeout(120)

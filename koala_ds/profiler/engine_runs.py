@@ -13,6 +13,7 @@ A job: {"key": any, "schedule": Schedule.to_dict(), "costs": [[F, I, W] ms per v
 from __future__ import annotations
 
 import os
+import random
 import statistics
 import time
 
@@ -86,15 +87,21 @@ class _MegatronRunner:
 
 
 def _round_robin(runners: list, warmup: int, steps: int) -> list[list[tuple[float, float]]]:
-    """Step k of every job, then step k + 1 of every job, ...: load drifts hit all jobs alike."""
+    """Step k of every job, then step k + 1 of every job, ...: load drifts hit all jobs alike.
+    Each round runs the jobs in a new order (the same on every rank: a shuffle seeded by the
+    round): on this 2-core machine a job's step time depends on the jobs run just before it
+    (the same 1f1b job measured 67-98 ms at different places in one fixed order), so a fixed
+    order would charge that to particular jobs."""
     import torch.distributed as dist
 
     times: list[list[tuple[float, float]]] = [[] for _ in runners]
-    for _ in range(warmup + steps):
-        for j, run in enumerate(runners):
+    order = list(range(len(runners)))
+    for k in range(warmup + steps):
+        random.Random(k).shuffle(order)
+        for j in order:
             dist.barrier()
             c0, t0 = time.process_time(), time.perf_counter()
-            run.step()
+            runners[j].step()
             times[j].append((t0, time.perf_counter(), c0, time.process_time()))
     return times
 

@@ -1,8 +1,16 @@
-"""p2p latency between two ranks for a given tensor size: a 2-process gloo ping-pong."""
+"""p2p latency between two ranks for a given tensor size: a 2-process gloo ping-pong. It also
+measures the CPU time a message costs a rank (its process's threads, gloo's included)."""
 from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class P2PCost:
+    latency_ms: float          # one way: median round trip / 2
+    cpu_ms_per_message: float  # CPU time of one rank per message it sends or receives
 
 
 def pingpong_worker(rank: int, world: int, spec: dict) -> dict:
@@ -15,7 +23,10 @@ def pingpong_worker(rank: int, world: int, spec: dict) -> dict:
     peer = 1 - rank
     rtts = []
     dist.barrier()
+    c0 = 0.0
     for k in range(warmup + iters):
+        if k == warmup:
+            c0 = time.process_time()
         t0 = time.perf_counter()
         if rank == 0:
             dist.isend(buf, dst=peer).wait()
@@ -25,14 +36,22 @@ def pingpong_worker(rank: int, world: int, spec: dict) -> dict:
             dist.isend(buf, dst=peer).wait()
         if k >= warmup:
             rtts.append(time.perf_counter() - t0)
-    return {"rtt_ms": [x * 1000 for x in rtts]}
+    cpu = time.process_time() - c0
+    return {"rtt_ms": [x * 1000 for x in rtts], "cpu_ms_per_message": cpu * 1000 / (2 * max(1, iters))}
 
 
-def measure_p2p_latency(numel: int, dtype: str = "float32", iters: int = 50, timeout_s: float = 120.0) -> float:
-    """One-way latency (ms) of a message of `numel` elements: median round trip / 2 between two
-    local gloo processes. Raises `koala_ds.spawn.SpawnError` past `timeout_s`."""
+def measure_p2p(numel: int, dtype: str = "float32", iters: int = 50, timeout_s: float = 120.0) -> P2PCost:
+    """Latency and CPU cost of a message of `numel` elements between two local gloo processes
+    (each iteration: one send and one receive per rank). Raises `koala_ds.spawn.SpawnError`
+    past `timeout_s`."""
     from ..spawn import spawn
 
     res = spawn("koala_ds.profiler.p2p:pingpong_worker", 2, {"numel": numel, "dtype": dtype, "iters": iters},
                 timeout_s=timeout_s)
-    return statistics.median(res[0]["rtt_ms"]) / 2.0
+    return P2PCost(statistics.median(res[0]["rtt_ms"]) / 2.0,
+                   statistics.mean(r["cpu_ms_per_message"] for r in res))
+
+
+def measure_p2p_latency(numel: int, dtype: str = "float32", iters: int = 50, timeout_s: float = 120.0) -> float:
+    """One-way latency (ms) of a message of `numel` elements: median round trip / 2."""
+    return measure_p2p(numel, dtype, iters, timeout_s).latency_ms
