@@ -288,7 +288,8 @@ class GAConfig:
     local_search: bool = True    # timeline-guided descent (koala_ds/search/local.py) on the best walks
     local_seeds: int = 2         # seeds polished per placement before the first generation
     local_evals: int = 4000      # evaluation cap of one descent
-    kick_strength: float = 3.0   # mutation strength of an iterated-local-search kick
+    kick_strengths: tuple[float, ...] = (1.5, 3.0, 6.0)  # an iterated-local-search kick's mutation strength:
+                                                          # one of these, at random (small and large kicks)
 
 
 def search(problem: SearchProblem, *, time_budget: float | None = 10.0, generations: int | None = None,
@@ -357,7 +358,8 @@ def search(problem: SearchProblem, *, time_budget: float | None = 10.0, generati
         toks = ind.tokens
         if kick:
             # through the decoder, which repairs a kick that deadlocks
-            ev = part.evaluate(mutate(toks, rng, cfg.kick_strength, part.placement.chunks_per_rank))
+            strength = rng.choice(cfg.kick_strengths)
+            ev = part.evaluate(mutate(toks, rng, strength, part.placement.chunks_per_rank))
             evaluator.count += 1
             if ev.makespan == INFEASIBLE:
                 return False, None
