@@ -372,3 +372,26 @@ def test_repaired_random_walks_are_valid_schedules():
             assert res.makespan == pytest.approx(ev.makespan)
             assert res.peak_memory_max <= limit * (1 + 1e-9)
     assert repaired > 0  # the kicks did produce deadlocks, and they were repaired
+
+
+def test_run_ahead_term_counts_whole_forwards():
+    # V-shape, p = 4, m = 8, unit ops, 0.05 ms hops, 100 MB per chunk activation, limit 480 MB.
+    # Rank 3 holds stages 3 and 4. Its first forward starts at 3.15 (three ops, three hops); the
+    # first gradient comes back to it at 11.45 (F3 F4 on rank 3 end at 5.15, then F5 F6 F7 I7
+    # I6 I5 and six hops: + 6.3). Until then it frees nothing, so it runs at most 4 forwards
+    # (4 x 100 MB fit in 480, 5 do not), 4 ms of its 48 ms of work: T >= 11.45 + 48 - 4. The
+    # fractional relaxation counted 4.8 forwards (54.65).
+    from koala_ds.search.bound import _forward_work_that_fits, jackson_bound
+    from koala_ds.sim import StageCost
+
+    profile = CostProfile((StageCost(1.0, 1.0, 1.0, 100.0, 25.0),) * 8, 0.05)
+    problem = SearchProblem(profile, 4, 8, 2, "split", 480.0, placement="vshape")
+    part = problem.parts[0]
+    jb = jackson_bound(problem.search_profile, part.placement, 8, "split", problem.limits)
+    assert jb.per_rank[3] == pytest.approx(11.45 + 48 - 4)
+    assert problem.lower_bound >= 55.45 - 1e-9
+    # the knapsack itself: whole items, the best mix of two kinds, no limit for a zero activation
+    assert _forward_work_that_fits([(1.0, 100.0, 8), (1.0, 100.0, 8)], 480.0) == 4.0
+    # 2 x 1.6 + 2 x 1.0 (280 + 200 MB); the fractional relaxation would say 480 / 140 x 1.6 = 5.49
+    assert _forward_work_that_fits([(1.6, 140.0, 8), (1.0, 100.0, 8)], 480.0) == pytest.approx(5.2)
+    assert _forward_work_that_fits([(1.0, 0.0, 3)], 10.0) == float("inf")

@@ -32,7 +32,7 @@ The proof is in docs/search.md ("A tighter bound"). In short, for one placement:
    preemptive schedule (always run the released job with the largest tail) attains.
 4. Memory also caps the run-ahead of a rank's forwards: until t0, the least release of its
    I/B jobs, the rank can run only forwards, and only as much forward work as fits in its
-   limit (fractional knapsack, an upper bound); so T >= t0 + (all its work) - min(t0 - r0,
+   limit (a bounded knapsack over its stages, exact); so T >= t0 + (all its work) - min(t0 - r0,
    that), r0 the least release of its jobs.
 """
 from __future__ import annotations
@@ -45,6 +45,9 @@ from typing import Sequence
 from ..ir import Placement
 from ..sim import CostProfile
 from ..sim.simulator import MEMORY_RTOL
+
+
+_KNAPSACK_ENUMERATION = 100_000  # count combinations the exact run-ahead knapsack may enumerate
 
 
 @dataclass(frozen=True)
@@ -168,12 +171,35 @@ def jackson_bound(profile: CostProfile, placement: Placement, m: int, backward: 
 
 
 def _forward_work_that_fits(forwards: list[tuple[float, float, int]], limit: float) -> float:
-    """At most this much forward time fits in `limit` (fractional knapsack: an upper bound)."""
+    """The most forward time whose activations fit in `limit` together: a bounded knapsack over
+    the rank's stages (duration, activation, count), solved exactly by enumerating the counts of
+    all stages but the last (a rank holds few stages); the fractional relaxation, an upper bound
+    too, when that enumeration would be large."""
     room = limit * (1 + MEMORY_RTOL)
+    items = [(d, act, count) for d, act, count in forwards if count > 0 and d > 0]
+    if any(act <= 0 for _, act, _ in items):
+        return math.inf
+    if not items:
+        return 0.0
+    size = 1
+    for _, act, count in items[:-1]:
+        size *= min(count, math.floor(room / act + MEMORY_RTOL)) + 1
+    if size > _KNAPSACK_ENUMERATION:
+        return _fractional(items, room)
+
+    def best(i: int, left: float) -> float:
+        d, act, count = items[i]
+        most = min(count, math.floor(left / act + MEMORY_RTOL))
+        if i == len(items) - 1:
+            return most * d
+        return max(x * d + best(i + 1, left - x * act) for x in range(most + 1))
+
+    return best(0, room)
+
+
+def _fractional(items: list[tuple[float, float, int]], room: float) -> float:
     total = 0.0
-    for d, act, count in sorted(forwards, key=lambda x: -(x[0] / x[1]) if x[1] > 0 else -math.inf):
-        if act <= 0:
-            return math.inf
+    for d, act, count in sorted(items, key=lambda x: -(x[0] / x[1])):
         take = min(count, room / act)
         total += take * d
         room -= take * act
