@@ -19,10 +19,12 @@ placements, split and full backward both searched: the better one; when the sear
 faster than a library schedule, a tie included, its answer is that schedule, marked '= name'). Step time = latest end -
 earliest start over ranks of one forward_backward call (Megatron) or train_batch (DeepSpeed,
 which also reduces gradients and steps the optimizer), median of 30 steps after 2 warm-up
-steps (10 with --quick or --real; `--steps N`). m = 2p microbatches. Why 30: at 1 ms ops, 4 to 8
-ranks on 2 cores make one step vary by +-30%, and a median of 10 steps left ~10% between two
-runs of the *same* schedule in one launch (1f1b and a searched schedule equal to it measured
-67.9 vs 77.6 ms), the size of the 90%-of-predicted-speedup target.
+steps (10 with --quick or --real; `--steps N`), each round in a new job order. m = 2p
+microbatches. Why: at 1 ms ops, 4 to 8 ranks on 2 cores make one step vary by +-30%, and on this
+machine a step's time also depends on the jobs run just before it: in a fixed order two runs of
+the *same* schedule in one launch measured up to 25% apart (1f1b and a searched schedule equal
+to it: 68.7 vs 76.5 ms, 344 vs 447 ms), also with 30 steps; with a new order every round
+(koala_ds.profiler.engine_runs) they agree within a few percent.
 
 How a profile meets p (documented choice): an 8-stage profile at p = 4 is run both ways: as
 v = 1 with stages merged pairwise (1f1b and every v = 1 schedule) and as v = 2 (8 virtual

@@ -35,7 +35,6 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from ..ir import ScheduleError
 from .encoding import W_K
 from .problem import PlacementProblem
 
@@ -80,10 +79,7 @@ class Timing:
 
     def run(self, codes: Sequence[Sequence[int]]) -> tuple[list[float], list[list[float]]] | None:
         """(finish time of each rank, start time of each action per rank), or None on a deadlock."""
-        try:
-            return self.sim.start_times(codes)
-        except ScheduleError:
-            return None
+        return self.sim.try_times(codes)
 
 
 @dataclass

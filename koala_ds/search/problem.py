@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ..ir import KoalaError, Placement, Schedule, ScheduleError
+from ..ir import KoalaError, Placement, Schedule
 from ..sim import CostProfile, Simulator, lower_bound
 from ..sim.profile import ProfileError
 from .bound import jackson_bound
@@ -154,13 +154,13 @@ class PlacementProblem:
         fits = all(pk <= lim for pk, lim in zip(peaks, self.decoder.limits))
         if not fits:
             return Evaluation(INFEASIBLE, max(peaks), False, rep, codes)
-        try:
-            ms = self.sim.makespan(codes, check=False)
-        except ScheduleError:  # deadlock: move a step that can run to where its rank is stuck
+        times = self.sim.try_times(codes, record=False)
+        if times is None:  # deadlock: move a step that can run to where its rank is stuck
             if not self.unblock(rep, codes, peaks, memory_repair):
                 return Evaluation(INFEASIBLE, max(peaks), True, rep, codes)
-            ms = self.sim.makespan(codes, check=False)
-        return Evaluation(ms, max(peaks), True, rep, codes)
+            times = self.sim.try_times(codes, record=False)
+            assert times is not None
+        return Evaluation(max(times[0]), max(peaks), True, rep, codes)
 
     def unblock(self, tokens: list[list[int]], codes: list[list[int]], peaks: list[float],
                 memory_repair: bool = True, rounds: int | None = None) -> bool:

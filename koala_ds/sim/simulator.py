@@ -319,6 +319,16 @@ class Simulator:
             return self._run_rendezvous(codes)
         raise ScheduleError(f"unknown simulation mode {mode!r}; use one of {', '.join(MODES)}")
 
+    def try_times(self, codes: Sequence[Sequence[int]], record: bool = True
+                  ) -> tuple[list[float], list[list[float]]] | None:
+        """`start_times` for the search's inner loop: None on a deadlock, without building the
+        error message (a search meets thousands of deadlocks; the message decodes every action)."""
+        codes = [list(c) for c in codes]
+        free, starts, pos, _ = self._async(codes, record)
+        if any(pos[r] < len(codes[r]) for r in range(self.p)):
+            return None
+        return free, starts
+
     def stalled(self, codes: Sequence[Sequence[int]]) -> tuple[list[int], list[float]] | None:
         """Where integer-coded orders deadlock in async mode: (position each rank stopped at,
         when each slot's data arrived, -1 for slots never filled); None when they run."""
