@@ -348,6 +348,7 @@ def test_repaired_random_walks_are_valid_schedules():
     import random
 
     from koala_ds.search.ga import mutate
+    from koala_ds.sim.simulator import Stall
 
     profile = CostProfile.uniform(8, activation_mb=10.0, w_hold_mb=2.0, p2p_latency=0.1)
     limit = 0.6 * one_f_one_b_peak(profile, 4, 8, 2)
@@ -361,7 +362,7 @@ def test_repaired_random_walks_are_valid_schedules():
         for _ in range(40):
             kicked = mutate(walk, rng, 6.0, part.placement.chunks_per_rank)
             plain = [part.decoder.decode_rank(r, t)[1] for r, t in enumerate(kicked)]
-            deadlocks = part.sim.stalled(plain) is not None
+            deadlocks = isinstance(part.sim.try_times(plain), Stall)
             ev = part.evaluate(kicked)
             if ev.makespan == float("inf"):
                 continue

@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from ..sim.simulator import Stall
 from .encoding import W_K
 from .problem import PlacementProblem
 
@@ -79,7 +80,8 @@ class Timing:
 
     def run(self, codes: Sequence[Sequence[int]]) -> tuple[list[float], list[list[float]]] | None:
         """(finish time of each rank, start time of each action per rank), or None on a deadlock."""
-        return self.sim.try_times(codes)
+        res = self.sim.try_times(codes)
+        return None if isinstance(res, Stall) else res
 
 
 @dataclass

@@ -9,9 +9,10 @@ from typing import Sequence
 
 from ..ir import KoalaError, Placement, Schedule
 from ..sim import CostProfile, Simulator, lower_bound
+from ..sim.simulator import Stall
 from ..sim.profile import ProfileError
 from .bound import jackson_bound
-from .encoding import B_K, I_K, W_K, GenomeDecoder, encode
+from .encoding import B_K, F_K, I_K, W_K, GenomeDecoder, encode
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ def _runnable(order: list[int], i0: int, avail: list[float], dep: list[int], S: 
         c = order[j]
         rest, mb = divmod(c, m)
         kind, s = divmod(rest, S)
-        cls = 1 if kind in (B_K, I_K) else (0 if kind == 0 else 2)
+        cls = 1 if kind in (B_K, I_K) else (0 if kind == F_K else 2)
         if j > i0 and (cls, s) not in seen and cls not in found:
             d = dep[c]
             local = (0, s, mb) if cls == 1 else ((1, s, mb) if cls == 2 else None)
@@ -154,39 +155,41 @@ class PlacementProblem:
         fits = all(pk <= lim for pk, lim in zip(peaks, self.decoder.limits))
         if not fits:
             return Evaluation(INFEASIBLE, max(peaks), False, rep, codes)
-        times = self.sim.try_times(codes, record=False)
-        if times is None:  # deadlock: move a step that can run to where its rank is stuck
-            if not self.unblock(rep, codes, peaks, memory_repair):
+        res = self.sim.try_times(codes, record=False)
+        if isinstance(res, Stall):  # deadlock: move a step that can run to where its rank is stuck
+            res = self.unblock(rep, codes, peaks, res, memory_repair)
+            if res is None:
                 return Evaluation(INFEASIBLE, max(peaks), True, rep, codes)
-            times = self.sim.try_times(codes, record=False)
-            assert times is not None
-        return Evaluation(max(times[0]), max(peaks), True, rep, codes)
+        return Evaluation(max(res[0]), max(peaks), True, rep, codes)
 
-    def unblock(self, tokens: list[list[int]], codes: list[list[int]], peaks: list[float],
-                memory_repair: bool = True, rounds: int | None = None) -> bool:
-        """Repair a deadlocked walk in place: where every rank waits, move a step of a stuck rank
-        that can run (its input is there; a backward before a forward, a W last) to the place
-        its rank is stuck at, re-decode that rank, and repeat. True when the walk then runs
-        (within the memory limit), False when no such step is left or after `rounds` moves."""
+    def unblock(self, tokens: list[list[int]], codes: list[list[int]], peaks: list[float], stall: Stall,
+                memory_repair: bool = True, rounds: int | None = None
+                ) -> tuple[list[float], list[list[float]]] | None:
+        """Repair a deadlocked walk in place: where every rank waits (`stall`), move a step of a
+        stuck rank that can run (its input is there; a backward before a forward, a W last) to
+        the place its rank is stuck at, re-decode that rank, and repeat. The walk's timing
+        (`Simulator.try_times`) when it then runs within the memory limit; None when no such
+        step is left or after `rounds` moves."""
         sim, m, S = self.sim, self.sim.m, self.sim.num_stages
-        dep = sim._dep
+        inputs = sim.inputs
         for _ in range(rounds if rounds is not None else 3 * self.placement.p):
-            state = sim.stalled(codes)
-            if state is None:
-                return True
-            pos, avail = state
+            pos, avail = stall
             found = [(cls, r, j) for r in range(self.placement.p) if pos[r] < len(codes[r])
-                     for cls, j in [_runnable(codes[r], pos[r], avail, dep, S, m)] if j is not None]
+                     for cls, j in [_runnable(codes[r], pos[r], avail, inputs, S, m)] if j is not None]
             if not found:
-                return False
+                return None
             _, r, j = min(found)  # a backward first (see _runnable), then the lowest rank
             toks = list(tokens[r])  # the decoder caches what it returned: never edit in place
             toks.insert(pos[r], toks.pop(j))
             t, c, pk = self.decoder.decode_rank(r, toks, memory_repair)
             tokens[r], codes[r], peaks[r] = list(t), list(c), pk
             if pk > self.decoder.limits[r]:
-                return False
-        return sim.stalled(codes) is None
+                return None
+            res = sim.try_times(codes, record=False)
+            if not isinstance(res, Stall):
+                return res
+            stall = res
+        return None
 
     def schedule(self, codes: Sequence[Sequence[int]], name: str) -> Schedule:
         ranks = tuple(tuple(self.sim.decode(c) for c in order) for order in codes)

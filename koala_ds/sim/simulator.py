@@ -103,6 +103,14 @@ class SimResult:
         return out
 
 
+class Stall(NamedTuple):
+    """Where integer-coded orders deadlock (async mode): the position each rank stopped at, and
+    when each slot's data arrived at its consumer (-1 for slots never filled)."""
+
+    pos: list[int]
+    avail: list[float]
+
+
 class Simulator:
     """A compiled configuration (profile, placement, m, backward mode) that simulates orders.
 
@@ -320,23 +328,19 @@ class Simulator:
         raise ScheduleError(f"unknown simulation mode {mode!r}; use one of {', '.join(MODES)}")
 
     def try_times(self, codes: Sequence[Sequence[int]], record: bool = True
-                  ) -> tuple[list[float], list[list[float]]] | None:
-        """`start_times` for the search's inner loop: None on a deadlock, without building the
-        error message (a search meets thousands of deadlocks; the message decodes every action)."""
+                  ) -> tuple[list[float], list[list[float]]] | Stall:
+        """`start_times` for the search's inner loop: on a deadlock, where it stalled instead of an
+        error (a search meets thousands of deadlocks; the error message decodes every action)."""
         codes = [list(c) for c in codes]
-        free, starts, pos, _ = self._async(codes, record)
+        free, starts, pos, avail = self._async(codes, record)
         if any(pos[r] < len(codes[r]) for r in range(self.p)):
-            return None
+            return Stall(pos, avail)
         return free, starts
 
-    def stalled(self, codes: Sequence[Sequence[int]]) -> tuple[list[int], list[float]] | None:
-        """Where integer-coded orders deadlock in async mode: (position each rank stopped at,
-        when each slot's data arrived, -1 for slots never filled); None when they run."""
-        codes = [list(c) for c in codes]
-        _, _, pos, avail = self._async(codes, False)
-        if all(pos[r] == len(codes[r]) for r in range(self.p)):
-            return None
-        return pos, avail
+    @property
+    def inputs(self) -> list[int]:
+        """Per action code, the slot (another stage's output) it waits for; -1 if none."""
+        return self._dep
 
     def _run_async(self, codes: list[list[int]], record: bool) -> tuple[list[float], list[list[float]]]:
         free, starts, pos, _ = self._async(codes, record)
