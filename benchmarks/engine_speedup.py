@@ -453,10 +453,9 @@ def summary(rows: list[dict]) -> str:
                          f"predicted {r['predicted_speedup_vs_1f1b']:.3f}x over 1f1b ({ratio:.1%} of predicted; "
                          f"gain {got:+.1%} vs {pred_gain:+.1%}; target >= 90%)")
     consts = sorted({(r["engine"], r["p"], r["overhead_ms"], r.get("overhead_step_ms", 0.0), r["overhead_zero_ms"],
-                      r.get("cpu_ms_per_action", float("nan")), r["p2p_latency_ms"],
-                      r.get("p2p_cpu_ms_per_message", float("nan"))) for r in rows})
+                      r.get("cpu_ms_per_action", float("nan")), r["p2p_latency_ms"]) for r in rows})
     cores = os.cpu_count() or 1
-    for e, p, c, k, c0, cpu, lat, msg in consts:
+    for e, p, c, k, c0, cpu, lat in consts:
         lines.append(f"{e} p={p}: measured runtime overhead {c:.3f} ms per action + {k:.1f} ms per step "
                      f"(1 ms ops; {c0:.3f} ms per action at zero compute, of which CPU {cpu:.3f} ms per action; "
                      f"{p} ranks share {cores} cores: p x CPU / cores = {p * cpu / cores:.3f} ms); "

@@ -112,27 +112,27 @@ def _runnable(order: list[int], i0: int, avail: list[float], dep: list[int], S: 
     its local predecessor (the forward of a backward, the I of a W) not among the steps skipped.
     A backward is preferred (0: it passes a gradient on and frees memory), then a forward (1),
     then a W (2); position None when there is none."""
-    seen: set[tuple[int, int]] = set()
-    pending: set[tuple[int, int, int]] = set()
+    seen: set[tuple[int, int]] = set()            # (preference, stage) met since i0
+    skipped: set[tuple[int, int, int]] = set()    # (preference, stage, microbatch) met since i0
     found: dict[int, int] = {}
     for j in range(i0, len(order)):
         c = order[j]
         rest, mb = divmod(c, m)
         kind, s = divmod(rest, S)
-        cls = 1 if kind in (B_K, I_K) else (0 if kind == F_K else 2)
-        if j > i0 and (cls, s) not in seen and cls not in found:
+        pref = 0 if kind in (B_K, I_K) else (1 if kind == F_K else 2)
+        if j > i0 and (pref, s) not in seen and pref not in found:
             d = dep[c]
-            local = (0, s, mb) if cls == 1 else ((1, s, mb) if cls == 2 else None)
-            if (d < 0 or avail[d] >= 0.0) and (local is None or local not in pending):
-                found[cls] = j
-                if cls == 1:
+            local = (1, s, mb) if pref == 0 else ((0, s, mb) if pref == 2 else None)
+            if (d < 0 or avail[d] >= 0.0) and (local is None or local not in skipped):
+                found[pref] = j
+                if pref == 0:
                     break
-        seen.add((cls, s))
-        pending.add((cls, s, mb))
-    for pref, cls in enumerate((1, 0, 2)):
-        if cls in found:
-            return pref, found[cls]
-    return 3, None
+        seen.add((pref, s))
+        skipped.add((pref, s, mb))
+    if not found:
+        return 3, None
+    pref = min(found)
+    return pref, found[pref]
 
 
 @dataclass

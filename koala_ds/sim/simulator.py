@@ -331,7 +331,6 @@ class Simulator:
                   ) -> tuple[list[float], list[list[float]]] | Stall:
         """`start_times` for the search's inner loop: on a deadlock, where it stalled instead of an
         error (a search meets thousands of deadlocks; the error message decodes every action)."""
-        codes = [list(c) for c in codes]
         free, starts, pos, avail = self._async(codes, record)
         if any(pos[r] < len(codes[r]) for r in range(self.p)):
             return Stall(pos, avail)
@@ -348,7 +347,7 @@ class Simulator:
             self._deadlock(codes, pos, [-1] * self.p, "async")
         return free, starts
 
-    def _async(self, codes: list[list[int]], record: bool
+    def _async(self, codes: Sequence[Sequence[int]], record: bool
                ) -> tuple[list[float], list[list[float]], list[int], list[float]]:
         # Each rank runs until its next action waits for a slot no one has filled yet; it then
         # registers as that slot's (only) waiter and is pushed back when the slot is filled.
