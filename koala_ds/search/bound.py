@@ -56,9 +56,24 @@ class JacksonBound:
     per_rank: tuple[float, ...]
 
 
-def jackson_bound(profile: CostProfile, placement: Placement, m: int, backward: str,
-                  limits: Sequence[float | None]) -> JacksonBound:
-    """The bound of the module docstring for one placement (ms)."""
+@dataclass(frozen=True)
+class Releases:
+    """Steps 1 and 2 of the module docstring for one placement: per stage s and k, the least
+    start of the k-th F, I/B and W of s (`F[s][k]`, `I[s][k]`, `W[s][k]`; W only with split
+    backward) and the least time from the end of an F or I/B of s to the end of the schedule
+    (`tail_F[s]`, `tail_I[s]`; a W's is 0). Every valid schedule starts its k-th action of a
+    group no earlier, and ends no earlier than an action's end plus its tail."""
+
+    F: tuple[tuple[float, ...], ...]
+    I: tuple[tuple[float, ...], ...]
+    W: tuple[tuple[float, ...], ...]
+    tail_F: tuple[float, ...]
+    tail_I: tuple[float, ...]
+
+
+def release_times(profile: CostProfile, placement: Placement, m: int, backward: str,
+                  limits: Sequence[float | None]) -> Releases:
+    """Release times and tails (steps 1-2 of the module docstring) for one placement."""
     S = placement.num_stages
     costs = profile.stage_costs(S, placement.pipelines)
     lat = float(profile.p2p_latency)
@@ -146,6 +161,21 @@ def jackson_bound(profile: CostProfile, placement: Placement, m: int, backward: 
             RI[s][k] = r
             if split:
                 RW[s][k] = max(r + dI[s], RW[s][k - 1] + dW[s] if k else 0.0)
+    return Releases(tuple(map(tuple, RF)), tuple(map(tuple, RI)), tuple(map(tuple, RW)), tuple(qF), tuple(qI))
+
+
+def jackson_bound(profile: CostProfile, placement: Placement, m: int, backward: str,
+                  limits: Sequence[float | None]) -> JacksonBound:
+    """The bound of the module docstring for one placement (ms)."""
+    rel = release_times(profile, placement, m, backward, limits)
+    RF, RI, RW, qF, qI = rel.F, rel.I, rel.W, rel.tail_F, rel.tail_I
+    S = placement.num_stages
+    costs = profile.stage_costs(S, placement.pipelines)
+    split = backward == "split"
+    dF = [c.forward for c in costs]
+    dI = [c.backward_input if split else c.backward_input + c.backward_weight for c in costs]
+    dW = [c.backward_weight if split else 0.0 for c in costs]
+    n = [len(placement.microbatches_of(s, m)) for s in range(S)]
     per_rank = []
     for rr in range(placement.p):
         jobs = []
