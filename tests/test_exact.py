@@ -115,3 +115,22 @@ def test_relaxed_bound_adds_ranks_until_its_optimum_is_a_schedule():
     # without time for a second rank, the one-rank relaxation's bound: below the optimum, not below the search's
     one = relaxed_bound(problem, part, hint=hint, time_limit=1e-3, workers=1)
     assert not one.optimal and part.lower_bound - 1e-9 <= one.bound <= exact.objective + 1e-9
+
+
+def test_cli_exact_reports_the_optimum_and_writes_it(tmp_path, capsys):
+    from koala_ds.cli import main
+    from koala_ds import library
+    from koala_ds.search import one_f_one_b_peak
+    profile = _profile(4)
+    prof = tmp_path / "p.json"
+    prof.write_text(profile.to_json())
+    out = tmp_path / "best.koala"
+    limit = 0.6 * one_f_one_b_peak(profile, 2, 4, 2)
+    rc = main(["search", "--profile", str(prof), "-p", "2", "-m", "4", "-v", "2", "--placement", "vshape",
+               "--memory-limit", f"{limit:.6g}", "--generations", "3", "--exact", "--exact-time-limit", "60",
+               "-o", str(out), "--quiet"])
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert "exact (CP-SAT, placement vshape): optimal 37.2 ms" in text
+    sched = library.load_schedule(str(out), 2, 4, 2)
+    assert simulate(sched, profile, timeline=False).makespan == pytest.approx(37.2)
