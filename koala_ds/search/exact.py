@@ -20,15 +20,15 @@ full backward) of every (stage, microbatch). Constraints:
 - redundant bounds that help the solver prove: the k-th action of each (op, stage) starts no
   earlier than the bound's release time for it, and ends at least its tail before the end
   (koala_ds/search/bound.py, `release_times`; valid for every schedule, so for the k-th one).
-Minimizing the makespan.
+Minimizing the makespan. With split backward the model uses I+W for every pair: a full B is an
+I followed at once by its W, so this loses nothing.
 
 A relaxation gives a proven lower bound where the full model does not prove one in time
 (`relaxed_bound`): the same model with the one-action-at-a-time constraint kept on some ranks
 only. Its optimum bounds every schedule from below. It starts with the rank of the largest
 per-rank bound and adds, one at a time, the relaxed rank whose actions overlap most in the
 relaxation's optimum (constraint generation); when no relaxed rank overlaps, the relaxation's
-optimum is a schedule of the full model, so it is optimal. With split backward the model uses I+W for every pair: a full B is an
-I followed at once by its W, so this loses nothing.
+optimum is a schedule of the full model, so it is optimal.
 
 Times are scaled to integers (the smallest power of ten that makes every duration exact, up to
 10^4). The solution is turned back into a schedule by ordering each rank's actions by start
@@ -88,7 +88,6 @@ class _Built:
     model: object
     start: dict
     end: dict
-    makespan: object
     sc: int
     per_rank: list
 
@@ -217,7 +216,7 @@ def _build(cp_model, problem: SearchProblem, part: PlacementProblem, hint: Sched
     model.Minimize(makespan)
     if hint is not None:
         model.AddHint(makespan, horizon)
-    return _Built(model, start, end, makespan, sc, per_rank)
+    return _Built(model, start, end, sc, per_rank)
 
 
 def _relabel(starts: dict[tuple[Op, int, int], int], pl, m: int) -> dict[tuple[Op, int, int], int]:
