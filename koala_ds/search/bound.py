@@ -69,6 +69,10 @@ class Releases:
     W: tuple[tuple[float, ...], ...]
     tail_F: tuple[float, ...]
     tail_I: tuple[float, ...]
+    d_F: tuple[float, ...]        # the durations they were computed with (I/B: B's with full backward;
+    d_I: tuple[float, ...]        # W: 0 with full backward) and the microbatches through each stage
+    d_W: tuple[float, ...]
+    n: tuple[int, ...]
 
 
 def release_times(profile: CostProfile, placement: Placement, m: int, backward: str,
@@ -161,7 +165,8 @@ def release_times(profile: CostProfile, placement: Placement, m: int, backward: 
             RI[s][k] = r
             if split:
                 RW[s][k] = max(r + dI[s], RW[s][k - 1] + dW[s] if k else 0.0)
-    return Releases(tuple(map(tuple, RF)), tuple(map(tuple, RI)), tuple(map(tuple, RW)), tuple(qF), tuple(qI))
+    return Releases(tuple(map(tuple, RF)), tuple(map(tuple, RI)), tuple(map(tuple, RW)), tuple(qF), tuple(qI),
+                    tuple(dF), tuple(dI), tuple(dW), tuple(n))
 
 
 def jackson_bound(profile: CostProfile, placement: Placement, m: int, backward: str,
@@ -169,13 +174,9 @@ def jackson_bound(profile: CostProfile, placement: Placement, m: int, backward: 
     """The bound of the module docstring for one placement (ms)."""
     rel = release_times(profile, placement, m, backward, limits)
     RF, RI, RW, qF, qI = rel.F, rel.I, rel.W, rel.tail_F, rel.tail_I
-    S = placement.num_stages
-    costs = profile.stage_costs(S, placement.pipelines)
+    dF, dI, dW, n = rel.d_F, rel.d_I, rel.d_W, rel.n
+    costs = profile.stage_costs(placement.num_stages, placement.pipelines)
     split = backward == "split"
-    dF = [c.forward for c in costs]
-    dI = [c.backward_input if split else c.backward_input + c.backward_weight for c in costs]
-    dW = [c.backward_weight if split else 0.0 for c in costs]
-    n = [len(placement.microbatches_of(s, m)) for s in range(S)]
     per_rank = []
     for rr in range(placement.p):
         jobs = []
