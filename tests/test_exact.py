@@ -107,7 +107,7 @@ def test_relaxed_bound_adds_ranks_until_its_optimum_is_a_schedule():
     part = problem.parts[0]
     hint = search(problem, time_budget=None, generations=30, seed=0).best_for(part.placement)
     exact = solve_exact(problem, part, hint=hint, time_limit=60, workers=2)
-    rb = relaxed_bound(problem, part, hint=hint, time_limit=60, workers=2)
+    rb = relaxed_bound(problem, part, hint=hint, time_limit=60, workers=1)  # one worker: the same ranks every run
     assert exact.status == "optimal"
     assert rb.optimal and rb.machines == (0, 1)
     assert rb.bound == pytest.approx(exact.objective, abs=1e-9)
