@@ -8,6 +8,7 @@ search's wall time. The gap column uses the exact optimum where proven, else the
     python benchmarks/search_quality.py            # the full suite (several minutes)
     python benchmarks/search_quality.py --quick    # shorter budgets
     python benchmarks/search_quality.py --only 13 14 --relax-time 200   # some rows, longer relaxations
+    python benchmarks/search_quality.py --only 13 14 --exact-time 200 --save benchmarks/results/optima
 
 Where CP-SAT does not prove the optimum, relaxations that keep one-action-at-a-time on some
 ranks only (koala_ds.search.exact.relaxed_bound) give a proven bound (column 'relaxed'); the gap
@@ -16,11 +17,14 @@ is to the largest proven bound.
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
+from koala_ds.dsl import print_schedule
 from koala_ds.sim import CostProfile, StageCost
 from koala_ds.search import SearchProblem, best_predefined, one_f_one_b_peak, relative_gap, search
 from koala_ds.search.exact import relaxed_bound, solve_exact
@@ -102,7 +106,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--placement", default="default",
                     help="placements searched (default: the single-copy ones); 'any' adds bidirectional")
     ap.add_argument("--only", type=int, nargs="*", help="row numbers to run")
+    ap.add_argument("--budget", type=float, help="the search's time budget for every row (default 10 s, 60 s at p=16)")
+    ap.add_argument("--save", metavar="DIR", help="write CP-SAT's best schedule of each row it ran on "
+                    "(rowN.koala) and the row's profile (rowN.profile.json) to DIR")
+    ap.add_argument("--verbose", action="store_true", help="log the exact solver's and the relaxations' steps")
     args = ap.parse_args(argv)
+    if args.verbose:
+        logging.basicConfig(level=logging.INFO, format="%(relativeCreated)8.0f ms %(name)s: %(message)s")
+    if args.save:
+        Path(args.save).mkdir(parents=True, exist_ok=True)
     rows, gaps = [], []
     never_worse = True
     header = ("#", "config", "p", "m", "v", "limit MB", "best predefined (fits)", "pred ms", "search ms",
@@ -113,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         limit = 0.6 * one_f_one_b_peak(cfg.profile, cfg.p, cfg.m, cfg.v) if cfg.tight else None
         problem = SearchProblem(cfg.profile, cfg.p, cfg.m, cfg.v, "split", limit, placement=args.placement)
         t0 = time.perf_counter()
-        res = search(problem, time_budget=budget(cfg, args.quick), seed=args.seed)
+        res = search(problem, time_budget=args.budget or budget(cfg, args.quick), seed=args.seed)
         wall = time.perf_counter() - t0
         pred = best_predefined(res.library)
         base = next((r.makespan for r in res.library if r.name == "1f1b"), None)
@@ -125,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
                              seed=args.seed)
             if ex.makespan is not None:
                 found_txt = f"{ex.makespan:.4g}"
+                if args.save:
+                    out = Path(args.save)
+                    (out / f"row{i}.koala").write_text(print_schedule(ex.schedule.with_name(f"cp-sat-row{i}")))
+                    (out / f"row{i}.profile.json").write_text(cfg.profile.to_json())
             if ex.status == "optimal":
                 exact_txt, ref = f"{ex.bound:.4g}", ex.bound
             elif ex.status == "feasible":
