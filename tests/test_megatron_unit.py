@@ -93,53 +93,6 @@ def _tiny_json(tmp=[]):  # noqa: B006 - cached path
     return tmp[0]
 
 
-class _Branchy(torch.nn.Module):
-    """Shared weights, a residual, a parameter used twice, one used apart from the input."""
-
-    def __init__(self):
-        super().__init__()
-        self.norm = torch.nn.LayerNorm(6)
-        self.a = torch.nn.Linear(6, 12)
-        self.b = torch.nn.Linear(12, 6)
-        self.scale = torch.nn.Parameter(torch.randn(6))
-        self.bias_only = torch.nn.Parameter(torch.randn(6))
-
-    def forward(self, x):
-        h = self.b(torch.tanh(self.a(self.norm(x)))) * self.scale
-        h = h + self.b(torch.relu(self.a(h)))  # a and b used twice
-        return h + x + self.bias_only.exp()
-
-
-@pytest.mark.parametrize("first_stage", [False, True])
-def test_split_backward_equals_full_backward(first_stage):
-    from koala_ds.megatron.split_backward import backward_input, backward_weight
-
-    torch.manual_seed(0)
-    mod = _Branchy().double()
-    xs = [torch.randn(3, 6, dtype=torch.double) for _ in range(3)]
-    gs = [torch.randn(3, 6, dtype=torch.double) for _ in range(3)]
-    ref_dx = []
-    for x, g in zip(xs, gs):
-        xx = x.clone().requires_grad_(not first_stage)
-        mod(xx).backward(g)
-        ref_dx.append(xx.grad)
-    ref = [p.grad.clone() for p in mod.parameters()]
-    mod.zero_grad(set_to_none=True)
-    states, dxs = [], []
-    for x, g in zip(xs, gs):  # all I first, then all W (as a zero-bubble schedule may)
-        xx = x.clone().requires_grad_(not first_stage)
-        dx, st = backward_input(xx, mod(xx), g, list(mod.parameters()), False)
-        dxs.append(dx)
-        states.append(st)
-    assert all(p.grad is None for p in mod.parameters())  # I computed no weight gradient
-    for st in states:
-        backward_weight(st)
-    for p, r in zip(mod.parameters(), ref):
-        assert torch.allclose(p.grad, r, atol=1e-12), (p.shape, (p.grad - r).abs().max())
-    for dx, r in zip(dxs, ref_dx):
-        assert (dx is None and r is None) or torch.allclose(dx, r, atol=1e-12)
-
-
 def test_plan_orders_a_shared_channel_by_the_sender():
     """pp=2, v=2 interleaved: rank 0 sends activations (0->1) and gradients (2->1) to rank 1.
     The receiver must post them in rank 0's order even where it needs them in another."""

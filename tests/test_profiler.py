@@ -79,14 +79,13 @@ def test_emulated_stage_measures_its_sleep_times():
     for name, want in (("forward", f), ("backward_input", i), ("backward_weight", w), ("backward_full", i + w)):
         got = meas.median(name)
         assert _near(got, want), f"{name}: measured {got:.3f} ms for a {want} ms sleep"
-    # through the profiler: an emulated model profiles back to its own costs; on stage 0 (input = data,
-    # no input gradient) I is empty and W runs the whole backward, as on the runtimes
+    # through the profiler: an emulated model profiles back to its own costs, stage 0 (input = data,
+    # no input gradient) too: its I still backpropagates to its weights, as on the runtimes
     costs = [(1.0, 3.0, 6.0), (3.0, 4.0, 8.0)]
     result = profile_stages([EmulatedStage(*c) for c in costs], torch.randn(2, 1, 8), warmup=2, iters=5,
                             full_backward=False)
     st = result.to_dict()["stages"]
-    assert st[0]["backward_input"] < 0.5
-    assert _near(st[0]["backward_weight"], 9.0), st[0]
+    assert _near(st[0]["backward_input"], 3.0) and _near(st[0]["backward_weight"], 6.0), st[0]
     for name, want in zip(("forward", "backward_input", "backward_weight"), costs[1]):
         assert _near(st[1][name], want), (name, st[1])
 

@@ -4,9 +4,9 @@ What it adds to the stock engine (deepspeed/runtime/pipe/engine.py, 0.19.8):
 
 - the schedule comes from Koala (`KoalaPipeSchedule`), checked against the engine's pipeline
   size and gradient accumulation steps before any communication;
-- split backward: `BackwardInputPass` computes only the input gradients (and keeps what the
-  weight gradient needs), `BackwardWeightPass` later computes the weight gradients
-  (torch.distributed.pipelining's `stage_backward_input` / `stage_backward_weight`). The
+- split backward: `BackwardInputPass` runs the backward with the layers' weight-gradient GEMMs
+  queued (`koala_ds.wgrad`), `BackwardWeightPass` later runs that queue, so I + W costs about
+  one full backward. The
   gradient-accumulation scaling is applied once, to the loss, by this engine: the per-tensor
   output hook of DeepSpeedEngine is made a no-op (`_backward_prologue_per_tensor`);
 - point-to-point messages are non-blocking sends and receives with a tag per
@@ -42,8 +42,10 @@ from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule
 
+from .. import wgrad
 from ..ir import KoalaError, Placement, Schedule, ScheduleError
 from ..validate import validate
+from ..wgrad import WeightGradQueue
 from .schedule import (BackwardInputPass, BackwardWeightPass, KoalaInferenceSchedule, KoalaPipeSchedule, WaitSends,
                        messages_between)
 
@@ -235,7 +237,8 @@ class KoalaPipelineEngine(PipelineEngine):
                             for s in range(placement.num_stages)]
         self._first_stage = 0
         self._last_stage = placement.num_stages - 1
-        self._params = [p for p in self.module.parameters() if p.requires_grad]
+        # split backward: the layers' weight-gradient GEMMs are queued by I and run by W (koala_ds.wgrad)
+        self._wgrad = wgrad.prepare(self.module) if schedule.backward == "split" else None
         self._train_sched = KoalaPipeSchedule(schedule, self.stage_id)
         self.pipe_buffers["grads"] = [None] * self.num_pipe_buffers
         self.pipe_buffers["losses"] = [None] * self.num_pipe_buffers
@@ -316,7 +319,7 @@ class KoalaPipelineEngine(PipelineEngine):
 
     def _reset_step_state(self) -> None:
         self._mail: dict[tuple[str, int, int], Any] = {}
-        self._w_state: dict[tuple[int, int], tuple] = {}
+        self._w_state: dict[tuple[int, int], WeightGradQueue] = {}
         self._batches: list[list | None] = []  # per microbatch pulled: [batch, uses left], None once used up
         self._pending_sends: list[tuple[Any, Any, str]] = []
         self._p2p = self._p2p_backend()
@@ -575,35 +578,22 @@ class KoalaPipelineEngine(PipelineEngine):
         self._activate(stage)
         with self._param_grad_step():
             torch.autograd.backward(tensors, grad_tensors=grads)
+        if self._wgrad is not None:
+            self._wgrad.full_step_done()
 
     def _exec_backward_input_pass(self, buffer_id, stage, microbatch):
-        from torch.distributed.pipelining._backward import stage_backward_input
-
+        """I: the full backward with the layers' weight-gradient GEMMs queued for W."""
         tensors, grads = self._backward_targets(buffer_id, stage)
-        inputs = [t for t in _as_list(self.pipe_buffers["inputs"][buffer_id])
-                  if t.is_floating_point() and t.requires_grad]
-        if not inputs:  # first stage: nothing to send; the whole backward runs at W
-            self._w_state[(stage, microbatch)] = ("full", tensors, grads)
-            return
         self._activate(stage)
-        self._set_running_backward(True)
-        try:
-            _, param_groups = stage_backward_input(tensors, grads, inputs, iter(self._params))
-        finally:
-            self._set_running_backward(False)
-        self._w_state[(stage, microbatch)] = ("groups", param_groups)
+        with self._param_grad_step(), self._wgrad.input_step() as queue:
+            torch.autograd.backward(tensors, grad_tensors=grads)
+        self._w_state[(stage, microbatch)] = queue
 
     def _exec_backward_weight_pass(self, stage, microbatch):
-        from torch.distributed.pipelining._backward import stage_backward_weight
-
-        kind, *state = self._w_state.pop((stage, microbatch))
+        queue = self._w_state.pop((stage, microbatch))
         self._activate(stage)
         with self._param_grad_step():
-            if kind == "full":
-                tensors, grads = state
-                torch.autograd.backward(tensors, grad_tensors=grads)
-            else:
-                stage_backward_weight(iter(self._params), state[0])
+            queue.run()
 
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,

@@ -21,7 +21,7 @@ from ..ir import Op, Schedule
 from . import resolve as _resolve
 from .p2p import ACT, GRAD, ChannelGroups, CommPlan, MessageKey, P2P, schedule_channels
 from .resolve import MegatronScheduleError
-from .split_backward import backward_input, backward_weight, param_nodes
+from .. import wgrad
 
 log = logging.getLogger(__name__)
 
@@ -336,7 +336,9 @@ class _StepRunner:
         self.rank = rank
         self.v = len(models)
         self.stages = prep.stages
-        self._params: dict[int, tuple[list, dict]] = {}  # chunk -> (its trainable parameters, param_nodes), this step
+        # deferred weight gradients (koala_ds.wgrad) for the chunks of a split-backward schedule
+        self.wgrad = [wgrad.prepare(mod) for mod in models] if schedule.backward == "split" and not forward_only \
+            else None
         self.iterators = [(_ReorderingIterator(it) if reorder and it is not None else it)
                           for it, reorder in zip(iterators, prep.chunks_reading_data)]
         self.inputs: dict = {}
@@ -513,46 +515,32 @@ class _StepRunner:
 
     def _backward_full(self, a) -> None:
         s, mb = a.stage, a.microbatch
+        self._send_input_grad(s, mb, self._backward(s, mb))
+        if self.wgrad is not None:
+            self.wgrad[self.stages[s].chunk].full_step_done()
+
+    def _backward(self, s: int, mb: int):
+        """megatron-core's backward_step for (s, mb); returns the input gradient."""
         output_grad = self._output_grad(s, mb)
         self._ensure_deallocated(s, mb)
         input_tensor = self.inputs.pop((s, mb))
         output_tensor = self.outputs.pop((s, mb))
         self.deallocated.discard((s, mb))
-        grad = self.mcs.backward_step(input_tensor, output_tensor, output_grad, self.model_type, self.config)
-        self._send_input_grad(s, mb, grad)
+        return self.mcs.backward_step(input_tensor, output_tensor, output_grad, self.model_type, self.config)
 
     def _backward_input(self, a) -> None:
+        """I: megatron-core's backward_step with the weight-gradient GEMMs queued for W."""
         s, mb = a.stage, a.microbatch
-        output_grad = self._output_grad(s, mb)
-        self._ensure_deallocated(s, mb)
-        input_tensor = self.inputs.pop((s, mb))
-        output_tensor = self.outputs.pop((s, mb))
-        deallocated = (s, mb) in self.deallocated
-        self.deallocated.discard((s, mb))
-        config = self.config
-        if config.timers is not None:
-            config.timers("backward-compute", log_level=2).start()
-        if output_grad is None and config.grad_scale_func is not None:
-            output_tensor = config.grad_scale_func(output_tensor)
-        if output_grad is None and deallocated:
-            output_grad = torch.ones((), dtype=output_tensor.dtype, device=output_tensor.device)
-        chunk = self.stages[s].chunk
-        cached = self._params.get(chunk)
-        if cached is None:  # once per chunk and step: a real model chunk has many parameters
-            params = [q for q in self.models[chunk].parameters() if q.requires_grad]
-            cached = self._params[chunk] = (params, param_nodes(params))
-        params, nodes = cached
-        grad, state = backward_input(input_tensor, output_tensor, output_grad, params, deallocated, nodes)
-        self.deferred[(s, mb)] = state
-        if config.timers is not None:
-            config.timers("backward-compute").stop()
+        with self.wgrad[self.stages[s].chunk].input_step() as queue:
+            grad = self._backward(s, mb)
+        self.deferred[(s, mb)] = queue
         self._send_input_grad(s, mb, grad)
 
     def _backward_weight(self, a) -> None:
         config = self.config
         if config.timers is not None:
             config.timers("backward-compute", log_level=2).start()
-        backward_weight(self.deferred.pop((a.stage, a.microbatch)))
+        self.deferred.pop((a.stage, a.microbatch)).run()
         if config.timers is not None:
             config.timers("backward-compute").stop()
 

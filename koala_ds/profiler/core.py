@@ -3,10 +3,10 @@
 For each stage (in pipeline order) and each of `warmup + iters` microbatches:
 - F: the stage's forward (plus the loss on the last stage), with every tensor autograd saves for
   backward recorded by `torch.autograd.graph.saved_tensors_hooks`;
-- I: `koala_ds.megatron.split_backward.backward_input` (the gradient of the stage input only,
-  keeping what the weight gradient needs), exactly as the Koala runtimes run it;
-- W: `backward_weight` (the weight gradients left by I);
-- B (reported in `meta`, not used by the model): a plain full backward, for comparison.
+- I: the backward with the layers' weight-gradient GEMMs queued (`koala_ds.wgrad`), exactly as
+  the Koala runtimes run an I action;
+- W: that queue run (the weight gradients), as the runtimes run a W action;
+- B: a plain full backward, as the runtimes run a B action (the profile's `backward`).
 Times are the median over `iters` microbatches after `warmup`; CUDA events on CUDA, wall clock
 (`time.perf_counter`) on CPU. The timed microbatches run without hooks; the memory is measured on
 one more microbatch, with the hooks.
@@ -14,11 +14,11 @@ one more microbatch, with the hooks.
 Memory (MiB = 2**20 bytes, per microbatch; the profile's `_mb` fields):
 - `activation_mb`: bytes of the distinct storages autograd saved for backward during F,
   parameters excluded (their memory is static). The stage input counts when a layer saves it.
-- `w_hold_mb`: what is still held after I until W runs: the saved storages still referenced by
-  the autograd graph that W will run, plus the gradients I recorded for W (capped at
-  `activation_mb`; the raw figure is in `meta`).
-A first stage whose input needs no gradient has no input-gradient work: the runtime's I then
-does nothing and W runs the whole backward, and the profile says so (I ~ 0).
+- `w_hold_mb`: what is still held after I until W runs: the storages the weight-gradient queue
+  keeps (each deferred layer's input and output gradient), plus any saved storage autograd
+  still holds (capped at `activation_mb`; the raw figure is in `meta`).
+A first stage whose input needs no gradient still backpropagates through its layers in I (to
+reach the weights); only the input gradient itself is not computed.
 """
 from __future__ import annotations
 
@@ -71,11 +71,14 @@ class ProfileResult:
         stages = []
         for m in self.stages:
             act = m.activation_bytes / MIB
-            stages.append({"forward": round(m.median("forward"), 6),
-                           "backward_input": round(m.median("backward_input"), 6),
-                           "backward_weight": round(m.median("backward_weight"), 6),
-                           "activation_mb": round(act, 9),
-                           "w_hold_mb": round(min(act, m.w_hold_bytes / MIB), 9)})
+            entry = {"forward": round(m.median("forward"), 6),
+                     "backward_input": round(m.median("backward_input"), 6),
+                     "backward_weight": round(m.median("backward_weight"), 6),
+                     "activation_mb": round(act, 9),
+                     "w_hold_mb": round(min(act, m.w_hold_bytes / MIB), 9)}
+            if m.backward_full:
+                entry["backward"] = round(m.median("backward_full"), 6)
+            stages.append(entry)
         meta = {"tool": "koala profile", "device": self.device, "timer": "cuda events" if self.device.startswith("cuda")
                 else "wall clock (time.perf_counter)", "statistic": "median per microbatch after warm-up",
                 "memory_unit": "MiB (2**20 bytes) per microbatch, parameters excluded",
@@ -178,28 +181,16 @@ def _default_loss(output):
     return output.float().mean() if output.dim() else output.float()
 
 
-def _grad_bytes(state) -> int:
-    total = 0
-    if state.groups is not None:
-        for g in state.groups:
-            for grad_outputs in g.grads:
-                for t in grad_outputs or ():
-                    if t is not None:
-                        total += t.numel() * t.element_size()
-    elif state.output_grad is not None:
-        total += state.output_grad.numel() * state.output_grad.element_size()
-    return total
-
-
 def measure_stage(module, make_input: Callable[[], Any], *, is_last: bool, loss_fn=None, warmup: int = 2,
                   iters: int = 10, device=None, full_backward: bool = True, seed: int = 0) -> StageMeasurement:
     """Measure one stage. `make_input()` returns a fresh input (a tensor, or a tuple of
     arguments for the first stage); the stage's input gradient is computed when it requires grad."""
     import torch
 
-    from ..megatron.split_backward import backward_input, backward_weight
+    from ..wgrad import prepare
 
     loss_fn = loss_fn or _default_loss
+    deferral = prepare(module)
     params = [p for p in module.parameters() if p.requires_grad]
     timer = _Timer(device)
     meas = StageMeasurement()
@@ -216,26 +207,26 @@ def measure_stage(module, make_input: Callable[[], Any], *, is_last: bool, loss_
             ms = timer.stop(t)
         return args, out, ms
 
-    def first_input(args):
-        return args[0] if len(args) == 1 and isinstance(args[0], torch.Tensor) and args[0].requires_grad else None
-
     def output_grad(out):
         return None if is_last else torch.randn(out.shape, generator=gen).to(out.device, out.dtype)
+
+    def backward_input(out, grad):
+        with deferral.input_step() as queue:
+            out.backward(grad)
+        return queue
 
     # timing: no hooks (Python callbacks per saved tensor would slow F and the backward down)
     for k in range(warmup + iters):
         keep = k >= warmup
         args, out, f_ms = forward(None)
-        inp = first_input(args)
         grad = output_grad(out)
         t = timer.start()
-        dinput, state = backward_input(inp, out, grad, params, deallocated=False)
+        queue = backward_input(out, grad)
         i_ms = timer.stop(t)
-        del args, inp, out, dinput
+        del args, out
         t = timer.start()
-        backward_weight(state)
+        queue.run()
         w_ms = timer.stop(t)
-        del state
         if keep:
             meas.forward.append(f_ms)
             meas.backward_input.append(i_ms)
@@ -243,10 +234,7 @@ def measure_stage(module, make_input: Callable[[], Any], *, is_last: bool, loss_
         if full_backward:
             args, out, _ = forward(None)
             t = timer.start()
-            if is_last:
-                out.backward()
-            else:
-                out.backward(grad)
+            out.backward(grad)
             b_ms = timer.stop(t)
             if keep:
                 meas.backward_full.append(b_ms)
@@ -254,19 +242,18 @@ def measure_stage(module, make_input: Callable[[], Any], *, is_last: bool, loss_
     # memory: one more microbatch with saved_tensors_hooks
     tracker = SavedTensorTracker(params)
     args, out, _ = forward(tracker)
-    inp = first_input(args)
     grad = output_grad(out)
     if not is_last:
         meas.output_shape, meas.output_dtype = tuple(out.shape), str(out.dtype).replace("torch.", "")
         meas.output_numel = out.numel()
-    meas.input_grad = inp is not None
+    meas.input_grad = len(args) == 1 and isinstance(args[0], torch.Tensor) and args[0].requires_grad
     meas.activation_bytes = tracker.saved_bytes()
-    dinput, state = backward_input(inp, out, grad, params, deallocated=False)
-    del args, inp, out, dinput
+    queue = backward_input(out, grad)
+    del args, out
     gc.collect()
-    meas.w_hold_bytes = tracker.saved_bytes(alive_only=True) + _grad_bytes(state)
-    backward_weight(state)
-    del state
+    meas.w_hold_bytes = tracker.saved_bytes(alive_only=True) + queue.held_bytes()
+    queue.run()
+    del queue
     module.zero_grad(set_to_none=True)
     return meas
 

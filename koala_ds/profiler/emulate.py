@@ -11,12 +11,11 @@ The stage computes `out = SleepInput(x) + SleepWeight(w, x.detach())`:
 - `SleepWeight` has the stage's only parameter `w` (one value per hidden unit, initialised to
   zero, so the activations pass through unchanged); it sleeps `backward_weight` in its
   backward, which only produces the gradient of `w`.
-A first stage's input (data) needs no gradient; the runtimes then skip I and W runs the
-whole backward, so that stage's W step sleeps backward_input + backward_weight, as a real first
-stage's backward does (see `forward`). The two paths join at the addition: that node is where the split backward
-(`koala_ds.megatron.split_backward`, torch.distributed.pipelining's stage_backward_input /
-stage_backward_weight) cuts the graph, so an I step runs only `SleepInput`'s backward and a W
-step only `SleepWeight`'s. A full backward (B) runs both.
+A first stage's input (data) needs no gradient, but a real first stage still backpropagates
+through its layers to reach their weights: the stage makes its input require a gradient so
+that its I sleeps `backward_input` too. `SleepWeight` defers like a real layer
+(`koala_ds.wgrad`): inside an I step it queues its sleep and its gradient for W; a full
+backward (B) runs both.
 
 `precise_sleep` sleeps to a deadline: `time.sleep` for the bulk (minus the measured wake-up
 latency of this machine), then a short spin, so a 1 ms op takes 1 ms, not 1.07 ms.
@@ -28,6 +27,8 @@ import statistics
 import time
 
 import torch
+
+from ..wgrad import active_queue
 
 _perf = time.perf_counter
 _WAKE_S = None  # measured wake-up latency of time.sleep (seconds), see calibrate()
@@ -84,13 +85,25 @@ class SleepWeight(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, w, like, weight_s: float):
+        ctx.save_for_backward(w)
         ctx.weight_s = weight_s
         return like.new_zeros(like.shape) + w
 
     @staticmethod
     def backward(ctx, grad):
-        precise_sleep(ctx.weight_s)
-        return grad.reshape(-1, grad.shape[-1]).sum(0), None, None
+        grad_w = grad.reshape(-1, grad.shape[-1]).sum(0)
+        queue = active_queue()
+        if queue is None:
+            precise_sleep(ctx.weight_s)
+            return grad_w, None, None
+        w, weight_s = ctx.saved_tensors[0], ctx.weight_s
+
+        def work():
+            precise_sleep(weight_s)
+            return [(w, grad_w)]
+
+        queue.add(work, grad_w)
+        return None, None, None
 
 
 class EmulatedStage(torch.nn.Module):
@@ -106,8 +119,7 @@ class EmulatedStage(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not x.requires_grad and torch.is_grad_enabled():
             # a first stage (its input is data): a real model still backpropagates through its
-            # layers to reach their weights, so the input-path work exists; the runtimes run it
-            # inside W (they compute no input gradient there): stage 0's W = I + W.
+            # layers to reach their weights, so the input-path work exists and I runs it
             x = x.detach().requires_grad_()
         return SleepInput.apply(x, self.forward_s, self.input_s) + \
             SleepWeight.apply(self.weight, x.detach(), self.weight_s)

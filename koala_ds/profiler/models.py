@@ -172,6 +172,15 @@ def pipeline_module_stages(module_or_layers, num_stages: int, partition_method: 
     return stages
 
 
+def to_device(x, device):
+    """A tensor, or a tuple / list of them, on `device`."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, (tuple, list)):
+        return type(x)(to_device(t, device) for t in x)
+    return x
+
+
 def profile_pipeline_module(module_or_layers, sample_input, num_stages: int, partition_method: str = "parameters",
                             loss_fn=None, **kwargs):
     """Profile a DeepSpeed pipeline model (a `PipelineModule` or its layer list) split into
@@ -180,8 +189,12 @@ def profile_pipeline_module(module_or_layers, sample_input, num_stages: int, par
     from .core import profile_stages
 
     stages = pipeline_module_stages(module_or_layers, num_stages, partition_method)
+    device = kwargs.get("device")
+    if device is not None:  # the layers are built where their code puts them (the CPU): move them
+        stages = [stage.to(device) for stage in stages]
+        sample_input = to_device(sample_input, device)
     if loss_fn is None and getattr(module_or_layers, "loss_fn", None) is not None and "labels" in kwargs:
-        labels = kwargs.pop("labels")
+        labels = to_device(kwargs.pop("labels"), device) if device is not None else kwargs.pop("labels")
         module_loss = module_or_layers.loss_fn
         loss_fn = lambda out: module_loss(out, labels)  # noqa: E731
     kwargs.setdefault("name", f"deepspeed-pipeline-S{num_stages}")

@@ -1,0 +1,140 @@
+"""What a split backward costs on real layers: F, I, W, B, (I + W) / B, activation and W-hold per stage.
+
+    python benchmarks/split_backward.py                       # the three models at hidden 512, CPU
+    python benchmarks/split_backward.py --device cuda --hidden-size 2048 --num-layers 24 --seq-length 2048 -p 8
+
+Models (each split into -p stages, profiled by koala_ds.profiler exactly as the runtimes run
+F, I (backward with weight-gradient GEMMs queued, koala_ds.wgrad), W (the queue) and B):
+- megatron: the megatron-core GPT of examples/megatron_gpt (local spec, fp32);
+- torch: a plain-torch GPT block stack (nn.Linear, LayerNorm, scaled_dot_product_attention);
+- deepspeed: the same blocks as a DeepSpeed layer list (LayerSpec), partitioned by DeepSpeed.
+The target of issue 13: (I + W) / B <= 1.15 on CPU at hidden 512 on every stage with an input
+gradient, <= 1.10 on CUDA at hidden 2048; W-hold <= 0.75 x activation.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+
+class Block(torch.nn.Module):
+    """A pre-norm GPT block of plain torch layers."""
+
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(hidden), torch.nn.LayerNorm(hidden)
+        self.qkv, self.proj = torch.nn.Linear(hidden, 3 * hidden), torch.nn.Linear(hidden, hidden)
+        self.fc1, self.fc2 = torch.nn.Linear(hidden, 4 * hidden), torch.nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x):  # x: [batch, seq, hidden]
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        att = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, s, h))
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
+
+
+class Embed(torch.nn.Module):
+    def __init__(self, vocab: int, hidden: int, seq: int):
+        super().__init__()
+        self.tok, self.pos = torch.nn.Embedding(vocab, hidden), torch.nn.Embedding(seq, hidden)
+
+    def forward(self, ids):
+        return self.tok(ids) + self.pos.weight[: ids.shape[1]]
+
+
+class Head(torch.nn.Module):
+    def __init__(self, vocab: int, hidden: int):
+        super().__init__()
+        self.ln, self.out = torch.nn.LayerNorm(hidden), torch.nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, x):
+        return self.out(self.ln(x))
+
+
+def torch_layers(a) -> list:
+    return [Embed(a.vocab_size, a.hidden_size, a.seq_length)] + \
+        [Block(a.hidden_size, a.num_attention_heads) for _ in range(a.num_layers)] + [Head(a.vocab_size, a.hidden_size)]
+
+
+def torch_stages(a) -> list:
+    """Embedding with the first stage, head with the last, the blocks spread evenly."""
+    layers = torch_layers(a)
+    per = a.num_layers // a.p
+    groups = [layers[1 + s * per: 1 + (s + 1) * per] for s in range(a.p)]
+    groups[0].insert(0, layers[0])
+    groups[-1].append(layers[-1])
+    return [torch.nn.Sequential(*g) for g in groups]
+
+
+def profile(a, model: str):
+    from koala_ds.profiler.core import profile_stages
+    from koala_ds.profiler.models import profile_megatron_gpt, profile_pipeline_module
+
+    common = dict(device=a.device, warmup=a.warmup, iters=a.iters, p2p=False)
+    if model == "megatron":
+        return profile_megatron_gpt(num_layers=a.num_layers, hidden_size=a.hidden_size,
+                                    num_attention_heads=a.num_attention_heads, seq_length=a.seq_length,
+                                    micro_batch_size=1, vocab_size=a.vocab_size, p=a.p, **common)
+    torch.manual_seed(0)
+    ids = torch.randint(0, a.vocab_size, (1, a.seq_length))
+    loss = lambda out: out.float().mean()  # noqa: E731
+    if model == "torch":
+        stages = [s.to(a.device) for s in torch_stages(a)]
+        return profile_stages(stages, ids.to(a.device), loss_fn=loss, **common)
+    from deepspeed.pipe import LayerSpec
+
+    specs = [LayerSpec(Embed, a.vocab_size, a.hidden_size, a.seq_length)] + \
+        [LayerSpec(Block, a.hidden_size, a.num_attention_heads) for _ in range(a.num_layers)] + \
+        [LayerSpec(Head, a.vocab_size, a.hidden_size)]
+    return profile_pipeline_module(specs, ids, a.p, partition_method="parameters", loss_fn=loss, **common)
+
+
+def rows(model: str, result) -> list:
+    out = []
+    for s, m in enumerate(result.stages):
+        f, i, w, b = (m.median(k) for k in ("forward", "backward_input", "backward_weight", "backward_full"))
+        act, hold = m.activation_bytes / 2 ** 20, m.w_hold_bytes / 2 ** 20
+        out.append((model, s, "yes" if m.input_grad else "no", f, i, w, b, (i + w) / b, act, hold, hold / act))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="megatron,torch,deepspeed")
+    ap.add_argument("--num-layers", type=int, default=8)
+    ap.add_argument("--hidden-size", type=int, default=512)
+    ap.add_argument("--num-attention-heads", type=int, default=8)
+    ap.add_argument("--seq-length", type=int, default=256)
+    ap.add_argument("--vocab-size", type=int, default=1024)
+    ap.add_argument("-p", type=int, default=4)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=8)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    if a.device == "cuda" and torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = True
+    table = []
+    for model in a.models.split(","):
+        table += rows(model, profile(a, model))
+    print(f"split backward on {a.device}: {a.num_layers} layers, hidden {a.hidden_size}, {a.num_attention_heads} heads, "
+          f"seq {a.seq_length}, micro-batch 1, vocab {a.vocab_size}, p={a.p}, fp32, {a.threads} thread(s); "
+          f"median of {a.iters} microbatches (ms, MiB)")
+    head = ("model", "stage", "input grad", "F", "I", "W", "B", "(I+W)/B", "act MiB", "W-hold MiB", "hold/act")
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for r in table:
+        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.2f} | {r[4]:.2f} | {r[5]:.2f} | {r[6]:.2f} | {r[7]:.3f} | "
+              f"{r[8]:.1f} | {r[9]:.1f} | {r[10]:.2f} |")
+    split = [r[7] for r in table if r[2] == "yes"]
+    print(f"worst (I+W)/B over stages with an input gradient: {max(split):.3f}; "
+          f"worst W-hold / activation: {max(r[10] for r in table):.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

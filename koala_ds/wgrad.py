@@ -1,0 +1,198 @@
+"""Deferred weight gradients: a split backward (I, then W) that costs one full backward.
+
+A split schedule runs a stage's backward as I (the input gradient, which the previous stage
+waits for) and, later, W (the weight gradients). Splitting the autograd graph does not give
+that cheaply: a custom autograd Function (megatron-core's linears, Transformer Engine's)
+computes grad_input AND grad_weight on every call. So the split is made at the layer:
+
+- `prepare(module)` makes the layers it knows deferrable (once per model chunk): every plain
+  `torch.nn.Linear` and megatron-core's ColumnParallelLinear / RowParallelLinear (their
+  LinearWithGradAccumulationAndAsyncCommunication path, tensor and sequence parallel, with
+  gradient_accumulation_fusion / `main_grad` kept exact). Transformer Engine modules built with
+  `delay_wgrad_compute=True` (TE >= 2.3) defer by themselves; W calls their `backward_dw()`.
+- I is an ordinary full backward run inside `deferring()`: every deferrable layer computes its
+  input gradient (and bias gradient) and queues its weight-gradient GEMM, with the two tensors
+  it needs (its input and its output gradient), on the `WeightGradQueue` of that
+  (chunk, microbatch). The graph is freed as after any backward: after I only the queue is held.
+- W is `queue.run()`: the queued GEMMs, accumulated through autograd's own gradient
+  accumulators, so `.grad`, `main_grad`, and the hooks of DDP / DeepSpeed see what they would
+  see in a full backward.
+- A full backward (B) outside `deferring()` computes everything at once, as before.
+
+Parameters of layers not covered (norms, embeddings, biases, a custom Function of a library
+this module does not know) get their gradients in I: exact, since every backward still runs
+once; only I costs more. `prepare` warns once per layer that holds a weight matrix and is
+not covered, naming it. A functional `F.linear(x, w)` outside an `nn.Linear` is such a case.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+#: A deferred weight-gradient step: returns (parameter, gradient) pairs to accumulate, or None.
+WgradWork = Callable[[], Optional[list]]
+
+_ACTIVE: "WeightGradQueue | None" = None  # the queue of the I step running now (a global, not a
+# thread-local: autograd runs CUDA backward functions on its own device threads)
+
+
+@dataclass
+class WeightGradQueue:
+    """The weight-gradient work one I step left for its W step."""
+
+    work: list = field(default_factory=list)
+    held: list = field(default_factory=list)  # the tensors the work keeps alive (for the profiler)
+    te_modules: list = field(default_factory=list)  # TE modules whose backward_dw() W calls
+
+    def add(self, work: WgradWork, *tensors: torch.Tensor) -> None:
+        self.work.append(work)
+        self.held.extend(t for t in tensors if t is not None)
+
+    def held_bytes(self) -> int:
+        """Bytes of the distinct storages the queue keeps alive until W."""
+        sizes: dict = {}
+        for t in self.held:
+            st = t.untyped_storage()
+            sizes[st.data_ptr()] = max(sizes.get(st.data_ptr(), 0), st.nbytes())
+        return sum(sizes.values())
+
+    def run(self) -> None:
+        """W: compute the queued weight gradients and accumulate them as autograd would."""
+        pairs: dict = {}
+        for work in self.work:
+            for param, grad in work() or ():
+                prev = pairs.get(id(param))
+                pairs[id(param)] = (param, grad if prev is None else prev[1] + grad)
+        self.work.clear()
+        self.held.clear()
+        if pairs:
+            params, grads = zip(*pairs.values())
+            # through the parameters' AccumulateGrad nodes: .grad and DDP / DeepSpeed hooks as in B
+            torch.autograd.backward(list(params), grad_tensors=list(grads))
+        for module in self.te_modules:
+            module.backward_dw()
+        self.te_modules.clear()
+
+
+def active_queue() -> WeightGradQueue | None:
+    """The queue of the I step running now, or None (a full backward: compute everything)."""
+    return _ACTIVE
+
+
+@contextlib.contextmanager
+def deferring(queue: WeightGradQueue | None = None) -> Iterator[WeightGradQueue]:
+    """Run a backward inside this to make it an I step; yields the queue W will run."""
+    global _ACTIVE
+    if _ACTIVE is not None:
+        raise RuntimeError("koala wgrad: an I step is already running (nested deferring())")
+    queue = WeightGradQueue() if queue is None else queue
+    _ACTIVE = queue
+    try:
+        yield queue
+    finally:
+        _ACTIVE = None
+
+
+def _fold(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+class _Linear(torch.autograd.Function):
+    """F.linear whose weight gradient is queued when an I step is running."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad
+        grad_x = grad_out.matmul(weight) if need_x else None
+        grad_b = _fold(grad_out).sum(0) if ctx.has_bias and need_b else None
+        grad_w = None
+        if need_w:
+            queue = active_queue()
+            if queue is None:
+                grad_w = _fold(grad_out).t().matmul(_fold(x))
+            else:
+                queue.add(lambda: [(weight, _fold(grad_out).t().matmul(_fold(x)))], x, grad_out)
+        return grad_x, grad_w, grad_b
+
+
+class DeferrableLinear(torch.nn.Linear):
+    """`torch.nn.Linear` whose weight gradient an I step defers (what `prepare` makes of one)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        return _Linear.apply(x, self.weight, self.bias)
+
+
+def _te_delayed(module) -> bool:
+    store = getattr(module, "wgrad_store", None)
+    delayed = getattr(store, "delay_wgrad_compute", None)
+    return bool(delayed() if callable(delayed) else delayed) and hasattr(module, "backward_dw")
+
+
+def _has_own_matrix(module) -> bool:
+    return any(p.requires_grad and p.dim() >= 2 for p in module.parameters(recurse=False))
+
+
+def prepare(model: torch.nn.Module) -> "Prepared":
+    """Make the layers of `model` this module knows deferrable (idempotent); warn once per
+    layer holding a weight matrix whose gradient will be computed in I instead."""
+    found = getattr(model, "_koala_wgrad", None)
+    if found is not None:
+        return found
+    from . import _wgrad_megatron
+
+    prepared = Prepared()
+    for name, module in model.named_modules():
+        if type(module) is torch.nn.Linear:
+            module.__class__ = DeferrableLinear
+            prepared.linears += 1
+        elif type(module) is DeferrableLinear:
+            prepared.linears += 1
+        elif _wgrad_megatron.make_deferrable(module):
+            prepared.linears += 1
+        elif _te_delayed(module):
+            prepared.te_modules.append(module)
+        elif _has_own_matrix(module) and not isinstance(module, torch.nn.Embedding) \
+                and not _wgrad_megatron.is_embedding(module):
+            prepared.uncovered.append(f"{name or '<model>'} ({type(module).__name__})")
+    for layer in prepared.uncovered:
+        log.warning("koala: the weight gradient of layer %s is computed in I, not deferred to W "
+                    "(exact, but I costs more): deferred weight gradients cover torch.nn.Linear and "
+                    "megatron-core's Column/RowParallelLinear", layer)
+    model._koala_wgrad = prepared
+    return prepared
+
+
+@dataclass
+class Prepared:
+    """What `prepare` found in a model chunk."""
+
+    linears: int = 0
+    te_modules: list = field(default_factory=list)
+    uncovered: list = field(default_factory=list)
+
+    @contextlib.contextmanager
+    def input_step(self) -> Iterator[WeightGradQueue]:
+        """An I step of this chunk: a full backward run inside this defers the weight gradients."""
+        with deferring() as queue:
+            queue.te_modules.extend(self.te_modules)
+            yield queue
+
+    def full_step_done(self) -> None:
+        """After a full backward (B): TE modules built with delayed wgrad still need backward_dw()."""
+        for module in self.te_modules:
+            module.backward_dw()

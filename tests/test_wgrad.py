@@ -1,0 +1,247 @@
+"""Deferred weight gradients (koala_ds.wgrad): I + W gives the gradients of one full backward,
+runs every backward once, and defers the weight-gradient GEMMs of the layers it covers."""
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from koala_ds import wgrad  # noqa: E402
+
+
+class _Branchy(torch.nn.Module):
+    """Weights used twice, a residual, a parameter used apart from the input, a norm."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(6)
+        self.a = torch.nn.Linear(6, 12)
+        self.b = torch.nn.Linear(12, 6)
+        self.scale = torch.nn.Parameter(torch.randn(6))
+        self.bias_only = torch.nn.Parameter(torch.randn(6))
+
+    def forward(self, x):
+        h = self.b(torch.tanh(self.a(self.norm(x)))) * self.scale
+        h = h + self.b(torch.relu(self.a(h)))  # a and b used twice
+        return h + x + self.bias_only.exp()
+
+
+def _reference(mod, xs, gs, needs_input_grad):
+    dxs = []
+    for x, g in zip(xs, gs):
+        xx = x.clone().requires_grad_(needs_input_grad)
+        mod(xx).backward(g)
+        dxs.append(xx.grad)
+    grads = [p.grad.clone() for p in mod.parameters()]
+    mod.zero_grad(set_to_none=True)
+    return grads, dxs
+
+
+@pytest.mark.parametrize("first_stage", [False, True])
+def test_linear_stack_split_equals_full_backward_and_defers_the_weights(first_stage):
+    torch.manual_seed(0)
+    mod = _Branchy().double()
+    xs = [torch.randn(2, 3, 6, dtype=torch.double) for _ in range(3)]
+    gs = [torch.randn(2, 3, 6, dtype=torch.double) for _ in range(3)]
+    ref, ref_dx = _reference(mod, xs, gs, not first_stage)
+    prepared = wgrad.prepare(mod)
+    assert prepared.linears == 2 and not prepared.uncovered
+    queues, dxs = [], []
+    for x, g in zip(xs, gs):  # every I first, then every W (as a zero-bubble schedule may)
+        xx = x.clone().requires_grad_(not first_stage)
+        with prepared.input_step() as queue:
+            mod(xx).backward(g)
+        queues.append(queue)
+        dxs.append(xx.grad)
+    assert mod.a.weight.grad is None and mod.b.weight.grad is None  # deferred to W
+    assert mod.norm.weight.grad is not None and mod.a.bias.grad is not None  # computed in I
+    assert all(len(q.work) == 4 for q in queues)  # a and b, twice each
+    for q in queues:
+        q.run()
+    for p, r in zip(mod.parameters(), ref):
+        assert torch.allclose(p.grad, r, rtol=1e-12, atol=1e-12), (p.shape, (p.grad - r).abs().max())
+    for dx, r in zip(dxs, ref_dx):
+        assert (dx is None and r is None) or torch.allclose(dx, r, rtol=1e-12, atol=1e-12)
+
+
+def test_a_full_backward_after_prepare_is_unchanged():
+    torch.manual_seed(1)
+    mod = _Branchy().double()
+    x, g = torch.randn(4, 6, dtype=torch.double), torch.randn(4, 6, dtype=torch.double)
+    ref, _ = _reference(mod, [x], [g], True)
+    wgrad.prepare(mod)
+    mod(x.clone().requires_grad_()).backward(g)
+    for p, r in zip(mod.parameters(), ref):
+        assert torch.allclose(p.grad, r, rtol=1e-12, atol=1e-12)
+
+
+def test_weight_gradients_go_through_the_accumulators_hooks():
+    """DDP and DeepSpeed watch the AccumulateGrad nodes: W must pass through them."""
+    mod = torch.nn.Linear(4, 4)
+    seen = []
+    def hook(p):
+        if p.grad is not None:
+            seen.append(p.grad.clone())
+
+    mod.weight.register_post_accumulate_grad_hook(hook)
+    prepared = wgrad.prepare(mod)
+    with prepared.input_step() as queue:
+        mod(torch.randn(3, 4)).sum().backward()
+    assert seen == [] and mod.weight.grad is None
+    queue.run()
+    assert len(seen) == 1 and torch.equal(seen[0], mod.weight.grad)
+
+
+class _FusedAccumulation(torch.autograd.Function):
+    """The gradient_accumulation_fusion pattern: the backward adds the weight gradient into
+    `weight.main_grad` itself and returns no gradient for the weight."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        ctx.main_grad = weight.main_grad
+        return x.matmul(weight.t())
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        ctx.main_grad.add_(grad.reshape(-1, grad.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1])))
+        return grad.matmul(weight), None
+
+
+class _FusedLayer(torch.nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(n, n, dtype=torch.double) / n)
+        self.weight.main_grad = torch.zeros_like(self.weight)
+
+    def forward(self, x):  # main_grad goes by ctx, as in megatron-core (saved tensors may come back as new objects)
+        return torch.tanh(_FusedAccumulation.apply(x, self.weight))
+
+
+def _fused_stage():
+    torch.manual_seed(2)
+    return torch.nn.Sequential(torch.nn.Linear(5, 5).double(), _FusedLayer(5), torch.nn.Linear(5, 5).double())
+
+
+def test_an_uncovered_custom_function_runs_its_backward_once(caplog):
+    """A layer this module does not know keeps its whole backward in I, once: its main_grad
+    gets the gradient exactly once (a graph-level split ran it in I and again in W)."""
+    stage = _fused_stage()
+    x, g = torch.randn(3, 5, dtype=torch.double), torch.randn(3, 5, dtype=torch.double)
+    stage(x.clone().requires_grad_()).backward(g)
+    ref = stage[1].weight.main_grad.clone()
+    stage[1].weight.main_grad.zero_()
+    with caplog.at_level(logging.WARNING, logger="koala_ds.wgrad"):
+        prepared = wgrad.prepare(stage)
+    assert prepared.uncovered == ["1 (_FusedLayer)"]
+    assert "layer 1 (_FusedLayer)" in caplog.text and "computed in I" in caplog.text
+    with prepared.input_step() as queue:
+        stage(x.clone().requires_grad_()).backward(g)
+    queue.run()
+    assert torch.allclose(stage[1].weight.main_grad, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_profiler_split_adds_main_grad_once_per_microbatch():
+    """The profiler runs I and W as the runtimes do: each microbatch adds its gradient once."""
+    from koala_ds.profiler.core import measure_stage
+
+    stage = _fused_stage()
+    x = torch.randn(3, 5, dtype=torch.double)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(4):  # 3 timed microbatches and the one measured for memory, same draws
+        grad = torch.randn((3, 5), generator=gen).to(torch.double)
+        stage(x.clone().requires_grad_()).backward(grad)
+    ref = stage[1].weight.main_grad.clone()
+    stage[1].weight.main_grad.zero_()
+    measure_stage(stage, lambda: x.clone().requires_grad_(), is_last=False, warmup=0, iters=3,
+                  full_backward=False, seed=0)
+    assert torch.allclose(stage[1].weight.main_grad, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_nested_input_steps_are_refused():
+    with wgrad.deferring():
+        with pytest.raises(RuntimeError, match="already running"):
+            with wgrad.deferring():
+                pass
+    assert wgrad.active_queue() is None
+
+
+def test_queue_holds_only_what_the_weight_gradient_needs():
+    """After I the graph is gone: what W keeps is each deferred layer's input and output gradient."""
+    mod = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    prepared = wgrad.prepare(mod)
+    x = torch.randn(32, 64, requires_grad=True)
+    with prepared.input_step() as queue:
+        mod(x).backward(torch.randn(32, 64))
+    held = queue.held_bytes()
+    # inputs of the two layers (32x64 and 32x256) and their output gradients (32x256, 32x64)
+    assert held == 4 * 32 * (64 + 256 + 256 + 64)
+
+
+def _megatron_linear(fusion: bool, monkeypatch):
+    """A ColumnParallelLinear (TP=1, one process) with main_grad as Megatron's DDP gives it;
+    under fusion, a CPU stand-in for fused_weight_gradient_mlp_cuda (main_grad += g^T x)."""
+    pytest.importorskip("megatron.core")
+    from megatron.core.tensor_parallel import ColumnParallelLinear, layers
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from koala_ds.profiler.models import _init_single_process_megatron
+
+    _init_single_process_megatron(7)
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, use_cpu_initialization=True,
+                               gradient_accumulation_fusion=False)
+    torch.manual_seed(3)
+    lin = ColumnParallelLinear(8, 16, config=config, init_method=torch.nn.init.normal_, bias=True,
+                               gather_output=True)
+    lin.gradient_accumulation_fusion = fusion
+    if fusion:
+        class _Kernel:
+            calls = 0
+
+            @staticmethod
+            def wgrad_gemm_accum_fp32(total_input, grad_output, main_grad):
+                _Kernel.calls += 1
+                main_grad.add_(grad_output.t().matmul(total_input))
+
+        monkeypatch.setattr(layers, "fused_weight_gradient_mlp_cuda", _Kernel, raising=False)
+    lin.weight.main_grad = torch.zeros_like(lin.weight)
+    return lin
+
+
+@pytest.mark.parametrize("fusion", [False, True])
+def test_megatron_linear_split_keeps_main_grad_semantics(fusion, monkeypatch):
+    lin = _megatron_linear(fusion, monkeypatch)
+    xs = [torch.randn(5, 2, 8) for _ in range(3)]
+    gs = [torch.randn(5, 2, 16) for _ in range(3)]
+
+    def run(split: bool):
+        lin.weight.main_grad.zero_()
+        lin.weight.grad = lin.bias.grad = None
+        queues, dxs = [], []
+        for x, g in zip(xs, gs):
+            xx = x.clone().requires_grad_()
+            with (prepared.input_step() if split else contextlib.nullcontext()) as queue:
+                lin(xx)[0].backward(g)
+            queues.append(queue)
+            dxs.append(xx.grad)
+        for q in queues if split else ():
+            q.run()
+        weight = lin.weight.main_grad.clone() if fusion else lin.weight.grad.clone()
+        return weight, lin.bias.grad.clone(), dxs
+
+    prepared = wgrad.prepare(lin)
+    assert prepared.linears == 1
+    ref_w, ref_b, ref_dx = run(split=False)
+    got_w, got_b, got_dx = run(split=True)
+    assert torch.allclose(got_w, ref_w, rtol=1e-6, atol=1e-6) and ref_w.abs().sum() > 0
+    assert torch.allclose(got_b, ref_b, rtol=1e-6, atol=1e-6)
+    for a, b in zip(got_dx, ref_dx):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+    if fusion:  # the kernel ran once per microbatch in each run, and nothing went to .grad
+        from megatron.core.tensor_parallel import layers
+
+        assert layers.fused_weight_gradient_mlp_cuda.calls == 6 and lin.weight.grad is None
