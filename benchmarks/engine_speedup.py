@@ -75,7 +75,9 @@ BANNER = ("NOTE: emulated compute. Every stage SLEEPS for the profile's F / I / 
 def merge_pairs(profile: CostProfile) -> CostProfile:
     st = profile.stages
     merged = [StageCost(*(getattr(a, f) + getattr(b, f) for f in ("forward", "backward_input", "backward_weight",
-                                                                    "activation_mb", "w_hold_mb")))
+                                                                    "activation_mb", "w_hold_mb")),
+                        backward_full=None if a.backward_full is None and b.backward_full is None
+                        else a.backward + b.backward)
               for a, b in zip(st[0::2], st[1::2])]
     return CostProfile(tuple(merged), profile.p2p_latency, profile.memory_limit_mb, profile.source + " (merged x2)")
 
@@ -83,7 +85,8 @@ def merge_pairs(profile: CostProfile) -> CostProfile:
 def split_halves(profile: CostProfile) -> CostProfile:
     halves = []
     for s in profile.stages:
-        h = StageCost(s.forward / 2, s.backward_input / 2, s.backward_weight / 2, s.activation_mb / 2, s.w_hold_mb / 2)
+        h = StageCost(s.forward / 2, s.backward_input / 2, s.backward_weight / 2, s.activation_mb / 2, s.w_hold_mb / 2,
+                      None if s.backward_full is None else s.backward_full / 2)
         halves += [h, h]
     return CostProfile(tuple(halves), profile.p2p_latency, profile.memory_limit_mb, profile.source + " (split /2)")
 
