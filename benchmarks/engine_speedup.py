@@ -75,7 +75,9 @@ BANNER = ("NOTE: emulated compute. Every stage SLEEPS for the profile's F / I / 
 def merge_pairs(profile: CostProfile) -> CostProfile:
     st = profile.stages
     merged = [StageCost(*(getattr(a, f) + getattr(b, f) for f in ("forward", "backward_input", "backward_weight",
-                                                                    "activation_mb", "w_hold_mb")))
+                                                                    "activation_mb", "w_hold_mb")),
+                        backward_full=None if a.backward_full is None and b.backward_full is None
+                        else a.backward + b.backward)
               for a, b in zip(st[0::2], st[1::2])]
     return CostProfile(tuple(merged), profile.p2p_latency, profile.memory_limit_mb, profile.source + " (merged x2)")
 
@@ -83,7 +85,8 @@ def merge_pairs(profile: CostProfile) -> CostProfile:
 def split_halves(profile: CostProfile) -> CostProfile:
     halves = []
     for s in profile.stages:
-        h = StageCost(s.forward / 2, s.backward_input / 2, s.backward_weight / 2, s.activation_mb / 2, s.w_hold_mb / 2)
+        h = StageCost(s.forward / 2, s.backward_input / 2, s.backward_weight / 2, s.activation_mb / 2, s.w_hold_mb / 2,
+                      None if s.backward_full is None else s.backward_full / 2)
         halves += [h, h]
     return CostProfile(tuple(halves), profile.p2p_latency, profile.memory_limit_mb, profile.source + " (split /2)")
 
@@ -122,19 +125,12 @@ def variants(profile: CostProfile, p: int) -> dict[int, CostProfile]:
 # -- prediction ----------------------------------------------------------------------------------
 def predict(schedule: Schedule, profile: CostProfile, overhead_ms: float = 0.0) -> float:
     """Simulated makespan (async sends) with `overhead_ms` added to every action (F, I, W, B)."""
-    if overhead_ms:
+    if overhead_ms:  # B is one action: it gets the overhead once (not as I + W, twice)
         st = tuple(dataclasses.replace(s, forward=s.forward + overhead_ms, backward_input=s.backward_input + overhead_ms,
-                                       backward_weight=s.backward_weight + overhead_ms) for s in profile.stages)
+                                       backward_weight=s.backward_weight + overhead_ms,
+                                       backward_full=s.backward + overhead_ms) for s in profile.stages)
         profile = dataclasses.replace(profile, stages=st)
-    sim = Simulator(profile, schedule.placement, schedule.m, schedule.backward)
-    if overhead_ms:  # B = I + W got the overhead twice: once is right for one action
-        S, m = sim.num_stages, sim.m
-        for code in range(S * m, 2 * S * m):
-            sim._dur[code] -= overhead_ms
-        import numpy as np
-
-        sim._dur_np = np.asarray(sim._dur)
-    return sim.makespan(schedule.ranks)
+    return Simulator(profile, schedule.placement, schedule.m, schedule.backward).makespan(schedule.ranks)
 
 
 def fit_overhead(schedule: Schedule, profile: CostProfile, measured: float) -> float:
@@ -154,7 +150,9 @@ def fit_overhead(schedule: Schedule, profile: CostProfile, measured: float) -> f
 # -- choosing the schedules ------------------------------------------------------------------------
 def with_overhead(profile: CostProfile, overhead_ms: float) -> CostProfile:
     st = tuple(dataclasses.replace(s, forward=s.forward + overhead_ms, backward_input=s.backward_input + overhead_ms,
-                                   backward_weight=s.backward_weight + overhead_ms) for s in profile.stages)
+                                   backward_weight=s.backward_weight + overhead_ms,
+                                   backward_full=None if s.backward_full is None else s.backward_full + overhead_ms)
+               for s in profile.stages)
     return dataclasses.replace(profile, stages=st)
 
 

@@ -134,3 +134,27 @@ def test_cli_exact_reports_the_optimum_and_writes_it(tmp_path, capsys):
     assert "exact (CP-SAT, placement vshape): optimal 37.2 ms" in text
     sched = library.load_schedule(str(out), 2, 4, 2)
     assert simulate(sched, profile, timeline=False).makespan == pytest.approx(37.2)
+
+
+@pytest.mark.parametrize("factor", [0.55, 1.3])
+def test_exact_full_backward_uses_the_profiles_b(factor):
+    """B = factor * (I + W): CP-SAT's optimum of the full model is a schedule whose simulated
+    makespan (B from the profile) equals the objective, and the search's bound stays below it."""
+    import dataclasses
+
+    from koala_ds import library
+
+    base = _profile(3)
+    profile = CostProfile(tuple(dataclasses.replace(c, backward_full=round(factor * c.split_backward, 2))
+                                for c in base.stages), base.p2p_latency)
+    problem = SearchProblem(profile, 3, 4, 1, "full")
+    exact = solve_exact(problem, problem.parts[0], time_limit=30, workers=1)
+    assert exact.status == "optimal"
+    assert simulate(exact.schedule, profile).makespan == pytest.approx(exact.objective, rel=1e-9, abs=1e-9)
+    assert problem.lower_bound <= exact.objective + 1e-9
+    one = simulate(library.load_schedule("1f1b", 3, 4), profile).makespan
+    assert exact.objective <= one + 1e-9
+    # the full model's optimum is costed with B: below what I + W would give when B < I + W
+    plain = SearchProblem(base, 3, 4, 1, "full")
+    other = solve_exact(plain, plain.parts[0], time_limit=30, workers=1)
+    assert (exact.objective < other.objective) == (factor < 1)

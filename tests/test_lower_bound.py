@@ -23,7 +23,10 @@ def profiles(draw, n: int):
     stages = []
     for _ in range(n):
         act = draw(st.floats(0.0, 100.0, allow_nan=False))
-        stages.append(StageCost(draw(time_), draw(time_), draw(time_), act, act * draw(st.floats(0.0, 1.0))))
+        i, w = draw(time_), draw(time_)
+        # the profile's full backward B: absent (I + W), or measured: below I, between, above I + W
+        b = draw(st.one_of(st.none(), time_, st.floats(0.3, 1.3).map(lambda f: round(f * (i + w), 3))))
+        stages.append(StageCost(draw(time_), i, w, act, act * draw(st.floats(0.0, 1.0)), b))
     return CostProfile(tuple(stages), draw(time_) / 4)
 
 
@@ -157,3 +160,55 @@ def test_bad_arguments():
         lower_bound(profile, 4, 4, 2, "interleaved")
     with pytest.raises(ScheduleError, match="backward must be"):
         lower_bound(profile, 4, 4, 1, "linear", "half")
+
+
+# -- the profile's full backward B (issue 13): B < I, I < B < I + W, B > I + W ---------------
+@pytest.mark.parametrize("b", [0.6, 1.5, 2.0, 2.6])
+@pytest.mark.parametrize("p, m, lat", [(4, 8, 0.0), (3, 5, 0.2)])
+def test_1f1b_bound_uses_the_profiles_full_backward(p, m, lat, b):
+    profile = CostProfile.uniform(p, forward=1.0, backward_input=1.2, backward_weight=0.8, p2p_latency=lat, backward=b)
+    schedule = library.load_schedule("1f1b", p, m)
+    bound = lower_bound_for(schedule, profile)
+    assert bound.value == pytest.approx((m + p - 1) * (1.0 + b) + 2 * (p - 1) * lat)
+    makespan = simulate(schedule, profile).makespan
+    assert makespan >= bound.value * (1 - TOL)
+    if lat == 0:
+        assert makespan == pytest.approx(bound.value)
+
+
+@pytest.mark.parametrize("factor", [0.4, 0.7, 1.0, 1.4])  # B = factor * (I + W), so B < I at 0.4
+@pytest.mark.parametrize("style, p, v", [("linear", 4, 1), ("vshape", 3, 2), ("interleaved", 2, 2),
+                                         ("bidirectional", 2, 1)])
+def test_no_schedule_beats_the_bound_with_a_measured_full_backward(factor, style, p, v):
+    """Full, split and mixed random schedules, and the library's, on profiles whose B differs from
+    I + W per stage; with a memory limit at each schedule's own peak too."""
+    import random
+
+    placement = Placement.named(style, p, v)
+    rng = random.Random(f"{factor}-{style}")
+    stages = []
+    for _ in range(placement.num_stages):
+        i, w = rng.uniform(0.5, 2), rng.uniform(0.2, 2)
+        stages.append(StageCost(rng.uniform(0.5, 2), i, w, 100.0, rng.uniform(0, 60),
+                                round(factor * (i + w) * rng.uniform(0.9, 1.1), 3)))
+    profile = CostProfile(tuple(stages), 0.1)
+    m = 5
+    schedules = [random_schedule(placement, m, backward, seed=k, split_probability=prob)
+                 for k in range(12) for backward, prob in (("full", 1.0), ("split", 1.0), ("split", 0.5))]
+    schedules += [s for s in library_schedules() if s.placement.stage_ranks == placement.stage_ranks
+                  and s.placement.pipelines == placement.pipelines]
+    for schedule in schedules:
+        assert_not_beaten(schedule, profile)
+        assert_not_beaten(schedule, profile, list(simulate(schedule, profile, timeline=False).peak_memory_mb))
+
+
+def test_split_bound_counts_a_full_backward_where_it_is_cheaper():
+    """A split schedule may run B where B < I + W: its bound must allow that (and 1f1b, written as a
+    full schedule, is also a split-configuration schedule)."""
+    profile = CostProfile.uniform(4, forward=1.0, backward_input=1.0, backward_weight=1.0, backward=1.1)
+    one = library.load_schedule("1f1b", 4, 8)
+    makespan = simulate(one, profile).makespan
+    assert makespan == pytest.approx(11 * 2.1)
+    split = lower_bound(profile, 4, 8, 1, "linear", "split")
+    assert split.value <= makespan * (1 + TOL)
+    assert split.work[0] == pytest.approx(8 * 2.1)  # each microbatch's backward costs at least min(B, I + W)

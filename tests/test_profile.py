@@ -76,6 +76,13 @@ def test_uniform_profile_defaults_are_unit_costs():
     (lambda d: d.__setitem__("memory_limit_mb", [100, -1]), r"memory_limit_mb\[1\]: must not be negative"),
     (lambda d: d.__setitem__("version", 2), r"field 'version' is 2"),
     (lambda d: d.__setitem__("stages", []), r"field 'stages' must be a non-empty list"),
+    (lambda d: d["stages"][1].__setitem__("backward", -2.0), r"stages\[1\]\.backward: must not be negative"),
+    (lambda d: d["stages"][2].__setitem__("backward", "fast"), r"stages\[2\]\.backward: expected a number"),
+    (lambda d: d["stages"][2].__setitem__("backward", None), r"stages\[2\]\.backward: expected a number"),
+    (lambda d: d["stages"][0].__setitem__("backward", False), r"stages\[0\]\.backward: expected a number"),
+    (lambda d: d["stages"][3].__setitem__("backward", float("inf")), r"stages\[3\]\.backward: expected a finite"),
+    (lambda d: d["stages"][3].__setitem__("backward", float("nan")), r"stages\[3\]\.backward: expected a finite"),
+    (lambda d: d["stages"][0].__setitem__("backward_full", 1), r"stages\[0\]: unknown field 'backward_full'.*backward"),
 ])
 def test_bad_fields_name_the_file_and_the_field(tmp_path, mutate, field):
     data = good_profile()
@@ -137,3 +144,35 @@ def test_bidirectional_placements_take_one_pipeline_or_every_stage():
     assert simulate(schedule, half).makespan == simulate(schedule, full).makespan
     with pytest.raises(ProfileError, match="4 \\(one pipeline\\) or 8"):
         CostProfile(half.stages[:3], 0.0).stage_costs(8, 2)
+
+
+# -- the optional full-backward time -------------------------------------------------------
+def test_full_backward_time_is_optional_and_kept_as_given(tmp_path):
+    data = good_profile(4)
+    data["stages"][1]["backward"] = 1.25       # less than I + W = 2: the measured B
+    data["stages"][2]["backward"] = 3          # more than I + W: allowed too (no relation is imposed)
+    data["stages"][3]["backward"] = 0.0
+    profile = load_profile(write(tmp_path, data))
+    assert [s.backward for s in profile.stages] == [2.0, 1.25, 3.0, 0.0]
+    assert [s.backward_full for s in profile.stages] == [None, 1.25, 3.0, 0.0]
+    assert all(s.split_backward == 2.0 for s in profile.stages)
+    assert profile.stages[1] == StageCost(1.0, 1.5, 0.5, 100.0, 25.0, 1.25)
+    # written only where given; the round trip keeps it
+    out = profile.to_dict()
+    assert "backward" not in out["stages"][0] and out["stages"][1]["backward"] == 1.25
+    assert CostProfile.from_json(profile.to_json(), profile.source) == profile
+    assert CostProfile.from_json(profile.to_json()).stages == profile.stages
+    # a profile without it is written exactly as before
+    plain = load_profile(write(tmp_path, good_profile(4), "plain.json"))
+    assert all(set(st) == {"forward", "backward_input", "backward_weight", "activation_mb", "w_hold_mb"}
+               for st in plain.to_dict()["stages"])
+
+
+def test_uniform_and_bidirectional_profiles_carry_the_full_backward_time():
+    profile = CostProfile.uniform(4, backward=1.5)
+    assert all(s.backward == 1.5 and s.split_backward == 2.0 for s in profile.stages)
+    assert CostProfile.uniform(4).stages[0].backward == 2.0
+    with pytest.raises(ProfileError, match=r"stages\[0\]\.backward: must not be negative"):
+        CostProfile.uniform(2, backward=-1.0)
+    half = CostProfile(tuple(StageCost(1.0, 1.0, 1.0, 1.0, 0.0, 1.2 + s) for s in range(4)), 0.0)
+    assert [c.backward for c in half.stage_costs(8, 2)] == [1.2, 2.2, 3.2, 4.2] * 2

@@ -396,3 +396,144 @@ def test_run_ahead_term_counts_whole_forwards():
     # 2 x 1.6 + 2 x 1.0 (280 + 200 MB); the fractional relaxation would say 480 / 140 x 1.6 = 5.49
     assert _forward_work_that_fits([(1.6, 140.0, 8), (1.0, 100.0, 8)], 480.0) == pytest.approx(5.2)
     assert _forward_work_that_fits([(1.0, 0.0, 3)], 10.0) == float("inf")
+
+
+# -- the profile's full backward B and --backward auto (issue 13) -----------------------------
+def _b_profile(b: float, p: int = 4) -> CostProfile:
+    """Unit F, I, W (I + W = 2) and the given full backward B."""
+    return CostProfile.uniform(p, activation_mb=10.0, w_hold_mb=3.0, p2p_latency=0.05, backward=b)
+
+
+def test_auto_searches_full_backward_only_where_a_b_is_cheaper_than_i_plus_w():
+    from koala_ds.search import backward_kinds
+
+    assert backward_kinds(load_profile("uniform-4")) == ("split",)   # no field: B = I + W
+    assert backward_kinds(_b_profile(2.0)) == ("split",)              # given equal
+    assert backward_kinds(_b_profile(2.5)) == ("split",)              # a full backward cannot win
+    assert backward_kinds(_b_profile(1.5)) == ("split", "full")
+    assert backward_kinds(_b_profile(1.5), "full") == ("full",)
+    with pytest.raises(SearchError, match="--backward must be one of auto, split, full"):
+        SearchProblem(_b_profile(1.5), 4, 8, 1, "half")
+    problem = SearchProblem(_b_profile(1.5), 4, 8, 1, placement="any")
+    assert problem.backward == "auto"
+    assert [(part.placement.pipelines, part.backward) for part in problem.parts] == \
+        [(1, "split"), (1, "full"), (2, "split"), (2, "full")]
+    assert problem.lower_bound == min(problem.lower_bound_of("split"), problem.lower_bound_of("full"))
+
+
+@pytest.mark.parametrize("b, winner", [(1.2, "full"), (1.9, "split")])
+def test_auto_answers_with_the_faster_backward_kind(b, winner):
+    problem = SearchProblem(_b_profile(b), 4, 8)
+    result = search(problem, time_budget=None, generations=3, seed=0)
+    validate(result.schedule)
+    assert result.schedule.backward == winner and result.kinds == ("split", "full")
+    rows = {row.name: row.makespan for row in result.library}
+    assert result.makespan <= min(rows["1f1b"], rows["zb-h1"]) + 1e-9
+    assert simulate(result.schedule, problem.search_profile).makespan == pytest.approx(result.makespan)
+    # the bound is the smaller of the two kinds' (the answer may be of either kind)
+    assert result.lower_bound == min(result.kind_bounds.values()) <= result.makespan * (1 + 1e-9)
+    for kind in ("split", "full"):
+        alone = search(SearchProblem(_b_profile(b), 4, 8, 1, kind), time_budget=None, generations=3, seed=0)
+        assert alone.lower_bound == pytest.approx(result.kind_bounds[kind])
+        if kind == winner:
+            assert result.makespan <= alone.makespan + 1e-9
+        else:  # (a split search may still answer with a library full schedule that is faster)
+            assert alone.best_of_kind(kind) > result.makespan
+    # deterministic for a seed and a generation budget
+    again = search(SearchProblem(_b_profile(b), 4, 8), time_budget=None, generations=3, seed=0)
+    assert again.schedule.same_order(result.schedule) and again.makespan == result.makespan
+
+
+def test_auto_is_the_split_search_without_the_field():
+    """Without `backward` (or with B >= I + W) auto searches exactly what split did."""
+    auto = search(_problem(4, 8, backward="auto"), time_budget=None, generations=4, seed=2)
+    split = search(_problem(4, 8, backward="split"), time_budget=None, generations=4, seed=2)
+    assert auto.schedule.same_order(split.schedule) and auto.makespan == split.makespan
+    assert auto.lower_bound == split.lower_bound and auto.kinds == ("split",)
+
+
+@pytest.mark.parametrize("factor", [0.4, 0.8, 1.3])
+@pytest.mark.parametrize("backward, style, v", [("split", "linear", 1), ("full", "linear", 1),
+                                                ("split", "vshape", 2), ("full", "interleaved", 2)])
+def test_release_tail_bound_holds_with_a_measured_full_backward(factor, backward, style, v):
+    """B = factor * (I + W): the split bound also holds for split schedules that run some B's (and
+    so for full ones); the full bound for full schedules. With a tight memory limit too."""
+    import random
+
+    from koala_ds.search.bound import jackson_bound
+    from koala_ds.sim import StageCost, random_schedule
+
+    p, m = 3, 6
+    rng = random.Random(f"{factor}{backward}{style}")
+    stages = []
+    for _ in range(p * v):
+        i, w = rng.uniform(0.5, 1.5), rng.uniform(0.3, 1.5)
+        stages.append(StageCost(rng.uniform(0.5, 1.5), i, w, 10.0, rng.uniform(0, 6), factor * (i + w)))
+    profile = CostProfile(tuple(stages), 0.2)
+    for tight in (False, True):
+        limit = (0.7 if tight else 10.0) * one_f_one_b_peak(profile, p, m, v)
+        problem = SearchProblem(profile, p, m, v, backward, limit, placement=style)
+        part = problem.parts[0]
+        bound = jackson_bound(problem.search_profile, part.placement, m, backward, problem.limits).value
+        kinds = [("full", 1.0)] if backward == "full" else [("split", 1.0), ("split", 0.5), ("full", 1.0)]
+        checked = 0
+        for k in range(15):
+            for kind, prob in kinds:
+                schedule = random_schedule(part.placement, m, kind, seed=k, split_probability=prob)
+                res = simulate(schedule, problem.search_profile, timeline=False)
+                if res.fits_memory:
+                    checked += 1
+                    assert res.makespan >= bound - 1e-9, (kind, prob, k)
+        for _, walk in greedy_seeds(part):
+            ev = part.evaluate(walk)
+            if ev.makespan != float("inf"):
+                checked += 1
+                assert ev.makespan >= bound - 1e-9
+        for name in library.names():  # good schedules, full ones among them, are what test a bound
+            prog = library.get(name)
+            if prog.supports(p, m, v) is not None:
+                continue
+            schedule = prog.compile(p, m, v)
+            if part.admits(schedule):
+                res = simulate(schedule, problem.search_profile, timeline=False)
+                checked += 1
+                assert not res.fits_memory or res.makespan >= bound - 1e-9, name
+        assert checked > 0
+
+
+@pytest.mark.parametrize("backward, winner", [("measured", "full"), ("sum", "split")])
+def test_auto_on_the_h200_profile(backward, winner):
+    """Issue 13's H200 profile: with the measured B (about half of I + W) the answer is a full-backward
+    schedule (1f1b); with B = I + W a split one that beats 1f1b."""
+    from measured_profiles import h200_profile
+
+    from koala_ds.search import GAConfig
+
+    problem = SearchProblem(h200_profile(backward), 8, 16)
+    result = search(problem, time_budget=None, generations=1, seed=0, config=GAConfig(local_search=False))
+    one = next(row.makespan for row in result.library if row.name == "1f1b")
+    assert result.schedule.backward == winner
+    assert result.lower_bound <= result.makespan * (1 + 1e-9)
+    if winner == "full":
+        assert problem.kinds == ("split", "full") and result.makespan == pytest.approx(one)
+        assert result.best_of_kind("split") > 1.15 * result.makespan
+    else:
+        assert problem.kinds == ("split",) and result.makespan < one / 1.1
+
+
+def test_cli_auto_prints_which_backward_won(tmp_path, capsys):
+    from measured_profiles import h200_profile
+
+    prof = tmp_path / "h200.json"
+    prof.write_text(h200_profile("measured").to_json())
+    out = tmp_path / "best.koala"
+    assert main(["search", "--profile", str(prof), "-m", "16", "--generations", "0", "--time-budget", "2",
+                 "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "backward=auto (split and full)" in text
+    assert "backward: full wins; best found per kind: split " in text
+    assert library.load_schedule(str(out), 8, 16, 1).backward == "full"
+    assert main(["search", "--profile", "uniform-4", "-m", "8", "--generations", "0", "--time-budget", "2",
+                 "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "backward=auto (split only" in text and "wins" not in text

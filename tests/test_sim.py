@@ -1,6 +1,7 @@
 """The timed simulator: hand-computed cases, known formulas, a brute-force reference, the CLI."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -81,6 +82,38 @@ def test_mixed_b_and_i_w_like_dualpipe():
                     "1F0": 3, "1I0": 5, "1F1": 7, "1B1": 10, "1W0": 11}
     # memory: rank 1 frees 20-5 at 1I0, allocates 20 at 1F1 -> 25 peak, before 1B1 and 1W0 free it all
     assert r.peak_memory_mb == (20, 25)
+
+
+def measured_b_profile(latency: float = 0.5) -> CostProfile:
+    """two_stage_profile with the profile's full backward B given: 1.2 (I + W = 2) and 2.5 (I + W = 3)."""
+    a, b = two_stage_profile(latency).stages
+    return CostProfile((dataclasses.replace(a, backward_full=1.2), dataclasses.replace(b, backward_full=2.5)), latency)
+
+
+def test_hand_computed_1f1b_uses_the_profiles_full_backward():
+    s = sched(Placement.named("linear", 2), 2, ["0F0 0F1 0B0 0B1", "1F0 1B0 1F1 1B1"])
+    r = simulate(s, measured_b_profile())
+    # rank 0: F0 [0,1] F1 [1,2]; rank 1: F0 [1.5,3.5] B0 [3.5,6] F1 [6,8] B1 [8,10.5];
+    # rank 0: B0 waits for 6 + 0.5: [6.5,7.7]; B1 for 10.5 + 0.5: [11,12.2]
+    assert {str(t.action): t.start for t in r.timeline} == pytest.approx(
+        {"0F0": 0, "0F1": 1, "0B0": 6.5, "0B1": 11, "1F0": 1.5, "1B0": 3.5, "1F1": 6, "1B1": 8})
+    assert {str(t.action): t.end for t in r.timeline} == pytest.approx(
+        {"0F0": 1, "0F1": 2, "0B0": 7.7, "0B1": 12.2, "1F0": 3.5, "1B0": 6, "1F1": 8, "1B1": 10.5})
+    assert r.makespan == pytest.approx(12.2)
+    assert r.busy == pytest.approx((4.4, 9))
+    # the same order with B = I + W (no field) is the 14 ms of the hand-computed case above
+    assert simulate(s, two_stage_profile()).makespan == 14
+
+
+def test_split_actions_keep_i_and_w_when_b_is_given():
+    split = sched(Placement.named("linear", 2), 1, ["0F0 0I0 0W0", "1F0 1I0 1W0"], "split")
+    assert simulate(split, measured_b_profile(0.0)).makespan == simulate(split, two_stage_profile(0.0)).makespan == 7
+    # a mixed order: B costs the profile's B, I and W their own
+    mixed = sched(Placement.named("linear", 2), 2, ["0F0 0F1 0B0 0I1 0W1", "1F0 1I0 1F1 1B1 1W0"], "split")
+    ends = {str(t.action): t.end for t in simulate(mixed, measured_b_profile(0.0)).timeline}
+    # rank 1: 1F0 [1,3] 1I0 [3,5] 1F1 [5,7] 1B1 [7,9.5] 1W0 [9.5,10.5]; rank 0: 0B0 [5,6.2] 0I1 [9.5,11] 0W1 [11,11.5]
+    assert ends == pytest.approx({"0F0": 1, "0F1": 2, "0B0": 6.2, "0I1": 11, "0W1": 11.5,
+                                  "1F0": 3, "1I0": 5, "1F1": 7, "1B1": 9.5, "1W0": 10.5})
 
 
 # -- known formulas -----------------------------------------------------------------------
@@ -196,8 +229,8 @@ def reference(schedule: Schedule, profile: CostProfile, mode: str) -> tuple[dict
 
     def duration(a: Action) -> float:
         c = cost[a.stage]
-        return {Op.F: c.forward, Op.I: c.backward_input, Op.W: c.backward_weight,
-                Op.B: c.backward_input + c.backward_weight}[a.op]
+        b = c.backward_input + c.backward_weight if c.backward_full is None else c.backward_full
+        return {Op.F: c.forward, Op.I: c.backward_input, Op.W: c.backward_weight, Op.B: b}[a.op]
 
     prev = {}
     for acts in schedule.ranks:
@@ -265,7 +298,8 @@ def configurations(draw):
     stages = []
     for _ in range(n):
         act = draw(positive) * 10
-        stages.append(StageCost(draw(positive), draw(positive), draw(positive), act, draw(st.floats(0, 1)) * act))
+        stages.append(StageCost(draw(positive), draw(positive), draw(positive), act, draw(st.floats(0, 1)) * act,
+                                draw(st.one_of(st.none(), positive))))  # a measured B (any value) or I + W
     profile = CostProfile(tuple(stages), draw(positive) / 5)
     seed = draw(st.integers(0, 2 ** 31))
     return random_schedule(placement, m, backward, seed=seed, split_probability=0.7), profile
@@ -371,3 +405,26 @@ def test_cli_compare_lists_every_valid_library_schedule_sorted(capsys):
     assert main(["compare", "--profile", "gpt-lmhead-8", "-m", "16"]) == 0
     table = capsys.readouterr().out
     assert "vs 1f1b" in table and "1.000x" in table
+
+
+def test_cli_compare_costs_b_with_the_measured_full_backward(capsys, tmp_path):
+    """The H200 profile of issue 13 with its measured B: 1f1b beats every split schedule at m=32;
+    with B = I + W (as the model assumed before) zb-h1 beats 1f1b."""
+    from measured_profiles import h200_profile
+
+    for backward, full_wins in (("measured", True), ("sum", False)):
+        path = tmp_path / f"h200-{backward}.json"
+        path.write_text(h200_profile(backward).to_json())
+        assert main(["compare", "--profile", str(path), "-m", "32", "--json"]) == 0
+        rows = {row["schedule"]: row for row in json.loads(capsys.readouterr().out)["schedules"]}
+        one, zb = rows["1f1b"], rows["zb-h1"]
+        assert (one["makespan"] < zb["makespan"]) == full_wins
+        for row in rows.values():
+            if row["placement"] != "bidirectional":  # the bound is for one copy of the weights
+                assert row["lower_bound"] <= row["makespan"] * (1 + 1e-9)
+        if full_wins:
+            assert one["makespan"] / zb["makespan"] < 0.8  # about 0.76 on this profile
+            assert main(["compare", "--profile", str(path), "-m", "32"]) == 0
+            table = capsys.readouterr().out.splitlines()
+            assert next(line for line in table if line.startswith("1f1b ")).split()[4] == "1.000x"
+            assert float(next(line for line in table if line.startswith("zb-h1 ")).split()[4][:-1]) < 0.8

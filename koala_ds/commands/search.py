@@ -9,7 +9,7 @@ from pathlib import Path
 from ..dsl import print_schedule
 from ..ir import KoalaError
 from .table import format_table
-from ..search.problem import PLACEMENT_CHOICES, relative_gap
+from ..search.problem import BACKWARD_CHOICES, PLACEMENT_CHOICES, relative_gap
 from ..sim import bundled_profiles, load_profile, simulate
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,23 @@ def result_table(result, limit: float | None) -> str:
                   "<>>>>>><")
 
 
+def _kinds_text(backward: str, problem) -> str:
+    if backward != "auto":
+        return backward
+    if len(problem.kinds) > 1:
+        return "auto (split and full)"
+    return "auto (split only: every stage's B >= I + W, so a full backward cannot be faster)"
+
+
+def backward_line(result) -> str:
+    """Which backward kind won an auto search, with each kind's best and bound."""
+    parts = []
+    for kind in result.kinds:
+        best = result.best_of_kind(kind)
+        parts.append(f"{kind} {'-' if best is None else f'{best:.6g}'} ms (bound {result.kind_bounds[kind]:.6g})")
+    return f"backward: {result.schedule.backward} wins; best found per kind: {', '.join(parts)}"
+
+
 def cmd_search(args: argparse.Namespace) -> int:
     from ..search import SearchProblem, search
     from ..search.ga import best_predefined
@@ -56,7 +73,8 @@ def cmd_search(args: argparse.Namespace) -> int:
         raise KoalaError(f"-o {out}: the result is written as a .koala program; use a name ending in .koala")
     if not args.quiet:
         lim = problem.memory_limit_mb
-        print(f"searching {profile.source}: p={p} m={args.m} v={v} backward={args.backward}, memory limit "
+        print(f"searching {profile.source}: p={p} m={args.m} v={v} backward={_kinds_text(args.backward, problem)}, "
+              f"memory limit "
               f"{'none' if lim is None else f'{lim:.6g} MB'} ({problem.memory_limit_source}), placements "
               f"{', '.join(pl.describe() for pl in problem.placements or [])}, "
               f"budget {args.time_budget:g} s" + (f" / {args.generations} generations" if args.generations else ""))
@@ -69,7 +87,9 @@ def cmd_search(args: argparse.Namespace) -> int:
     if args.exact:
         from ..search.exact import relaxed_bound, solve_exact
 
-        part = problem.part_for(schedule.placement)
+        part = problem.part_for(schedule.placement, schedule.backward)
+        where = f"placement {part.placement.describe()}" + \
+            (f", backward {part.backward}" if len(problem.kinds) > 1 else "")
         ex = solve_exact(problem, part, hint=schedule, time_limit=args.exact_time_limit,
                          workers=max(1, args.workers), seed=args.seed)
         if ex.schedule is not None and ex.makespan is not None and ex.makespan < result.makespan - 1e-9:
@@ -81,13 +101,13 @@ def cmd_search(args: argparse.Namespace) -> int:
             result.schedule = schedule
             result.origin = "exact solver"
         if ex.status == "optimal":
-            exact_line = (f"exact (CP-SAT, placement {part.placement.describe()}): optimal {ex.bound:.6g} ms, "
+            exact_line = (f"exact (CP-SAT, {where}): optimal {ex.bound:.6g} ms, "
                           f"proved in {ex.wall_s:.1f} s")
         else:
             # a relaxation proves more than the full model where that does not finish (docs/search.md)
             rb = relaxed_bound(problem, part, hint=schedule, time_limit=args.exact_time_limit,
                                workers=max(1, args.workers), seed=args.seed)
-            exact_line = (f"exact (CP-SAT, placement {part.placement.describe()}): {ex.status} after {ex.wall_s:.1f} s; "
+            exact_line = (f"exact (CP-SAT, {where}): {ex.status} after {ex.wall_s:.1f} s; "
                           f"proven bound {max(ex.bound, rb.bound):.6g} ms" +
                           (f", best found {ex.makespan:.6g} ms" if ex.makespan is not None else "") +
                           f" (relaxation with one action at a time on ranks {', '.join(map(str, rb.machines))}: "
@@ -98,6 +118,8 @@ def cmd_search(args: argparse.Namespace) -> int:
     print(f"lower bound {result.lower_bound:.6g} ms; searched schedule {result.gap:+.2%} over it "
           f"(placement {schedule.placement.describe()}, found by {result.origin}; {result.generations} generations, "
           f"{result.evaluations} try-tests, {result.wall_s:.1f} s, stopped: {result.stopped})")
+    if len(result.kinds) > 1:
+        print(backward_line(result))
     best = best_predefined(result.library)
     if best is None:
         print("no predefined schedule fits the memory limit")
@@ -123,8 +145,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-p", type=int, default=None, help="pipeline ranks (default: the profile's stages / v)")
     p.add_argument("-m", type=int, required=True, help="microbatches per step")
     p.add_argument("-v", type=int, default=1, help="model chunks per rank (default 1)")
-    p.add_argument("--backward", choices=("split", "full"), default="split",
-                   help="split: backward as I + W (zero-bubble style, default); full: B only")
+    p.add_argument("--backward", choices=BACKWARD_CHOICES, default="auto",
+                   help="auto: search both and answer with the faster (default; split only when every stage's "
+                        "B >= I + W, as without the profile's 'backward'); split: backward as I + W "
+                        "(zero-bubble style); full: B only")
     p.add_argument("--memory-limit", type=float, default=None, metavar="MB",
                    help="per-rank activation memory limit (default: the profile's, else 1F1B's peak)")
     p.add_argument("--placement", choices=PLACEMENT_CHOICES, default="default",

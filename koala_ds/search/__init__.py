@@ -3,13 +3,13 @@ exact CP-SAT solver (optional extra `exact`). No torch here."""
 from .encoding import Encoding, EncodingError, GenomeDecoder, Walk, decode, encode
 from .ga import GAConfig, LibraryRow, SearchResult, best_predefined, library_rows, search
 from .greedy import Policy, greedy_seeds, greedy_walk, policies
-from .problem import (PLACEMENT_CHOICES, SearchError, SearchProblem, default_placements, one_f_one_b_peak,
-                      placements_for, relative_gap, weight_copies)
+from .problem import (BACKWARD_CHOICES, PLACEMENT_CHOICES, SearchError, SearchProblem, backward_kinds,
+                      default_placements, one_f_one_b_peak, placements_for, relative_gap, weight_copies)
 
 __all__ = [
     "Encoding", "EncodingError", "GenomeDecoder", "Walk", "decode", "encode",
     "GAConfig", "LibraryRow", "SearchResult", "best_predefined", "library_rows", "search",
     "Policy", "greedy_seeds", "greedy_walk", "policies",
-    "PLACEMENT_CHOICES", "SearchError", "SearchProblem", "default_placements", "one_f_one_b_peak",
-    "placements_for", "relative_gap", "weight_copies",
+    "BACKWARD_CHOICES", "PLACEMENT_CHOICES", "SearchError", "SearchProblem", "backward_kinds", "default_placements",
+    "one_f_one_b_peak", "placements_for", "relative_gap", "weight_copies",
 ]

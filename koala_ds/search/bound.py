@@ -34,6 +34,12 @@ The proof is in docs/search.md ("A tighter bound"). In short, for one placement:
    I/B jobs, the rank can run only forwards, and only as much forward work as fits in its
    limit (a bounded knapsack over its stages, exact); so T >= t0 + (all its work) - min(t0 - r0,
    that), r0 the least release of its jobs.
+
+Durations: F takes `forward`; with full backward I/B is a B (the stage's `backward`) and W is
+absent. With split backward a schedule may still run a full B for some microbatches; the bound
+treats each B as two jobs, its first min(I, B) (group I/B) and the rest up to min(I + W, B)
+(group W), which lie inside the B's interval, and every step above holds with these durations
+(`koala_ds.sim.lower_bound.backward_durations`; they are I and W when B >= I + W).
 """
 from __future__ import annotations
 
@@ -44,6 +50,7 @@ from typing import Sequence
 
 from ..ir import Placement
 from ..sim import CostProfile
+from ..sim.lower_bound import backward_durations
 from ..sim.simulator import MEMORY_RTOL
 
 
@@ -69,8 +76,9 @@ class Releases:
     W: tuple[tuple[float, ...], ...]
     tail_F: tuple[float, ...]
     tail_I: tuple[float, ...]
-    d_F: tuple[float, ...]        # the durations they were computed with (I/B: B's with full backward;
-    d_I: tuple[float, ...]        # W: 0 with full backward) and the microbatches through each stage
+    d_F: tuple[float, ...]        # the durations they were computed with (I/B: B's with full backward,
+    d_I: tuple[float, ...]        # min(I, B) with split; W: 0 with full backward, min(I + W, B) - min(I, B)
+                                  # with split) and the microbatches through each stage
     d_W: tuple[float, ...]
     n: tuple[int, ...]
 
@@ -84,8 +92,9 @@ def release_times(profile: CostProfile, placement: Placement, m: int, backward: 
     split = backward == "split"
     rank = placement.stage_ranks
     dF = [c.forward for c in costs]
-    dI = [c.backward_input if split else c.backward_input + c.backward_weight for c in costs]
-    dW = [c.backward_weight if split else 0.0 for c in costs]
+    # I/B: the least time of the step that passes the gradient on; W: of the rest of the backward
+    # (the part of a B after it, when a split schedule runs a B; 0 with full backward)
+    dI, dW = backward_durations(costs, backward)
     n = [len(placement.microbatches_of(s, m)) for s in range(S)]
     prev = [placement.prev_stage(s) for s in range(S)]
     nxt = [placement.next_stage(s) for s in range(S)]

@@ -20,8 +20,11 @@ full backward) of every (stage, microbatch). Constraints:
 - redundant bounds that help the solver prove: the k-th action of each (op, stage) starts no
   earlier than the bound's release time for it, and ends at least its tail before the end
   (koala_ds/search/bound.py, `release_times`; valid for every schedule, so for the k-th one).
-Minimizing the makespan. With split backward the model uses I+W for every pair: a full B is an
-I followed at once by its W, so this loses nothing.
+Minimizing the makespan. With split backward the model uses I+W for every pair: where B >= I + W
+(always, without the profile's `backward`) a full B is no better than an I followed at once by
+its W, so this loses nothing; where a profile's B is less than I + W the model covers the
+schedules without B (full backward is the other model, and `koala search --backward auto`
+searches both).
 
 A relaxation gives a proven lower bound where the full model does not prove one in time
 (`relaxed_bound`): the same model with the one-action-at-a-time constraint kept on some ranks
@@ -102,7 +105,7 @@ def _build(cp_model, problem: SearchProblem, part: PlacementProblem, hint: Sched
     costs = problem.search_profile.stage_costs(pl.num_stages, pl.pipelines)
     lat = float(problem.search_profile.p2p_latency)
     S = pl.num_stages
-    durs = [lat] + [x for c in costs for x in (c.forward, c.backward_input, c.backward_weight)]
+    durs = [lat] + [x for c in costs for x in (c.forward, c.backward_input, c.backward_weight, c.backward)]
     sc = _scale(durs)
     mem_vals = [x for c in costs for x in (c.activation_mb, c.w_hold_mb)] + \
         [x for x in problem.limits if x is not None]
@@ -119,7 +122,7 @@ def _build(cp_model, problem: SearchProblem, part: PlacementProblem, hint: Sched
         dur[(Op.F, s)] = q(c.forward)
         dur[(Op.I, s)] = q(c.backward_input)
         dur[(Op.W, s)] = q(c.backward_weight)
-        dur[(Op.B, s)] = q(c.backward_input) + q(c.backward_weight)
+        dur[(Op.B, s)] = q(c.backward)
     horizon = sum(dur[(op, s)] * len(pl.microbatches_of(s, m)) for s in range(S) for op in ops)
     horizon += L * 2 * S * m
     hint_start: dict[tuple[Op, int, int], int] = {}

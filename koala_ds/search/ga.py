@@ -99,14 +99,22 @@ class SearchResult:
     stopped: str                     # lower-bound | time | generations | interrupted
     interrupted: bool = False
     history: list[tuple[float, float]] = field(default_factory=list)  # (seconds, best makespan)
-    per_placement: list[tuple[Schedule, float]] = field(default_factory=list)  # best of each placement
+    per_placement: list[tuple[Schedule, float]] = field(default_factory=list)  # best of each placement and kind
+    kinds: tuple[str, ...] = ("split",)   # the backward kinds searched (two with --backward auto)
+    kind_bounds: dict[str, float] = field(default_factory=dict)  # the lower bound of each kind
 
-    def best_for(self, placement) -> Schedule | None:
-        for sched, _ in self.per_placement:
-            if sched.placement.stage_ranks == placement.stage_ranks and \
-                    sched.placement.pipelines == placement.pipelines:
-                return sched
-        return None
+    def best_for(self, placement, backward: str | None = None) -> Schedule | None:
+        """The best schedule found for `placement` (of backward kind `backward`; None: either)."""
+        found = [(ms, sched) for sched, ms in self.per_placement
+                 if sched.placement.stage_ranks == placement.stage_ranks
+                 and sched.placement.pipelines == placement.pipelines
+                 and (backward is None or sched.backward == backward)]
+        return min(found, key=lambda x: x[0])[1] if found else None
+
+    def best_of_kind(self, backward: str) -> float | None:
+        """The best makespan the search found among schedules of one backward kind."""
+        found = [ms for sched, ms in self.per_placement if sched.backward == backward]
+        return min(found) if found else None
 
     @property
     def gap(self) -> float:
@@ -132,7 +140,7 @@ def library_rows(problem: SearchProblem) -> list[LibraryRow]:
             log.info("library %s does not compile for p=%d m=%d v=%d: %s", name, problem.p, problem.m, problem.v,
                      str(exc).splitlines()[0])
             continue
-        if schedule.backward == "split" and problem.backward == "full":
+        if schedule.backward == "split" and "split" not in problem.kinds:
             continue
         try:
             res = simulate(schedule, problem.search_profile, timeline=False)
@@ -251,9 +259,11 @@ class _Evaluator:
             limit = problem.memory_limit if problem.memory_limit is not None else list(problem.limits)
             if isinstance(limit, list) and len(set(limit)) == 1:
                 limit = limit[0]
+            placements = list({(pt.placement.stage_ranks, pt.placement.pipelines): pt.placement
+                               for pt in problem.parts}.values())
             args = (problem.profile if problem.memory_limit is not None else problem.search_profile,
                     problem.p, problem.m, problem.v, problem.backward,
-                    limit if not isinstance(limit, list) else None, [pt.placement for pt in problem.parts])
+                    limit if not isinstance(limit, list) else None, placements)
             self.pool = cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"),
                                                initializer=_worker_init, initargs=(args,))
             self.workers = workers
@@ -376,16 +386,9 @@ def search(problem: SearchProblem, *, time_budget: float | None = 10.0, generati
 
     try:
         # seeds: library, greedy, random walks
-        jobs, origins = [], []
-        for row in seeds_lib:
-            sched = row.schedule
-            assert sched is not None
-            part = problem.part_for(sched.placement)
-            idx = problem.parts.index(part)
-            jobs.append((idx, part.tokens_of(sched)))
-            origins.append(f"library {row.name}")
+        jobs, origins = _library_jobs(problem, seeds_lib)
         if cfg.greedy:
-            for idx, part in enumerate(problem.parts[:len(problem.placements or [])]):
+            for idx, part in enumerate(problem.searched_parts):
                 for pol, walk in greedy_seeds(part):
                     jobs.append((idx, walk))
                     origins.append(pol.label() + f" {part.placement.describe()}")
@@ -394,7 +397,7 @@ def search(problem: SearchProblem, *, time_budget: float | None = 10.0, generati
         for k in range(cfg.random_walks):
             idx = k % len(problem.parts)
             part = problem.parts[idx]
-            sched = random_schedule(part.placement, problem.m, problem.backward, seed=rng.randrange(2 ** 31))
+            sched = random_schedule(part.placement, problem.m, part.backward, seed=rng.randrange(2 ** 31))
             jobs.append((idx, part.tokens_of(sched)))
             origins.append("random walk")
         for (idx, _), (ms, pk, toks), origin in zip(jobs, evaluator(jobs), origins):
@@ -540,7 +543,24 @@ def search(problem: SearchProblem, *, time_budget: float | None = 10.0, generati
              chosen_makespan, origin, gen, evaluator.count, wall, stopped)
     return SearchResult(schedule, chosen_makespan, res.peak_memory_max, res.bubble_ratio, res.fits_memory,
                         origin, lb, problem.memory_limit_mb, problem.memory_limit_source, lib, gen,
-                        evaluator.count, wall, stopped, interrupted, history, per_placement)
+                        evaluator.count, wall, stopped, interrupted, history, per_placement, problem.kinds,
+                        {kind: problem.lower_bound_of(kind) for kind in problem.kinds})
+
+
+def _library_jobs(problem: SearchProblem, rows: Sequence[LibraryRow]
+                  ) -> tuple[list[tuple[int, list[list[int]]]], list[str]]:
+    """Seed walks from library schedules: each seeds every part of its placement that admits it (a
+    full-backward schedule seeds the split part too, as I + W)."""
+    jobs, origins = [], []
+    for row in rows:
+        sched = row.schedule
+        assert sched is not None
+        problem.part_for(sched.placement)  # adds its parts when its placement is not searched
+        for idx, part in enumerate(problem.parts):
+            if part.admits(sched):
+                jobs.append((idx, part.tokens_of(sched)))
+                origins.append(f"library {row.name}")
+    return jobs, origins
 
 
 def _tournament(pop: Sequence[Individual], rng: random.Random, k: int = 3) -> Individual:

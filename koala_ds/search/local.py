@@ -65,7 +65,7 @@ class Timing:
             prev, nxt = pl.prev_stage(s), pl.next_stage(s)
             for mb in range(m):
                 f, b, i, w = ((k * S + s) * m + mb for k in range(4))
-                self.dur[f], self.dur[b] = c.forward, c.backward_input + c.backward_weight
+                self.dur[f], self.dur[b] = c.forward, c.backward
                 self.dur[i], self.dur[w] = c.backward_input, c.backward_weight
                 if prev is not None:
                     self.dep[f] = prev * m + mb

@@ -1,5 +1,9 @@
 """A search problem: one configuration (profile, p, m, v, backward, memory limit) and the
-machinery to evaluate candidate walks on the simulator."""
+machinery to evaluate candidate walks on the simulator.
+
+`backward` is split (I + W), full (B) or auto: the search then explores both kinds, one
+`PlacementProblem` per (placement, kind), and answers with the faster schedule (`backward_kinds`
+says which kinds auto searches)."""
 from __future__ import annotations
 
 import dataclasses
@@ -46,6 +50,27 @@ def one_f_one_b_peak(profile: CostProfile, p: int, m: int, v: int = 1) -> float:
         act = sum(profile.stages[s].activation_mb for s in range(r * v, (r + 1) * v))
         peak = max(peak, min(p - r, m) * act)
     return peak
+
+
+#: Values of `--backward` (and of `SearchProblem.backward`).
+BACKWARD_CHOICES = ("auto", "split", "full")
+
+
+def backward_kinds(profile: CostProfile, backward: str = "auto") -> tuple[str, ...]:
+    """The backward kinds a search explores for `--backward backward`.
+
+    auto: split, and full too unless every stage's B >= I + W (always so without the profile's
+    `backward`). Then full cannot win: replacing each B by its I and, right after it, its W
+    gives a split schedule no slower (every duration is no longer, the input gradient leaves
+    no later, and the peak memory is the same: nothing is allocated between the I and the W),
+    so the best split schedule is at least as fast as the best full one."""
+    if backward not in BACKWARD_CHOICES:
+        raise SearchError(f"--backward must be one of {', '.join(BACKWARD_CHOICES)}, got {backward!r}")
+    if backward != "auto":
+        return (backward,)
+    if all(c.backward >= c.split_backward for c in profile.stages):
+        return ("split",)
+    return ("split", "full")
 
 
 #: Values of `--placement` (and of `SearchProblem.placement`).
@@ -196,6 +221,17 @@ class PlacementProblem:
         v = self.placement.chunks_per_rank // self.placement.pipelines
         return Schedule(self.placement.p, self.sim.m, v, self.placement, ranks, self.sim.backward, name)
 
+    @property
+    def backward(self) -> str:
+        """This part's backward kind: split or full."""
+        return self.sim.backward
+
+    def admits(self, schedule: Schedule) -> bool:
+        """Whether `schedule` can seed this part: its placement, and full backward or a split part."""
+        pl = schedule.placement
+        return (pl.stage_ranks == self.placement.stage_ranks and pl.pipelines == self.placement.pipelines
+                and (schedule.backward == "full" or self.backward == "split"))
+
     def tokens_of(self, schedule: Schedule) -> list[list[int]]:
         """Plain token lists of a schedule (microbatch exceptions dropped; the decoder then takes
         microbatches in order)."""
@@ -222,13 +258,14 @@ class SearchProblem:
     p: int
     m: int
     v: int = 1
-    backward: str = "split"
+    backward: str = "auto"              # one of BACKWARD_CHOICES
     memory_limit: float | None = None   # MB per rank; None: the profile's, else 1F1B's peak
     placements: list[Placement] | None = None   # explicit list; overrides `placement`
     placement: str = "default"                  # one of PLACEMENT_CHOICES
     memory_limit_source: str = field(default="", init=False)
     limits: tuple[float | None, ...] = field(default=(), init=False)
-    parts: list[PlacementProblem] = field(default_factory=list, init=False)
+    kinds: tuple[str, ...] = field(default=(), init=False)     # backward kinds searched (`backward_kinds`)
+    parts: list[PlacementProblem] = field(default_factory=list, init=False)  # placement-major, then kind
 
     def __post_init__(self) -> None:
         if self.p < 1:
@@ -237,8 +274,7 @@ class SearchProblem:
             raise SearchError(f"-m must be >= 1, got m={self.m}")
         if self.v < 1:
             raise SearchError(f"-v must be >= 1, got v={self.v}")
-        if self.backward not in ("full", "split"):
-            raise SearchError(f"--backward must be full or split, got {self.backward!r}")
+        self.kinds = backward_kinds(self.profile, self.backward)
         S = self.p * self.v
         if self.profile.num_stages != S:
             raise SearchError(f"{self.profile.source} has {self.profile.num_stages} stages but p * v = "
@@ -267,7 +303,7 @@ class SearchProblem:
             self.placements = list(self.placements)
         self._check_memory()
         for pl in self.placements:
-            self.parts.append(self._part(pl))
+            self.parts += [self._part(pl, kind) for kind in self.kinds]
 
     def _check_memory(self) -> None:
         """Reject a limit below what any schedule needs. For every microbatch, a rank holds the
@@ -288,15 +324,15 @@ class SearchProblem:
                                       f"there ({need:g} MB: one activation of each of its stages, placement "
                                       f"{pl.describe()}); raise --memory-limit to at least {need:g} MB")
 
-    def _part(self, placement: Placement) -> PlacementProblem:
-        sim = Simulator(self.search_profile, placement, self.m, self.backward)
+    def _part(self, placement: Placement, kind: str) -> PlacementProblem:
+        sim = Simulator(self.search_profile, placement, self.m, kind)
         costs = self.search_profile.stage_costs(placement.num_stages, placement.pipelines)
         mem = [(c.activation_mb, c.activation_mb - c.w_hold_mb, c.w_hold_mb) for c in costs]
-        dec = GenomeDecoder(placement, self.m, self.backward, (placement.num_stages, self.m), mem, self.limits)
-        lb = lower_bound(self.search_profile, self.p, self.m, self.v, placement, self.backward,
+        dec = GenomeDecoder(placement, self.m, kind, (placement.num_stages, self.m), mem, self.limits)
+        lb = lower_bound(self.search_profile, self.p, self.m, self.v, placement, kind,
                          memory_limit=list(self.limits))
         # a second provable bound (docs/search.md, "A tighter bound"); the larger one holds
-        jb = jackson_bound(self.search_profile, placement, self.m, self.backward, self.limits)
+        jb = jackson_bound(self.search_profile, placement, self.m, kind, self.limits)
         if jb.value > lb.value:
             return PlacementProblem(placement, sim, dec, jb.value, "release/tail one-machine")
         return PlacementProblem(placement, sim, dec, lb.value, lb.binding)
@@ -311,19 +347,30 @@ class SearchProblem:
         """Whether a placement with two copies of the weights (bidirectional) is searched."""
         return any(weight_copies(pl) > 1 for pl in self.placements or [])
 
-    def part_for(self, placement: Placement) -> PlacementProblem:
-        for part in self.parts:
-            if part.placement.stage_ranks == placement.stage_ranks and \
-                    part.placement.pipelines == placement.pipelines:
-                return part
-        part = self._part(placement)
-        self.parts.append(part)
-        return part
+    def part_for(self, placement: Placement, backward: str | None = None) -> PlacementProblem:
+        """The part of `placement` with backward kind `backward` (None or a kind not searched: its
+        first part). A placement not searched gets its parts (every kind) added."""
+        same = [part for part in self.parts if part.placement.stage_ranks == placement.stage_ranks
+                and part.placement.pipelines == placement.pipelines]
+        if not same:
+            same = [self._part(placement, kind) for kind in self.kinds]
+            self.parts += same
+        return next((part for part in same if part.backward == backward), same[0])
+
+    @property
+    def searched_parts(self) -> list[PlacementProblem]:
+        """The parts of the placements searched (`part_for` may add others after them)."""
+        return self.parts[:len(self.placements or []) * len(self.kinds)]
 
     @property
     def lower_bound(self) -> float:
-        """The bound over every placement searched (the smallest of their bounds)."""
+        """The bound over every placement and backward kind searched (the smallest of their bounds:
+        the answer may be any of them)."""
         return min(part.lower_bound for part in self.parts)
+
+    def lower_bound_of(self, backward: str) -> float:
+        """The bound over the parts of one backward kind."""
+        return min(part.lower_bound for part in self.parts if part.backward == backward)
 
     @property
     def memory_limit_mb(self) -> float | None:

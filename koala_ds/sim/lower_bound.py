@@ -10,6 +10,12 @@ communication mode) the makespan T satisfies each of:
               variants that bound the forward work and the backward work of rank r alone;
 - chain:      T >= the dependency chain of one microbatch (forward through every stage, backward
               back, with p2p latency on every hop between ranks);
+- backward:   with full backward every backward is a B (the stage's `backward`). A split schedule
+              may still run a B for some microbatches (dualpipe-v does), so its bounds take, per
+              stage, the cheaper of the two: the step that passes the gradient on lasts at least
+              min(I, B), and a microbatch's whole backward at least min(I + W, B)
+              (`backward_durations`). Without the profile field B = I + W and these are I and
+              I + W.
 - memory:     with a memory limit M_r, the activations that rank r holds at once are capped; each
               stays held at least a round trip R(s), which forces waiting (an area bound and an
               interval-packing bound).
@@ -21,7 +27,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..ir import Placement, Schedule, ScheduleError
-from .profile import CostProfile, ProfileError
+from .profile import CostProfile, ProfileError, StageCost
 from .simulator import MEMORY_RTOL
 
 
@@ -43,6 +49,19 @@ class LowerBound:
                 "fill_drain": list(self.fill_drain), "chain": self.chain,
                 "memory": None if self.memory is None else list(self.memory),
                 "feasible": self.feasible, "reason": self.reason}
+
+
+def backward_durations(costs: Sequence[StageCost], backward: str) -> tuple[list[float], list[float]]:
+    """Per stage, (the least time of the step that passes the input gradient on, the least time of
+    the rest of that microbatch's backward on the stage), valid for every schedule of the mode.
+
+    full: (B, 0). split: (min(I, B), min(I + W, B) - min(I, B)): a microbatch runs either I then
+    W (I >= the first, W >= the second) or one B (B >= their sum), so the two parts bound both
+    from below; with B >= I + W (and without the profile's `backward`) they are I and W."""
+    if backward == "full":
+        return [c.backward for c in costs], [0.0] * len(costs)
+    first = [min(c.backward_input, c.backward) for c in costs]
+    return first, [min(c.split_backward, c.backward) - f for c, f in zip(costs, first)]
 
 
 def _limits(memory_limit: float | Sequence[float] | None, p: int) -> list[float | None]:
@@ -77,8 +96,9 @@ def lower_bound(profile: CostProfile, p: int, m: int, v: int = 1, placement: Pla
     lat = profile.p2p_latency
     rank = placement.stage_ranks
     split = backward == "split"
-    # The shortest time of the step that passes the input gradient on: I (split) or B (full).
-    bwd = [c.backward_input if split else c.backward_input + c.backward_weight for c in costs]
+    # The shortest time of the step that passes the input gradient on (I or B), and of the rest of
+    # the microbatch's backward on that stage (W after an I; 0 with full backward).
+    bwd, rest = backward_durations(costs, backward)
     n = [len(placement.microbatches_of(s, m)) for s in range(S)]
 
     def hop(a: int, b: int) -> float:
@@ -101,8 +121,8 @@ def lower_bound(profile: CostProfile, p: int, m: int, v: int = 1, placement: Pla
         if prev is None:
             continue  # 0: with full backward B includes the weight gradient; split: a B may end it
         tail[s] = hop(s, prev) + bwd[prev] + tail[prev]
-        if split and placement.prev_stage(prev) is None:
-            tail[s] += costs[prev].backward_weight  # the first stage still runs W (or the rest of B)
+        if placement.prev_stage(prev) is None:
+            tail[s] += rest[prev]  # the first stage still runs W (or the rest of B)
 
     limits = _limits(memory_limit, p)
     work, fill, memory = [], [], []
@@ -115,7 +135,7 @@ def lower_bound(profile: CostProfile, p: int, m: int, v: int = 1, placement: Pla
             memory.append(0.0)
             continue
         fwd_work = sum(n[s] * costs[s].forward for s in stages)
-        bwd_work = sum(n[s] * (costs[s].backward_input + costs[s].backward_weight) for s in stages)
+        bwd_work = sum(n[s] * (bwd[s] + rest[s]) for s in stages)
         w_r = fwd_work + bwd_work
         h_r = min(head[s] for s in stages)
         t_r = 0.0 if split else min(tail[s] for s in stages)
@@ -154,7 +174,7 @@ def lower_bound(profile: CostProfile, p: int, m: int, v: int = 1, placement: Pla
     for k in range(placement.pipelines):
         first = k * placement.stages_per_pipeline
         if n[first] > 0:
-            chain = max(chain, rtt[first] + (costs[first].backward_weight if split else 0.0))
+            chain = max(chain, rtt[first] + rest[first])
     parts = {"work": max(work), "fill_drain": max(fill), "chain": chain}
     if memory_limit is not None:
         parts["memory"] = max(memory)

@@ -2,7 +2,7 @@
 
 ```json
 {"version": 1,
- "stages": [{"forward": 1.0, "backward_input": 1.0, "backward_weight": 0.8,
+ "stages": [{"forward": 1.0, "backward_input": 1.0, "backward_weight": 0.8, "backward": 1.1,
              "activation_mb": 120.0, "w_hold_mb": 30.0}, ...],
  "p2p_latency": 0.05,
  "memory_limit_mb": 2000}
@@ -10,9 +10,11 @@
 
 One entry per virtual stage in pipeline order; times are milliseconds per microbatch.
 F allocates `activation_mb`; I frees `activation_mb - w_hold_mb`; W frees `w_hold_mb`; a full B
-frees all of it and takes `backward_input + backward_weight`. `p2p_latency` is paid on every
-dependency between stages on different ranks. `memory_limit_mb` (a number or one per rank) is
-optional. Loading validates everything; every error names the file and the field.
+frees all of it. A full B takes `backward` when the stage gives it (optional: the measured
+full backward, which on real hardware is often less than I + W) and `backward_input +
+backward_weight` otherwise; no relation between B and I + W is imposed. `p2p_latency` is paid
+on every dependency between stages on different ranks. `memory_limit_mb` (a number or one per
+rank) is optional. Loading validates everything; every error names the file and the field.
 """
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ log = logging.getLogger(__name__)
 
 PROFILE_VERSION = 1
 STAGE_FIELDS = ("forward", "backward_input", "backward_weight", "activation_mb", "w_hold_mb")
+#: Optional per-stage fields: `backward`, the full backward's time (default I + W).
+OPTIONAL_STAGE_FIELDS = ("backward",)
 TOP_FIELDS = ("version", "stages", "p2p_latency", "memory_limit_mb")
 #: Free-form top-level fields that are kept out of validation (the profiler writes its notes there).
 FREE_FIELDS = ("name", "description", "meta")
@@ -49,14 +53,25 @@ class StageCost:
     backward_weight: float
     activation_mb: float = 0.0
     w_hold_mb: float = 0.0
+    backward_full: float | None = None  # the profile's `backward`; None: B = I + W
 
     @property
     def backward(self) -> float:
-        """A full backward (B) = backward_input + backward_weight."""
+        """A full backward (B): the profile's `backward` when given, else backward_input + backward_weight."""
+        if self.backward_full is not None:
+            return self.backward_full
+        return self.backward_input + self.backward_weight
+
+    @property
+    def split_backward(self) -> float:
+        """A split backward: I + W."""
         return self.backward_input + self.backward_weight
 
     def to_dict(self) -> dict:
-        return {name: getattr(self, name) for name in STAGE_FIELDS}
+        out = {name: getattr(self, name) for name in STAGE_FIELDS}
+        if self.backward_full is not None:
+            out["backward"] = self.backward_full
+        return out
 
 
 def _number(value: Any, where: str, *, allow_inf: bool = False) -> float:
@@ -97,11 +112,12 @@ class CostProfile:
     def uniform(cls, num_stages: int, forward: float = 1.0, backward_input: float = 1.0,
                 backward_weight: float = 1.0, activation_mb: float = 1.0, w_hold_mb: float = 0.0,
                 p2p_latency: float = 0.0, memory_limit_mb: float | Sequence[float] | None = None,
-                source: str | None = None) -> "CostProfile":
-        """Every stage costs the same. The defaults are unit costs: F = I = W = 1 (B = 2)."""
+                source: str | None = None, backward: float | None = None) -> "CostProfile":
+        """Every stage costs the same. The defaults are unit costs: F = I = W = 1 (B = 2); `backward`
+        gives B its own time."""
         if num_stages < 1:
             raise ProfileError(f"uniform profile: num_stages must be >= 1, got {num_stages}")
-        stage = StageCost(forward, backward_input, backward_weight, activation_mb, w_hold_mb)
+        stage = StageCost(forward, backward_input, backward_weight, activation_mb, w_hold_mb, backward)
         limit = tuple(memory_limit_mb) if isinstance(memory_limit_mb, (list, tuple)) else memory_limit_mb
         return cls((stage,) * num_stages, p2p_latency, limit, source or f"<uniform x{num_stages}>")
 
@@ -109,7 +125,9 @@ class CostProfile:
     def from_dict(cls, data: Any, source: str = "<profile>") -> "CostProfile":
         """Validate a parsed profile. Errors name `source` and the field (`stages[3].forward`)."""
         _check(data, source)
-        stages = tuple(StageCost(*(float(entry[name]) for name in STAGE_FIELDS)) for entry in data["stages"])
+        stages = tuple(StageCost(*(float(entry[name]) for name in STAGE_FIELDS),
+                                 backward_full=float(entry["backward"]) if "backward" in entry else None)
+                       for entry in data["stages"])
         limit = data.get("memory_limit_mb")
         if isinstance(limit, list):
             limit = tuple(float(x) for x in limit)
@@ -196,9 +214,13 @@ def _check(data: Any, source: str) -> None:
             if name not in entry:
                 raise ProfileError(f"{where}: missing field {name!r}")
             _number(entry[name], f"{where}.{name}")
-        extra = [k for k in entry if k not in STAGE_FIELDS]
+        for name in OPTIONAL_STAGE_FIELDS:
+            if name in entry:
+                _number(entry[name], f"{where}.{name}")
+        known = STAGE_FIELDS + OPTIONAL_STAGE_FIELDS
+        extra = [k for k in entry if k not in known]
         if extra:
-            raise ProfileError(f"{where}: unknown field {extra[0]!r}; known fields: {', '.join(STAGE_FIELDS)}")
+            raise ProfileError(f"{where}: unknown field {extra[0]!r}; known fields: {', '.join(known)}")
         if entry["w_hold_mb"] > entry["activation_mb"]:
             raise ProfileError(f"{where}.w_hold_mb: {entry['w_hold_mb']} is more than activation_mb "
                                f"{entry['activation_mb']} (W holds part of the activation memory)")

@@ -6,7 +6,8 @@ Model (see also docs/lower_bound.md):
   data dependencies of `koala_ds.validate.cross_dependencies`: F(s) needs F(s-1); I/B(s)
   needs F(s) and the input gradient (I or B) of s+1; W(s) needs I(s). An input computed on
   another rank arrives `p2p_latency` after it is computed.
-- F costs `forward`, I `backward_input`, W `backward_weight`, B both.
+- F costs `forward`, I `backward_input`, W `backward_weight`, B the stage's `backward` (the
+  profile's field when given, else I + W).
 - Memory per rank: F allocates `activation_mb`, I frees `activation_mb - w_hold_mb`, W frees
   `w_hold_mb`, B frees `activation_mb`. The peak is the maximum over the rank's order (it does
   not depend on timing, because a rank runs one action at a time).
@@ -149,8 +150,7 @@ class Simulator:
             rank_of[[(k * S + s) * m + mb for k in range(4) for mb in range(m)]] = r
             for mb in range(m):
                 f, b, i, w = ((k * S + s) * m + mb for k in range(4))
-                dur[f], dur[b], dur[i], dur[w] = c.forward, c.backward_input + c.backward_weight, \
-                    c.backward_input, c.backward_weight
+                dur[f], dur[b], dur[i], dur[w] = c.forward, c.backward, c.backward_input, c.backward_weight
                 mem[f], mem[b], mem[i], mem[w] = c.activation_mb, -c.activation_mb, \
                     -(c.activation_mb - c.w_hold_mb), -c.w_hold_mb
                 if prev is not None:  # F waits for the forward of the previous stage
