@@ -173,6 +173,8 @@ def test_config_section_and_engine_selection():
     assert select_engine_class(model, {"schedule": "koala"}) is KoalaPipelineEngine
 
 
+@pytest.mark.slow
+@pytest.mark.deepspeed_ext
 @pytest.mark.timeout(120)
 def test_launcher_removes_deepspeeds_shared_memory_buffers():
     # DeepSpeed's CPU allreduce leaves /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>
@@ -212,6 +214,8 @@ def test_fixed_schedule_file_for_other_sizes_names_the_deepspeed_setting(tmp_pat
 
 
 # -- multi-process equality with DeepSpeed's stock TrainSchedule --------------------------
+@pytest.mark.slow
+@pytest.mark.deepspeed_ext
 @pytest.mark.timeout(420)
 def test_two_stages_every_schedule_equals_stock(tmp_path):
     json_path = tmp_path / "zb-v-searched.json"
@@ -230,6 +234,8 @@ def test_two_stages_every_schedule_equals_stock(tmp_path):
     _assert_equal_to_stock(results, cases, dp=1)
 
 
+@pytest.mark.slow
+@pytest.mark.deepspeed_ext
 @pytest.mark.timeout(600)
 def test_four_stages_equal_stock():
     cases = [_stock(), _stock(tied=True)]
@@ -240,6 +246,8 @@ def test_four_stages_equal_stock():
     _assert_equal_to_stock(results, cases, dp=1)
 
 
+@pytest.mark.slow
+@pytest.mark.deepspeed_ext
 @pytest.mark.timeout(600)
 def test_two_stages_times_two_data_parallel_equal_stock():
     cases = [_stock(), _stock(tied=True), _case("gpipe"), _case("1f1b"), _case("zb-h1"), _case("zb-h2", tied=True)]
@@ -253,6 +261,8 @@ def test_two_stages_times_two_data_parallel_equal_stock():
 
 
 # -- failures ------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.deepspeed_ext
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("mode", ["hang", "kill"])
 def test_mismatch_is_refused_before_communication_and_a_lost_peer_times_out(tmp_path, mode):
@@ -301,6 +311,7 @@ _LAUNCHED = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_launcher_patch_applies_and_the_flag_reaches_the_engine(tmp_path):
     import deepspeed

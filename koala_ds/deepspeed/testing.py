@@ -6,13 +6,23 @@ MASTER_PORT, a project-local TORCH_EXTENSIONS_DIR), initialises gloo, runs
 `worker(rank, world_size, spec)` in each, and returns the per-rank results. Every launch has
 a deadline; processes still running after it (or after a rank failed) are killed.
 
+`build_cpu_extension()` builds DeepSpeed's CPU communication extension (deepspeed_shm_comm, a
+JIT-compiled C++ op every DeepSpeed process loads on CPU) once, in one child process with its own
+deadline, before any multi-process job needs it (tests/conftest.py does this per test session);
+`clear_stale_locks()` removes the build lock a killed build left behind, which would otherwise
+make every later DeepSpeed process wait on it forever. `launch()` clears such locks too.
+
 `tiny_layers()` builds the layer list of a small pipeline model (linear blocks, optionally a
 weight tied between the first and the last layer) with a deterministic initialisation that
 does not depend on how the layers are partitioned.
 """
 from __future__ import annotations
 
+import logging
 import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -21,11 +31,149 @@ import torch
 
 from ..spawn import SpawnError, launch as spawn_launch
 
+logger = logging.getLogger(__name__)
+
 _REPO = Path(__file__).resolve().parents[2]
 DEFAULT_EXTENSIONS_DIR = _REPO / ".cache" / "torch_extensions"
+SHM_COMM = "deepspeed_shm_comm"  # DeepSpeed's CPU shared-memory communication op
+BUILD_TIMEOUT_S = 900.0  # the first build: 1-3 minutes on 2 cores (143 s measured on a busy machine)
 
 
 LaunchError = SpawnError  # a worker failed or the launch ran past its deadline
+
+
+class ExtensionBuildError(RuntimeError):
+    """DeepSpeed's CPU extension could not be built (failed, or ran past its deadline)."""
+
+
+def extensions_dir() -> Path:
+    """Where DeepSpeed's JIT extensions are built: $TORCH_EXTENSIONS_DIR, else the repository's
+    .cache/torch_extensions (never the user's home or the package install)."""
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or DEFAULT_EXTENSIONS_DIR)
+
+
+def lock_holders(path: str | os.PathLike) -> list[int] | None:
+    """Ids of the processes that have `path` open, or None where that cannot be told (no /proc).
+
+    torch's build lock (torch.utils.file_baton.FileBaton) keeps the `lock` file open from the
+    moment it creates it until just before it removes it: an open descriptor is its owner."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return None
+    target = os.path.realpath(path)
+    holders = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fds = list((entry / "fd").iterdir())
+        except OSError:  # gone, or another user's process
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(fd) == target:
+                    holders.append(int(entry.name))
+                    break
+            except OSError:
+                continue
+    return holders
+
+
+def clear_stale_locks(ext_dir: str | os.PathLike | None = None, grace_s: float = 0.5) -> list[Path]:
+    """Remove each `<ext_dir>/<extension>/lock` that no process holds open (its owner was killed
+    mid-build); return the removed paths. A lock with a live owner is left alone, and so is every
+    lock where owners cannot be seen (no /proc)."""
+    root = Path(ext_dir) if ext_dir is not None else extensions_dir()
+    candidates = [lock for lock in root.glob("*/lock") if lock_holders(lock) == []]
+    if not candidates:
+        return []
+    time.sleep(grace_s)  # a releasing owner closes the file just before it removes it
+    removed = []
+    for lock in candidates:
+        if lock.exists() and lock_holders(lock) == []:
+            try:
+                lock.unlink()
+            except FileNotFoundError:
+                continue
+            logger.warning("removed the stale build lock %s (the process that created it is gone)", lock)
+            removed.append(lock)
+    return removed
+
+
+_BUILD_CODE = ("import importlib, sys; "  # `import deepspeed.comm.torch as t` would give torch itself
+               "t = importlib.import_module('deepspeed.comm.torch'); "
+               "sys.exit(0 if t.build_shm_op() is not None else 3)")
+
+
+def build_cpu_extension(ext_dir: str | os.PathLike | None = None, timeout_s: float = BUILD_TIMEOUT_S) -> float:
+    """Build DeepSpeed's CPU communication extension (deepspeed_shm_comm) into `ext_dir`, or check
+    that it is built, in ONE child process with a deadline; return the seconds it took.
+
+    DeepSpeed builds it on first use in every process that initialises its communication on CPU;
+    several workers doing that at once, under a short job deadline, is how a killed build leaves a
+    stale lock. Stale locks are cleared first; a build past `timeout_s` is killed (with its
+    compiler processes), its lock removed, and `ExtensionBuildError` raised with one line."""
+    root = Path(ext_dir) if ext_dir is not None else extensions_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    clear_stale_locks(root)
+    log_path = root / f"{SHM_COMM}-build.log"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(root), "PYTHONUNBUFFERED": "1"}
+    what = f"DeepSpeed's CPU communication extension {SHM_COMM} (into {root})"
+    start = time.monotonic()
+    with open(log_path, "w", encoding="utf-8") as log:
+        proc = subprocess.Popen([sys.executable, "-c", _BUILD_CODE], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:  # the child ran in a session of its own: end what is left of it, compilers included
+            if proc.poll() is None:
+                proc.kill()
+            _kill_session(proc.pid)
+            proc.wait(timeout=30)
+    seconds = time.monotonic() - start
+    if code is None:
+        clear_stale_locks(root)
+        raise ExtensionBuildError(f"building {what} ran past its deadline of {timeout_s:.0f} s; log: {log_path}")
+    if code == 3:
+        raise ExtensionBuildError(f"DeepSpeed reports {SHM_COMM} as not compatible with this machine; log: {log_path}")
+    if code != 0:
+        raise ExtensionBuildError(f"building {what} failed (exit {code}): {_last_error_line(log_path)}; "
+                                  f"log: {log_path}")
+    logger.info("%s ready in %.1f s", what, seconds)
+    return seconds
+
+
+def _kill_session(sid: int) -> None:
+    """SIGKILL every process of session `sid`. ninja starts each compiler in a process group of
+    its own, so killing the child's group would leave them compiling into the build dir."""
+    victims = set()
+    proc = Path("/proc")
+    if proc.is_dir():
+        for entry in proc.iterdir():
+            if entry.name.isdigit():
+                try:
+                    stat = (entry / "stat").read_text()
+                except OSError:
+                    continue
+                fields = stat[stat.rfind(")") + 2:].split()  # state ppid pgrp session ...
+                if len(fields) > 3 and int(fields[3]) == sid:
+                    victims.add(int(entry.name))
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _last_error_line(log_path: Path) -> str:
+    lines = [line.strip() for line in log_path.read_text(encoding="utf-8", errors="replace").splitlines()
+             if line.strip()]
+    for line in reversed(lines):
+        if "Error" in line or "error:" in line:
+            return line[:300]
+    return lines[-1][:300] if lines else "no output"
 
 
 def launch(worker: Callable | str, world_size: int, spec: Any = None, timeout_s: float = 240.0,
@@ -33,8 +181,9 @@ def launch(worker: Callable | str, world_size: int, spec: Any = None, timeout_s:
            wait_ranks: list[int] | None = None) -> list[dict]:
     """Run `worker(rank, world_size, spec)` in `world_size` processes with DeepSpeed's CPU
     environment; return each rank's result dict (see `koala_ds.spawn.launch`)."""
-    env = {"DS_ACCELERATOR": "cpu",
-           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(DEFAULT_EXTENSIONS_DIR))}
+    ext_dir = extensions_dir()
+    clear_stale_locks(ext_dir)  # else every worker would wait on a lock a killed process left
+    env = {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(ext_dir)}
     return spawn_launch(worker, world_size, spec, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s, init="deepspeed",
                         env=env, allow_failures=allow_failures, wait_ranks=wait_ranks)
 

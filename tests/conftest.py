@@ -1,0 +1,50 @@
+"""Session set-up shared by the test modules.
+
+DeepSpeed JIT-builds its CPU communication extension (deepspeed_shm_comm) on first use, in every
+process that initialises its communication on CPU. Left to the multi-process tests, the first of
+them pays the build (1-3 minutes on 2 cores) inside its own deadline, and a worker killed
+mid-build leaves a lock that every later DeepSpeed process waits on. So when tests marked
+`deepspeed_ext` are collected, the extension is built here first: once, in one process, with its
+own deadline ($KOALA_BUILD_TIMEOUT_S, default 900 s) and no test's timeout running. If that fails,
+those tests fail at once with its one-line reason; the other tests still run.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+_BUILD_ERROR = pytest.StashKey[str]()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if not any(item.get_closest_marker("deepspeed_ext") for item in session.items):
+        return
+    from koala_ds.deepspeed.testing import BUILD_TIMEOUT_S, ExtensionBuildError, build_cpu_extension, extensions_dir
+
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    raw = os.environ.get("KOALA_BUILD_TIMEOUT_S")
+    try:
+        timeout_s = float(raw) if raw is not None else BUILD_TIMEOUT_S
+    except ValueError:
+        timeout_s = float("nan")
+    if not (0 < timeout_s < float("inf")):
+        raise pytest.UsageError(f"KOALA_BUILD_TIMEOUT_S={raw!r}: expected a finite number of seconds > 0")
+    if reporter is not None:
+        reporter.write_line(f"DeepSpeed CPU extension: building or checking it in {extensions_dir()} "
+                            f"(the first run builds it: 1-3 minutes on 2 cores; deadline {timeout_s:.0f} s)")
+    try:
+        seconds = build_cpu_extension(timeout_s=timeout_s)
+    except ExtensionBuildError as exc:
+        session.stash[_BUILD_ERROR] = str(exc)
+        if reporter is not None:
+            reporter.write_line(f"DeepSpeed CPU extension: {exc}", red=True)
+        return
+    if reporter is not None:
+        reporter.write_line(f"DeepSpeed CPU extension: ready ({seconds:.0f} s)")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    error = item.session.stash.get(_BUILD_ERROR, None)
+    if error is not None and item.get_closest_marker("deepspeed_ext"):
+        pytest.fail(error, pytrace=False)
