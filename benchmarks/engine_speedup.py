@@ -31,10 +31,9 @@ v = 1 with stages merged pairwise (1f1b and every v = 1 schedule) and as v = 2 (
 stages: interleaved / V-shape schedules); the best predefined and the searched row take the
 better of the two. A 4-stage profile at p = 8 has each stage split into two halves.
 
-The runtimes have no input gradient to compute on the first stage (its input is data), so the
-I of stage 0 does nothing and its W runs the whole backward: the model (simulation and search)
-uses the profile with stage 0's backward_input folded into its backward_weight, exactly what
-`koala profile` measures on a real model.
+The first stage's I backpropagates through its layers (with the weight GEMMs deferred) though
+it computes no input gradient; the emulated stage 0 sleeps I in its I and W in its W, as the
+profile says and as `koala profile` measures a real model (koala_ds.wgrad).
 
 Two predictions per row: `predicted_profile_ms` is the simulator on the profile as written;
 `predicted_ms` adds constants measured on this machine: the p2p latency (2-process gloo
@@ -89,13 +88,6 @@ def split_halves(profile: CostProfile) -> CostProfile:
                       None if s.backward_full is None else s.backward_full / 2)
         halves += [h, h]
     return CostProfile(tuple(halves), profile.p2p_latency, profile.memory_limit_mb, profile.source + " (split /2)")
-
-
-def fold_first_input_grad(profile: CostProfile) -> CostProfile:
-    """Stage 0 has no input gradient on the runtimes: its I is empty and W is the whole backward."""
-    s0 = profile.stages[0]
-    first = dataclasses.replace(s0, backward_input=0.0, backward_weight=s0.backward_input + s0.backward_weight)
-    return dataclasses.replace(profile, stages=(first,) + tuple(profile.stages[1:]))
 
 
 def with_latency(profile: CostProfile, latency: float) -> CostProfile:
@@ -156,45 +148,14 @@ def with_overhead(profile: CostProfile, overhead_ms: float) -> CostProfile:
     return dataclasses.replace(profile, stages=st)
 
 
-def with_full_backward(model: CostProfile, full_ms: list[float] | None) -> CostProfile:
-    """For full-backward (B) schedules: I and W scaled so that I + W = the measured full backward
-    (a profile has B = I + W by definition; on a real model the split costs more than B)."""
-    if not full_ms:
-        return model
-    st = []
-    for s, b in zip(model.stages, full_ms):
-        old = s.backward_input + s.backward_weight
-        k = b / old if old > 0 else 0.0
-        st.append(dataclasses.replace(s, backward_input=s.backward_input * k,
-                                      backward_weight=s.backward_weight * k if old > 0 else b))
-    return dataclasses.replace(model, stages=tuple(st))
-
-
-def full_variants(full_ms: list[float] | None, p: int) -> dict:
-    if not full_ms:
-        return {}
-    n = len(full_ms)
-    if n == p:
-        return {1: list(full_ms)}
-    if n == 2 * p:
-        return {1: [a + b for a, b in zip(full_ms[0::2], full_ms[1::2])], 2: list(full_ms)}
-    if 2 * n == p:
-        return {1: [x / 2 for x in full_ms for _ in (0, 1)]}
-    return {}
-
-
 def candidates(profile: CostProfile, p: int, m: int, budget: float, seed: int = 0, latency: float | None = None,
-               overhead: float = 0.0, full_ms: list[float] | None = None) -> tuple[dict, float]:
+               overhead: float = 0.0) -> tuple[dict, float]:
     """{'1f1b': (schedule, model profile), 'best predefined (..)': ..., 'searched (..)': ...} and the
     memory limit. The choice (simulated makespan) uses the model of this machine: the profile with
     the measured p2p `latency` and per-action `overhead` (the search adds it to F, I and W)."""
     from koala_ds.search import SearchProblem, search
 
-    models = {v: fold_first_input_grad(pr) for v, pr in variants(profile, p).items()}
-    fulls = full_variants(full_ms, p)
-
-    def for_backward(model, v, backward):
-        return with_full_backward(model, fulls.get(v)) if backward == "full" else model
+    models = variants(profile, p)
 
     def machine(model):
         return with_latency(model, model.p2p_latency if latency is None else latency)
@@ -211,23 +172,21 @@ def candidates(profile: CostProfile, p: int, m: int, budget: float, seed: int = 
                 continue
             sim = Simulator(dataclasses.replace(model, memory_limit_mb=limit), sched.placement, m, sched.backward)
             fits = sim.run(sched.ranks, name=name).fits_memory
-            model_b = for_backward(model, v, sched.backward)
-            rows.append((predict(sched, machine(model_b), overhead), name, v, sched, model_b, fits))
+            rows.append((predict(sched, machine(model), overhead), name, v, sched, model, fits))
     one = next(r for r in rows if r[1] == "1f1b")
     fitting = sorted((r for r in rows if r[5] and r[1] != "1f1b"), key=lambda r: (r[0], r[1]))
     best = fitting[0]
     searched = []
     for v, model in models.items():
         for backward in ("split", "full"):  # split backward costs one more action per microbatch
-            model_b = for_backward(model, v, backward)
-            problem = SearchProblem(with_overhead(machine(model_b), overhead), p, m, v, backward, limit)
+            problem = SearchProblem(with_overhead(machine(model), overhead), p, m, v, backward, limit)
             result = search(problem, time_budget=budget, seed=seed)
             # the search's answer: a library schedule when nothing faster was found (a tie included)
             sched = result.schedule
             if sched.placement.pipelines == 1:
                 same = result.origin.removeprefix("library ") if result.origin.startswith("library ") else ""
-                searched.append((predict(sched, machine(model_b), overhead), v, sched.with_name("searched"),
-                                 model_b, same))
+                searched.append((predict(sched, machine(model), overhead), v, sched.with_name("searched"),
+                                 model, same))
     ms, v, sched, model, same = min(searched, key=lambda r: r[0])
     label = (f"searched ({sched.placement.describe()}, {sched.backward}{', v=2' if v == 2 else ''}"
              f"{f' = {same}' if same else ''})")
@@ -257,12 +216,11 @@ def overheads(calib: Schedule, one: CostProfile, zero: CostProfile, steps: list[
     """The runtime's overhead, fitted on the calibration runs (steps: their step times, in order):
     `action` ms per action and `step` ms per step (from the two lengths), `single` = the one
     per-action constant that explains the m-run alone, `zero` = that at zero compute."""
-    one_f = fold_first_input_grad(one)
     half = load_schedule("1f1b", calib.p, max(1, calib.m // 2), 1)
     t_full, t_half, t_zero = (statistics.median(x) for x in steps[:3])
 
     def diff(c):
-        return predict(calib, one_f, c) - predict(half, one_f, c)
+        return predict(calib, one, c) - predict(half, one, c)
 
     target = t_full - t_half
     lo, hi = 0.0, 50.0
@@ -273,10 +231,10 @@ def overheads(calib: Schedule, one: CostProfile, zero: CostProfile, steps: list[
             mid = (lo + hi) / 2
             lo, hi = (mid, hi) if diff(mid) < target else (lo, mid)
         c = (lo + hi) / 2
-    k = t_full - predict(calib, one_f, c)
+    k = t_full - predict(calib, one, c)
     if k < 0:  # no per-step cost visible: one constant
-        c, k = fit_overhead(calib, one_f, t_full), 0.0
-    return {"action": c, "step": k, "single": fit_overhead(calib, one_f, t_full),
+        c, k = fit_overhead(calib, one, t_full), 0.0
+    return {"action": c, "step": k, "single": fit_overhead(calib, one, t_full),
             "zero": fit_overhead(calib, zero, t_zero)}
 
 

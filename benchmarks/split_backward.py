@@ -18,51 +18,12 @@ import sys
 
 import torch
 
-
-class Block(torch.nn.Module):
-    """A pre-norm GPT block of plain torch layers."""
-
-    def __init__(self, hidden: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = torch.nn.LayerNorm(hidden), torch.nn.LayerNorm(hidden)
-        self.qkv, self.proj = torch.nn.Linear(hidden, 3 * hidden), torch.nn.Linear(hidden, hidden)
-        self.fc1, self.fc2 = torch.nn.Linear(hidden, 4 * hidden), torch.nn.Linear(4 * hidden, hidden)
-
-    def forward(self, x):  # x: [batch, seq, hidden]
-        b, s, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
-        att = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(att.transpose(1, 2).reshape(b, s, h))
-        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
-
-
-class Embed(torch.nn.Module):
-    def __init__(self, vocab: int, hidden: int, seq: int):
-        super().__init__()
-        self.tok, self.pos = torch.nn.Embedding(vocab, hidden), torch.nn.Embedding(seq, hidden)
-
-    def forward(self, ids):
-        return self.tok(ids) + self.pos.weight[: ids.shape[1]]
-
-
-class Head(torch.nn.Module):
-    def __init__(self, vocab: int, hidden: int):
-        super().__init__()
-        self.ln, self.out = torch.nn.LayerNorm(hidden), torch.nn.Linear(hidden, vocab, bias=False)
-
-    def forward(self, x):
-        return self.out(self.ln(x))
-
-
-def torch_layers(a) -> list:
-    return [Embed(a.vocab_size, a.hidden_size, a.seq_length)] + \
-        [Block(a.hidden_size, a.num_attention_heads) for _ in range(a.num_layers)] + [Head(a.vocab_size, a.hidden_size)]
+from koala_ds.profiler.models import gpt_layer_specs, gpt_layers
 
 
 def torch_stages(a) -> list:
     """Embedding with the first stage, head with the last, the blocks spread evenly."""
-    layers = torch_layers(a)
+    layers = gpt_layers(a.num_layers, a.hidden_size, a.num_attention_heads, a.seq_length, a.vocab_size)
     per = a.num_layers // a.p
     groups = [layers[1 + s * per: 1 + (s + 1) * per] for s in range(a.p)]
     groups[0].insert(0, layers[0])
@@ -85,11 +46,7 @@ def profile(a, model: str):
     if model == "torch":
         stages = [s.to(a.device) for s in torch_stages(a)]
         return profile_stages(stages, ids.to(a.device), loss_fn=loss, **common)
-    from deepspeed.pipe import LayerSpec
-
-    specs = [LayerSpec(Embed, a.vocab_size, a.hidden_size, a.seq_length)] + \
-        [LayerSpec(Block, a.hidden_size, a.num_attention_heads) for _ in range(a.num_layers)] + \
-        [LayerSpec(Head, a.vocab_size, a.hidden_size)]
+    specs = gpt_layer_specs(a.num_layers, a.hidden_size, a.num_attention_heads, a.seq_length, a.vocab_size)
     return profile_pipeline_module(specs, ids, a.p, partition_method="parameters", loss_fn=loss, **common)
 
 

@@ -108,6 +108,37 @@ def test_pipeline_module_layers_are_partitioned_like_deepspeed():
     assert [m.activation_bytes for m in result.stages] == [4 * B * D * n for n in saved]
 
 
+def test_pipeline_module_profile_runs_on_the_device_asked_for(monkeypatch):
+    """`koala profile deepspeed --device cuda` ran the layers where their code built them (the
+    CPU): the stages, the sample input and the labels must go to the device."""
+    pytest.importorskip("deepspeed")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from koala_ds.profiler import core, models
+
+    moved = []
+
+    class Recorder(torch.nn.Linear):
+        def _apply(self, fn, recurse=True):
+            moved.append(type(self).__name__)
+            return super()._apply(fn, recurse)
+
+    seen, sent = {}, []
+    to_device = models.to_device
+    monkeypatch.setattr(models, "to_device", lambda x, device: sent.append(device) or to_device(x, device))
+
+    def fake_profile_stages(stages, sample_input, **kwargs):
+        seen.update(stages=stages, sample=sample_input, device=kwargs.get("device"))
+        return core.ProfileResult([])
+
+    monkeypatch.setattr(core, "profile_stages", fake_profile_stages)
+    sample = torch.randn(B, D)
+    models.profile_pipeline_module([Recorder(D, D), Recorder(D, D)], sample, 2, partition_method="uniform")
+    assert moved == [] and sent == []  # no device: left where it is
+    models.profile_pipeline_module([Recorder(D, D), Recorder(D, D)], sample, 2, partition_method="uniform",
+                                   device="cpu")
+    assert moved == ["Recorder", "Recorder"] and sent == ["cpu"] and seen["device"] == "cpu"
+
+
 @pytest.mark.timeout(90)
 def test_p2p_pingpong_latency_and_cpu_per_message():
     from koala_ds.profiler.p2p import measure_p2p

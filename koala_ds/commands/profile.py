@@ -49,10 +49,13 @@ def _finish(args, result) -> int:
     CostProfile.from_dict(data, source=args.output)  # what we write must load
     with open(args.output, "w", encoding="utf-8") as fh:
         fh.write(json.dumps(data, indent=1) + "\n")
-    print(f"{'stage':>5}  {'F ms':>9}  {'I ms':>9}  {'W ms':>9}  {'act MiB':>9}  {'W-hold MiB':>10}")
+    print(f"{'stage':>5}  {'F ms':>9}  {'I ms':>9}  {'W ms':>9}  {'B ms':>9}  {'(I+W)/B':>7}  {'act MiB':>9}  "
+          f"{'W-hold MiB':>10}")
     for s, st in enumerate(data["stages"]):
+        b = st.get("backward")
+        ratio = f"{(st['backward_input'] + st['backward_weight']) / b:>7.3f}" if b else f"{'-':>7}"
         print(f"{s:>5}  {st['forward']:>9.4g}  {st['backward_input']:>9.4g}  {st['backward_weight']:>9.4g}  "
-              f"{st['activation_mb']:>9.4g}  {st['w_hold_mb']:>10.4g}")
+              f"{b if b is not None else float('nan'):>9.4g}  {ratio}  {st['activation_mb']:>9.4g}  {st['w_hold_mb']:>10.4g}")
     print(f"p2p latency {data['p2p_latency']:.4g} ms ({data['meta']['p2p_latency']}); timer: {data['meta']['timer']}")
     print(f"wrote {args.output}; next: koala search --profile {args.output} -m <microbatches> -o best.koala"
           + (f" -v {args.v}" if args.v > 1 else ""))

@@ -315,3 +315,78 @@ def megatron_gpt_worker(rank: int, world: int, spec: dict) -> list:
         return [{"key": j["key"], "times": t} for j, t in zip(spec["jobs"], times)]
     finally:
         ps.destroy_model_parallel()
+
+
+# -- the plain-torch GPT on DeepSpeed -----------------------------------------------------------------
+def _lm_loss(logits, labels):
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+
+def profile_deepspeed_gpt_worker(rank: int, world: int, spec: dict) -> dict:
+    """The plain-torch GPT (`models.gpt_layer_specs`) profiled as a DeepSpeed layer list would be
+    partitioned into spec["stages"] virtual stages (uniform), in a fresh process; the profile dict."""
+    from .models import gpt_layer_specs, profile_pipeline_module
+
+    cfg = spec["model"]
+    specs = gpt_layer_specs(cfg["num_layers"], cfg["hidden_size"], cfg["num_attention_heads"], cfg["seq_length"],
+                            cfg["vocab_size"])
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, cfg["vocab_size"], (cfg["micro_batch_size"], cfg["seq_length"]), generator=g)
+    labels = torch.randint(0, cfg["vocab_size"], (cfg["micro_batch_size"], cfg["seq_length"]), generator=g)
+    torch.manual_seed(1234)
+    result = profile_pipeline_module(specs, ids, spec["stages"], partition_method="uniform",
+                                     loss_fn=lambda out: _lm_loss(out, labels), warmup=spec.get("warmup", 2),
+                                     iters=spec.get("iters", 10), p2p=False)
+    return result.to_dict()
+
+
+class _DeepSpeedGPTRunner:
+    """One job on the plain-torch GPT through KoalaPipelineEngine (train_batch: also the gradient
+    reduction and an SGD step with lr 0)."""
+
+    def __init__(self, job: dict, world: int, cfg: dict, timeout_s: float):
+        import tempfile
+
+        import deepspeed
+
+        from koala_ds.deepspeed import KoalaPipelineModule
+        from koala_ds.deepspeed.testing import ds_config
+
+        from ..ir import Schedule
+        from .models import gpt_layer_specs
+
+        schedule = Schedule.from_dict(job["schedule"])
+        p, v, m = schedule.p, schedule.v, schedule.m
+        torch.manual_seed(1234)
+        specs = gpt_layer_specs(cfg["num_layers"], cfg["hidden_size"], cfg["num_attention_heads"], cfg["seq_length"],
+                                cfg["vocab_size"])
+        self.model = KoalaPipelineModule(specs, num_stages=p, chunks=v, placement=schedule.placement,
+                                         loss_fn=_lm_loss, partition_method="uniform")
+        fd, path = tempfile.mkstemp(prefix="koala-bench-", suffix=".json")
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(schedule.to_json())
+        config = ds_config(m, cfg["micro_batch_size"], world // p, koala={"schedule": path, "timeout_s": timeout_s},
+                           schedule="koala")
+        optimizer = torch.optim.SGD(self.model.parameters(), lr=0.0)
+        self.engine, *_ = deepspeed.initialize(model=self.model, optimizer=optimizer, config=config)
+        os.unlink(path)
+        g = torch.Generator().manual_seed(7)
+        shape = (cfg["micro_batch_size"], cfg["seq_length"])
+        self.data = [(torch.randint(0, cfg["vocab_size"], shape, generator=g),
+                      torch.randint(0, cfg["vocab_size"], shape, generator=g)) for _ in range(m)]
+
+    def step(self) -> None:
+        self.engine.train_batch(iter(self.data))
+
+
+def deepspeed_gpt_worker(rank: int, world: int, spec: dict) -> list:
+    """Jobs (as for `megatron_gpt_worker`) on the plain-torch GPT through koala_ds.deepspeed,
+    round-robin. Launch with `koala_ds.deepspeed.testing.launch`."""
+    import logging
+
+    import koala_ds.deepspeed  # noqa: F401  (registers the engine with deepspeed.initialize)
+
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    runners = [_DeepSpeedGPTRunner(job, world, spec["model"], spec.get("timeout_s", 120)) for job in spec["jobs"]]
+    times = _round_robin(runners, spec.get("warmup", 2), spec.get("steps", 10))
+    return [{"key": j["key"], "times": t} for j, t in zip(spec["jobs"], times)]

@@ -102,6 +102,57 @@ def profile_megatron_gpt(num_layers: int = 8, hidden_size: int = 64, num_attenti
     return result
 
 
+# -- a plain-torch GPT (DeepSpeed layer lists, benchmarks) -------------------------------------------
+class GPTBlock(torch.nn.Module):
+    """A pre-norm GPT block of plain torch layers."""
+
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(hidden), torch.nn.LayerNorm(hidden)
+        self.qkv, self.proj = torch.nn.Linear(hidden, 3 * hidden), torch.nn.Linear(hidden, hidden)
+        self.fc1, self.fc2 = torch.nn.Linear(hidden, 4 * hidden), torch.nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x):  # x: [batch, seq, hidden]
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        att = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, s, h))
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
+
+
+class GPTEmbedding(torch.nn.Module):
+    def __init__(self, vocab: int, hidden: int, seq: int):
+        super().__init__()
+        self.tok, self.pos = torch.nn.Embedding(vocab, hidden), torch.nn.Embedding(seq, hidden)
+
+    def forward(self, ids):
+        return self.tok(ids) + self.pos.weight[: ids.shape[1]]
+
+
+class GPTHead(torch.nn.Module):
+    def __init__(self, vocab: int, hidden: int):
+        super().__init__()
+        self.ln, self.out = torch.nn.LayerNorm(hidden), torch.nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, x):
+        return self.out(self.ln(x))
+
+
+def gpt_layers(num_layers: int, hidden: int, heads: int, seq: int, vocab: int) -> list:
+    """A plain-torch GPT as a layer list: embedding, `num_layers` blocks, final norm + LM head."""
+    return [GPTEmbedding(vocab, hidden, seq)] + [GPTBlock(hidden, heads) for _ in range(num_layers)] + \
+        [GPTHead(vocab, hidden)]
+
+
+def gpt_layer_specs(num_layers: int, hidden: int, heads: int, seq: int, vocab: int) -> list:
+    """The same GPT as DeepSpeed LayerSpecs (for a PipelineModule)."""
+    from deepspeed.pipe import LayerSpec
+
+    return [LayerSpec(GPTEmbedding, vocab, hidden, seq)] + \
+        [LayerSpec(GPTBlock, hidden, heads) for _ in range(num_layers)] + [LayerSpec(GPTHead, vocab, hidden)]
+
+
 # -- DeepSpeed PipelineModule -------------------------------------------------------------------
 class _Layers(torch.nn.Module):
     def __init__(self, funcs: list):
