@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.koala-installed
 
-.PHONY: demo test setup clean
+.PHONY: demo test test-fast setup clean
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+test-fast: $(STAMP)  # everything but the multi-process tests (marked slow)
+	$(PY) -m pytest -q -m "not slow"
 
 clean:
 	rm -rf $(VENV) .cache

@@ -19,7 +19,7 @@ import time
 
 from koala_ds.sim import CostProfile
 
-MODEL = {"num_layers": 8, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32, "micro_batch_size": 2,
+MODEL = {"num_layers": 8, "hidden_size": 256, "num_attention_heads": 4, "seq_length": 64, "micro_batch_size": 1,
          "vocab_size": 128}
 
 BANNER = ("REAL compute: a GPT on CPU (2 pipeline ranks = 2 processes on this 2-core machine): megatron-core's "

@@ -147,6 +147,13 @@ def _has_own_matrix(module) -> bool:
     return any(p.requires_grad and p.dim() >= 2 for p in module.parameters(recurse=False))
 
 
+def _uncovered_label(name: str, module) -> str:
+    label = f"{name or '<model>'} ({type(module).__name__})"
+    if type(module).__module__.split(".")[0] == "transformer_engine" or type(module).__name__.startswith("TE"):
+        label += " (Transformer Engine: build it with delay_wgrad_compute=True, TE >= 2.3)"
+    return label
+
+
 def prepare(model: torch.nn.Module) -> "Prepared":
     """Make the layers of `model` this module knows deferrable (idempotent); warn once per
     layer holding a weight matrix whose gradient will be computed in I instead."""
@@ -168,7 +175,7 @@ def prepare(model: torch.nn.Module) -> "Prepared":
             prepared.te_modules.append(module)
         elif _has_own_matrix(module) and not isinstance(module, torch.nn.Embedding) \
                 and not _wgrad_megatron.is_embedding(module):
-            prepared.uncovered.append(f"{name or '<model>'} ({type(module).__name__})")
+            prepared.uncovered.append(_uncovered_label(name, module))
     for layer in prepared.uncovered:
         log.warning("koala: the weight gradient of layer %s is computed in I, not deferred to W "
                     "(exact, but I costs more): deferred weight gradients cover torch.nn.Linear and "

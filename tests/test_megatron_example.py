@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.slow  # multi-process
 ROOT = Path(__file__).resolve().parents[1]
 FLAGS = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
          "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",

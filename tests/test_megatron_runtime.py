@@ -14,6 +14,7 @@ import sys
 import pytest
 
 pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.slow  # multi-process
 torch = pytest.importorskip("torch")
 
 HERE = os.path.dirname(os.path.abspath(__file__))

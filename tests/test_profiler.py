@@ -139,6 +139,7 @@ def test_pipeline_module_profile_runs_on_the_device_asked_for(monkeypatch):
     assert moved == ["Recorder", "Recorder"] and sent == ["cpu"] and seen["device"] == "cpu"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_p2p_pingpong_latency_and_cpu_per_message():
     from koala_ds.profiler.p2p import measure_p2p
@@ -149,6 +150,7 @@ def test_p2p_pingpong_latency_and_cpu_per_message():
     assert 0 < cost.cpu_ms_per_message < 2 * 2 * cost.latency_ms * 4
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_koala_profile_megatron_gpt_cli(tmp_path):
     pytest.importorskip("megatron.core")
@@ -170,10 +172,13 @@ def test_koala_profile_megatron_gpt_cli(tmp_path):
     assert data["meta"]["stages"][0]["output_shape"] == [8, 2, 16]
     for st in prof.stages:
         assert st.forward > 0 and st.backward_weight > 0 and st.activation_mb > 0
+        assert st.backward_full is not None and st.backward_full > 0  # B, measured
     assert prof.stages[1].backward_input > 0
-    assert "koala search --profile" in proc.stdout
+    assert "koala search --profile" in proc.stdout and "(I+W)/B" in proc.stdout
+    assert "profiling stage 1/2 on cpu" in proc.stderr and "profiling stage 2/2" in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_emulated_model_through_koala_megatron_matches_the_simulator():
     """Sanity check with wide bounds, not a performance claim: 2 ranks, 10 ms per op."""

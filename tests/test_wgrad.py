@@ -245,3 +245,24 @@ def test_megatron_linear_split_keeps_main_grad_semantics(fusion, monkeypatch):
         from megatron.core.tensor_parallel import layers
 
         assert layers.fused_weight_gradient_mlp_cuda.calls == 6 and lin.weight.grad is None
+
+
+def test_transformer_engine_layers_defer_through_backward_dw():
+    """TE >= 2.3 layers built with delay_wgrad_compute=True: I leaves their weight gradient to
+    backward_dw(), which W calls."""
+    te = pytest.importorskip("transformer_engine.pytorch", reason="Transformer Engine is not installed here")
+    if not torch.cuda.is_available():
+        pytest.skip("Transformer Engine layers need CUDA")
+    torch.manual_seed(4)
+    ref = te.Linear(64, 64, params_dtype=torch.float32).cuda()
+    lin = te.Linear(64, 64, params_dtype=torch.float32, delay_wgrad_compute=True).cuda()
+    lin.load_state_dict(ref.state_dict())
+    x, g = torch.randn(16, 64, device="cuda"), torch.randn(16, 64, device="cuda")
+    ref(x).backward(g)
+    prepared = wgrad.prepare(lin)
+    assert prepared.te_modules == [lin] and not prepared.uncovered
+    with prepared.input_step() as queue:
+        lin(x).backward(g)
+    assert lin.weight.grad is None or not lin.weight.grad.any()
+    queue.run()
+    assert torch.allclose(lin.weight.grad, ref.weight.grad, rtol=1e-5, atol=1e-5)

@@ -42,6 +42,13 @@ def _setup(args):
     return device, p2p
 
 
+def _progress(device: str):
+    def say(stage: int, stages: int) -> None:
+        print(f"profiling stage {stage + 1}/{stages} on {device} ...", file=sys.stderr, flush=True)
+
+    return say
+
+
 def _finish(args, result) -> int:
     from ..sim import CostProfile
 
@@ -70,7 +77,8 @@ def cmd_megatron_gpt(args) -> int:
                                   num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
                                   micro_batch_size=args.micro_batch_size, vocab_size=args.vocab_size, p=args.p,
                                   v=args.v, seed=args.seed, device=device, warmup=args.warmup, iters=args.iters,
-                                  p2p=p2p, p2p_timeout_s=args.p2p_timeout, memory_limit_mb=args.memory_limit)
+                                  p2p=p2p, p2p_timeout_s=args.p2p_timeout, memory_limit_mb=args.memory_limit,
+                                  progress=_progress(device))
     return _finish(args, result)
 
 
@@ -97,7 +105,8 @@ def cmd_deepspeed(args) -> int:
     sample = _load(args.input, "--input")()
     result = profile_pipeline_module(layers, sample, args.p * args.v, partition_method=args.partition_method,
                                      device=device, warmup=args.warmup, iters=args.iters, p2p=p2p,
-                                     p2p_timeout_s=args.p2p_timeout, memory_limit_mb=args.memory_limit)
+                                     p2p_timeout_s=args.p2p_timeout, memory_limit_mb=args.memory_limit,
+                                     progress=_progress(device))
     result.extra_meta.update({"p": args.p, "v": args.v})
     return _finish(args, result)
 

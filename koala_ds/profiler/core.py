@@ -261,14 +261,15 @@ def measure_stage(module, make_input: Callable[[], Any], *, is_last: bool, loss_
 def profile_stages(stage_modules: Sequence, sample_input, *, loss_fn: Callable | None = None, warmup: int = 2,
                    iters: int = 10, device=None, p2p: bool | float = False, p2p_timeout_s: float = 120.0,
                    memory_limit_mb: float | None = None, full_backward: bool = True, name: str = "profile",
-                   description: str = "") -> ProfileResult:
+                   description: str = "", progress: Callable[[int, int], None] | None = None) -> ProfileResult:
     """Profile a model split into pipeline stages (one module per virtual stage, in order).
 
     `sample_input` is the first stage's input (a tensor, or a tuple of arguments); each later
     stage gets the previous stage's output (one tensor), detached and requiring grad, as the
     runtimes hand it over. The last stage's output goes through `loss_fn` (default: mean).
     `p2p`: False (p2p_latency 0), True (measure it with a 2-process gloo ping-pong for the
-    largest stage-boundary tensor), or a number (ms) to write as is. Returns a `ProfileResult`
+    largest stage-boundary tensor), or a number (ms) to write as is. `progress(s, n)` is called
+    before stage s of n is measured. Returns a `ProfileResult`
     (`.to_dict()` / `.write(path)` give a profile v1 JSON that `koala_ds.sim.load_profile` reads)."""
     import torch
 
@@ -278,6 +279,8 @@ def profile_stages(stage_modules: Sequence, sample_input, *, loss_fn: Callable |
     # the input of each stage: run the previous stages once (no grad) to get a real tensor
     current = sample_input
     for s, module in enumerate(stage_modules):
+        if progress is not None:
+            progress(s, len(stage_modules))
         is_last = s == len(stage_modules) - 1
         if s == 0:
             base = current
