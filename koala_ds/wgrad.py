@@ -108,8 +108,13 @@ class _Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias):
+        ctx.param, ctx.has_bias = weight, bias is not None
+        device = x.device.type
+        if torch.is_autocast_enabled(device):  # compute (and save) in the autocast dtype, as F.linear would
+            dtype = torch.get_autocast_dtype(device)
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = bias.to(dtype) if bias is not None else None
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
         return torch.nn.functional.linear(x, weight, bias)
 
     @staticmethod
@@ -121,10 +126,11 @@ class _Linear(torch.autograd.Function):
         grad_w = None
         if need_w:
             queue = active_queue()
+            param = ctx.param
             if queue is None:
-                grad_w = _fold(grad_out).t().matmul(_fold(x))
+                grad_w = _fold(grad_out).t().matmul(_fold(x)).to(param.dtype)
             else:
-                queue.add(lambda: [(weight, _fold(grad_out).t().matmul(_fold(x)))], x, grad_out)
+                queue.add(lambda: [(param, _fold(grad_out).t().matmul(_fold(x)).to(param.dtype))], x, grad_out)
         return grad_x, grad_w, grad_b
 
 

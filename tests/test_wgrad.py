@@ -266,3 +266,24 @@ def test_transformer_engine_layers_defer_through_backward_dw():
     assert lin.weight.grad is None or not lin.weight.grad.any()
     queue.run()
     assert torch.allclose(lin.weight.grad, ref.weight.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_under_autocast_defers_in_the_autocast_dtype():
+    torch.manual_seed(5)
+    ref = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+    mod = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+    mod.load_state_dict(ref.state_dict())
+    x, g = torch.randn(4, 16), torch.randn(4, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_ref = ref(x.clone().requires_grad_())
+    out_ref.backward(g.to(out_ref.dtype))
+    prepared = wgrad.prepare(mod)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = mod(x.clone().requires_grad_())
+    assert out.dtype == out_ref.dtype == torch.bfloat16
+    with prepared.input_step() as queue:
+        out.backward(g.to(out.dtype))
+    queue.run()
+    for p, r in zip(mod.parameters(), ref.parameters()):
+        assert p.grad.dtype == r.grad.dtype == torch.float32
+        assert torch.allclose(p.grad, r.grad, rtol=2e-2, atol=2e-2), (p.shape, (p.grad - r.grad).abs().max())
