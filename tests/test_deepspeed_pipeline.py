@@ -3,9 +3,13 @@
 Equality tests train a tiny PipelineModule for 3 steps under DeepSpeed's stock TrainSchedule
 and under Koala schedules (many schedules inside ONE launch per topology: each case builds a
 fresh model and engine in the same process group), then compare the step losses, an
-eval_batch loss and every final parameter (max abs diff <= 1e-6, fp32). Multi-chunk schedules
-run on a KoalaPipelineModule cut into p*v virtual stages and are compared with the stock engine
-on the same layers cut into p stages.
+eval_batch loss and every final parameter (max diff <= 1e-6 relative, fp32). Multi-chunk
+schedules run on a KoalaPipelineModule cut into p*v virtual stages and are compared with the
+stock engine on the same layers cut into p stages.
+
+The targets are scaled (TARGET_SCALE) so that the gradient norm is far above DeepSpeed's
+default gradient_clipping of 1.0: clipping acts in every equality test (cases marked
+clip=0.0 turn it off and compare with a stock run without clipping).
 """
 from __future__ import annotations
 
@@ -33,22 +37,33 @@ from koala_ds.library import load_schedule  # noqa: E402
 from koala_ds.validate import validate  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-TOL = 1e-6
+TOL = 1e-6  # relative (absolute below 1)
 GAS, MBS, DIM, BLOCKS, STEPS = 8, 2, 8, 8, 3
+TARGET_SCALE = 100.0  # gradient norms >> 1.0, DeepSpeed's default gradient_clipping
 
 SINGLE = ["gpipe", "1f1b", "eager-1f1b", "zb-h1", "zb-h2"]
 MULTI = [("interleaved-1f1b", "interleaved"), ("zb-v", "vshape"), ("dualpipe-v", "vshape")]
 OTHER_MULTI = [("looped-bfs", "interleaved"), ("v-half", "vshape"), ("v-min", "vshape"), ("hanayo", "vshape")]
 
 
-def _case(name: str, placement: str = "linear", tied: bool = False, **extra) -> dict:
+def _variant(tied: bool, clip: float | None) -> str:
+    return f"{'-tied' if tied else ''}{'-noclip' if clip == 0 else ''}"
+
+
+def _case(name: str, placement: str = "linear", tied: bool = False, clip: float | None = None, **extra) -> dict:
+    """A Koala case; clip=None keeps DeepSpeed's default gradient_clipping (1.0), 0.0 turns it off."""
     chunks = 1 if placement == "linear" else 2
-    label = f"{name}{'-tied' if tied else ''}{extra.pop('suffix', '')}"
-    return {"label": label, "schedule": name, "chunks": chunks, "placement": placement, "tied": tied, **extra}
+    label = f"{name}{_variant(tied, clip)}{extra.pop('suffix', '')}"
+    return {"label": label, "schedule": name, "chunks": chunks, "placement": placement, "tied": tied, "clip": clip,
+            **extra}
 
 
-def _stock(tied: bool = False) -> dict:
-    return {"label": "stock-tied" if tied else "stock", "schedule": None, "tied": tied}
+def _stock(tied: bool = False, clip: float | None = None) -> dict:
+    return {"label": f"stock{_variant(tied, clip)}", "schedule": None, "tied": tied, "clip": clip}
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= TOL * max(1.0, abs(b))
 
 
 def _merged(results: list[dict], label: str, dp_rank: int) -> dict:
@@ -67,20 +82,21 @@ def _assert_equal_to_stock(results: list[dict], cases: list[dict], dp: int) -> N
         label = case["label"]
         if case["schedule"] is None:
             continue
-        ref = "stock-tied" if case.get("tied") else "stock"
+        ref = f"stock{_variant(case.get('tied', False), case.get('clip'))}"
         for res in results:
             mine, stock = res["value"]["cases"][label], res["value"]["cases"][ref]
             assert mine["engine"] == "KoalaPipelineEngine", label
             assert stock["engine"] == "PipelineEngine", ref
             assert len(mine["losses"]) == STEPS
-            diff = max(abs(a - b) for a, b in zip(mine["losses"], stock["losses"]))
-            assert diff <= TOL, f"{label}: step losses differ from stock by {diff}: {mine['losses']} vs {stock['losses']}"
-            assert abs(mine["eval"] - stock["eval"]) <= TOL, f"{label}: eval loss {mine['eval']} vs {stock['eval']}"
+            assert all(_close(a, b) for a, b in zip(mine["losses"], stock["losses"])), \
+                f"{label}: step losses differ from {ref}: {mine['losses']} vs {stock['losses']}"
+            assert _close(mine["eval"], stock["eval"]), f"{label}: eval loss {mine['eval']} vs {stock['eval']}"
         for d in range(dp):
             mine, stock = _merged(results, label, d), _merged(results, ref, d)
             assert set(mine) == set(stock), f"{label}: parameter names differ: {set(mine) ^ set(stock)}"
-            worst = max((mine[n] - stock[n]).abs().max().item() for n in stock)
-            assert worst <= TOL, f"{label}: parameters differ from stock by {worst} (dp replica {d})"
+            worst = max(((mine[n] - stock[n]).abs().max() / stock[n].abs().max().clamp(min=1.0)).item()
+                        for n in stock)
+            assert worst <= TOL, f"{label}: parameters differ from {ref} by {worst} (relative, dp replica {d})"
         # training moved the parameters: the comparison is not between two untouched models
         assert results[0]["value"]["cases"][label]["losses"][0] != results[0]["value"]["cases"][label]["losses"][-1]
         checked.append(label)
@@ -88,7 +104,14 @@ def _assert_equal_to_stock(results: list[dict], cases: list[dict], dp: int) -> N
 
 
 def _spec(pp: int, cases: list[dict]) -> dict:
-    return {"pp": pp, "gas": GAS, "mbs": MBS, "dim": DIM, "blocks": BLOCKS, "steps": STEPS, "cases": cases}
+    return {"pp": pp, "gas": GAS, "mbs": MBS, "dim": DIM, "blocks": BLOCKS, "steps": STEPS, "cases": cases,
+            "target_scale": TARGET_SCALE}
+
+
+def _assert_clipping_acted(results: list[dict], clipped: str, unclipped: str) -> None:
+    """The clipped and unclipped stock runs differ: clipping acted, the equality tests test it."""
+    a, b = (results[0]["value"]["cases"][label]["losses"] for label in (clipped, unclipped))
+    assert not _close(a[-1], b[-1]), f"gradient clipping did not act: {clipped} {a} vs {unclipped} {b}"
 
 
 # -- single process: compilation and refusals ----------------------------------------------
@@ -218,6 +241,8 @@ def test_fixed_schedule_file_for_other_sizes_names_the_deepspeed_setting(tmp_pat
 @pytest.mark.deepspeed_ext
 @pytest.mark.timeout(420)
 def test_two_stages_every_schedule_equals_stock(tmp_path):
+    """Every schedule, with DeepSpeed's default gradient clipping acting (multi-chunk runs used to
+    clip by the norm of other layers than the stock engine) and, for some, with clipping off."""
     json_path = tmp_path / "zb-v-searched.json"
     json_path.write_text(load_schedule("zb-v", 2, GAS, 2).to_json())
     koala_path = tmp_path / "my-1f1b.koala"
@@ -230,7 +255,11 @@ def test_two_stages_every_schedule_equals_stock(tmp_path):
     cases += [_case(str(json_path), "vshape", suffix="-json"), _case(str(koala_path), suffix="-koala"),
               _case("zb-h2", via="direct", suffix="-direct")]
     cases[-3]["label"], cases[-2]["label"] = "json-file", "koala-file"
+    cases += [_stock(clip=0.0), _stock(tied=True, clip=0.0), _case("zb-h1", clip=0.0),
+              _case("zb-v", "vshape", clip=0.0), _case("interleaved-1f1b", "interleaved", clip=0.0),
+              _case("dualpipe-v", "vshape", tied=True, clip=0.0)]
     results = launch(train_worker, 2, _spec(2, cases), timeout_s=400)
+    _assert_clipping_acted(results, "stock", "stock-noclip")
     _assert_equal_to_stock(results, cases, dp=1)
 
 
@@ -254,6 +283,7 @@ def test_two_stages_times_two_data_parallel_equal_stock():
     cases += [_case(n, pl) for n, pl in MULTI]
     results = launch(train_worker, 4, _spec(2, cases), timeout_s=580)
     assert sorted((r["value"]["pipe"], r["value"]["dp"]) for r in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    # clipping acts here too: with data parallelism its norm is averaged over the replicas
     _assert_equal_to_stock(results, cases, dp=2)
     # the two data-parallel replicas saw different data yet hold the same (all-reduced) weights
     a, b = _merged(results, "zb-v", 0), _merged(results, "zb-v", 1)
@@ -277,11 +307,37 @@ def test_mismatch_is_refused_before_communication_and_a_lost_peer_times_out(tmp_
     value = rank0["value"]
     assert value["error"] == "PipelineTimeoutError", value
     assert "rank 0" in value["message"] and "from rank 1" in value["message"]
-    assert "timeout_s" in value["message"]
+    if mode == "hang":  # a timeout names the setting to raise
+        assert "after 3 s" in value["message"] and "timeout_s" in value["message"], value["message"]
+    else:  # a peer that died is reported as such, not as a timeout
+        assert "closed the connection or crashed" in value["message"], value["message"]
     assert value["elapsed"] < 30
     # the m=2 schedule file was refused on every rank, naming the key to change, and since that
     # happened before any communication the next engine in the same process group worked
     assert "gradient_accumulation_steps=2" in value["refused"] and "m2.json" in value["refused"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("stop_before", ["_aggregate_total_loss", "clip_fp32_gradients"])
+def test_a_peer_stopped_inside_the_step_ends_the_other_rank_within_the_timeout(stop_before):
+    """Rank 1 SIGSTOPs itself after its point-to-point work, just before DeepSpeed's end-of-step
+    loss broadcast or the gradient-clipping all-reduce: rank 0 must raise PipelineTimeoutError
+    within timeout_s (those collectives used to wait DeepSpeed's process-group timeout) and end."""
+    import time
+
+    timeout = 3
+    spec = {"pp": 2, "gas": 4, "mbs": 2, "dim": 8, "schedule": "1f1b", "timeout_s": timeout, "hung_rank": 1,
+            "mode": "stop", "stop_before": stop_before}
+    results = launch(hang_worker, 2, spec, timeout_s=150, pg_timeout_s=100, allow_failures=True, wait_ranks=[0])
+    ended = time.time()
+    rank0 = results[0]
+    assert rank0["ok"], rank0
+    value = rank0["value"]
+    assert value["error"] == "PipelineTimeoutError", value
+    assert "DeepSpeed's" in value["message"] and f"after {timeout} s" in value["message"], value["message"]
+    assert value["elapsed"] < timeout + 10, value
+    assert ended - value["raised_at"] < 10, "rank 0 raised in time but took too long to end"
 
 
 # -- the launcher patch --------------------------------------------------------------------

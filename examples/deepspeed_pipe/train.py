@@ -82,6 +82,11 @@ def main() -> None:
     eval_loss = engine.eval_batch(iter(data))
     if engine.global_rank == 0:
         print(f"eval loss {float(eval_loss):.5f}", flush=True)
+    # Tear the process group down before the interpreter does: left to interpreter exit, gloo's
+    # worker threads may still hold work objects whose tensors need the (finalising)
+    # interpreter, and the rank aborts ("terminate called without an active exception").
+    # Only on success: after an error the other ranks may still be inside a collective.
+    deepspeed.comm.destroy_process_group()
 
 
 if __name__ == "__main__":

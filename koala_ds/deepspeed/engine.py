@@ -28,6 +28,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,7 @@ from deepspeed.runtime.pipe.module import PipelineModule
 
 from .. import wgrad
 from ..ir import KoalaError, Placement, Schedule, ScheduleError
+from ..timeout import DEFAULT_TIMEOUT_S, ENV_TIMEOUT, TimeoutSettingError, timeout_setting
 from ..validate import validate
 from ..wgrad import WeightGradQueue
 from .schedule import (BackwardInputPass, BackwardWeightPass, KoalaInferenceSchedule, KoalaPipeSchedule, WaitSends,
@@ -55,9 +57,7 @@ logger = logging.getLogger(__name__)
 ENV_PIPELINE_SCHEDULE = "DS_PIPELINE_SCHEDULE"
 ENV_KOALA_SCHEDULE = "KOALA_SCHEDULE"
 ENV_KOALA_PROFILE = "KOALA_PROFILE"
-ENV_KOALA_TIMEOUT = "KOALA_TIMEOUT_S"
-
-DEFAULT_TIMEOUT_S = 600.0
+ENV_KOALA_TIMEOUT = ENV_TIMEOUT  # KOALA_TIMEOUT_S (KOALA_P2P_TIMEOUT is read too): see koala_ds.timeout
 _META_SIZE = 256
 _KINDS = {"meta": 0, "act": 1, "grad": 2}
 _MAX_TENSORS = 32
@@ -68,7 +68,8 @@ class KoalaConfigError(KoalaError):
 
 
 class PipelineTimeoutError(TimeoutError):
-    """A pipeline rank waited longer than `pipeline.koala.timeout_s` for a peer."""
+    """A pipeline rank waited longer than `pipeline.koala.timeout_s` for a peer (or the wait
+    failed before: the message says which)."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ class KoalaPipelineConfig:
     schedule: Any = None  # library name, .koala / .json path, or a Schedule
     profile: str | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S
+    timeout_source: str = "the default"  # the setting timeout_s came from, for messages
 
     @classmethod
     def from_pipeline_section(cls, section: dict | None, env: dict | None = None) -> "KoalaPipelineConfig":
@@ -89,15 +91,12 @@ class KoalaPipelineConfig:
         if unknown:
             raise KoalaConfigError(f'DeepSpeed config "pipeline.koala": unknown keys {sorted(unknown)} '
                                    f'(known: schedule, profile, timeout_s)')
-        timeout = koala.get("timeout_s", env.get(ENV_KOALA_TIMEOUT, DEFAULT_TIMEOUT_S))
         try:
-            timeout = float(timeout)
-        except (TypeError, ValueError):
-            raise KoalaConfigError(f'"pipeline.koala.timeout_s" must be a number of seconds, got {timeout!r}') from None
-        if timeout <= 0:
-            raise KoalaConfigError(f'"pipeline.koala.timeout_s" must be > 0, got {timeout}')
+            timeout, source = timeout_setting(koala.get("timeout_s"), '"pipeline.koala.timeout_s"', env)
+        except TimeoutSettingError as exc:
+            raise KoalaConfigError(str(exc)) from None
         return cls(koala.get("schedule") or env.get(ENV_KOALA_SCHEDULE) or None,
-                   koala.get("profile") or env.get(ENV_KOALA_PROFILE) or None, timeout)
+                   koala.get("profile") or env.get(ENV_KOALA_PROFILE) or None, timeout, source)
 
 
 def koala_requested(pipeline_section: dict | None, env: dict | None = None) -> bool:
@@ -166,6 +165,84 @@ def ensure_config_class(kwargs: dict) -> DeepSpeedConfig:
             config = getattr(kwargs["args"], "deepspeed_config", None)
         kwargs["config_class"] = DeepSpeedConfig(config, kwargs["model"].mpu())
     return kwargs["config_class"]
+
+
+def clip_grads_like_stock(params: list, counted: list, max_norm: float, mpu, device) -> torch.Tensor:
+    """Scale the gradients of `params` as deepspeed.runtime.utils.clip_grad_norm_ (norm 2) does,
+    but with the norm measured over `counted` (plus parameters marked model parallel) on every
+    rank, summed over the model-parallel group and averaged over the data-parallel group."""
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+    from deepspeed.utils import groups
+
+    ids = {id(q) for q in counted}
+    norms = [q.grad.detach().float().norm(2) for q in params
+             if q.grad is not None and (id(q) in ids or is_model_parallel_parameter(q))]
+    total = torch.stack(norms).pow(2).sum().float().reshape(1) if norms else torch.zeros(1)
+    total = total.to(device)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=mpu.get_model_parallel_group())
+    total = total.pow(0.5)
+    dp_group = groups._get_data_parallel_group()
+    total = total / float(dist.get_world_size(group=dp_group))
+    dist.all_reduce(total, group=dp_group)
+    clip_coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    for q in params:
+        if q.grad is not None:
+            q.grad.data.mul_(clip_coef.to(q.grad.device))
+    return total
+
+
+class _BoundedBackend:
+    """A deepspeed.comm backend (`deepspeed.comm.comm.cdb`) whose blocking collectives are
+    issued with async_op=True and waited by `wait(work, what)`; everything else is the wrapped
+    backend's.
+
+    The backend's methods are wrapped without their signatures (deepspeed/comm/torch.py's
+    `stage_on_cpu`), so the calling convention of deepspeed/comm/comm.py is spelled out here:
+    per collective, the position of (tensor(s), op, group, async_op) when deepspeed.comm passes
+    them positionally, None when it passes keywords."""
+
+    COLLECTIVES = {"all_reduce": 3, "all_reduce_coalesced": 3, "broadcast": None, "reduce": None,
+                   "all_gather": None, "all_gather_into_tensor": None, "reduce_scatter_tensor": None,
+                   "barrier": None}
+
+    def __init__(self, inner, wait: Callable) -> None:
+        self._inner = inner
+        self._koala_wait = wait
+        for name, async_index in self.COLLECTIVES.items():
+            method = getattr(inner, name, None)
+            if method is not None:
+                setattr(self, name, self._bounded(name, method, async_index))
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def _bounded(self, name: str, method: Callable, async_index: int | None) -> Callable:
+        def call(*args, **kwargs):
+            if async_index is not None and len(args) > async_index:
+                asked, group = args[async_index], args[2]
+                args = (*args[:async_index], True, *args[async_index + 1:])
+            else:
+                asked, group = kwargs.get("async_op", False), kwargs.get("group")
+                kwargs["async_op"] = True
+            work = method(*args, **kwargs)
+            if asked or work is None or not hasattr(work, "is_completed"):
+                return work
+            self._koala_wait(work, lambda: _describe_collective(name, group))
+            return None
+
+        return call
+
+
+def _unbounded(backend):
+    return backend._inner if isinstance(backend, _BoundedBackend) else backend
+
+
+def _describe_collective(name: str, group) -> str:
+    try:
+        ranks = torch.distributed.get_process_group_ranks(group) if group is not None else "all"
+    except (RuntimeError, ValueError):
+        ranks = "?"
+    return f"DeepSpeed's {name} over ranks {ranks}"
 
 
 def _as_list(x) -> list:
@@ -302,6 +379,19 @@ class KoalaPipelineEngine(PipelineEngine):
     def _loss_stage_global_rank(self):
         return self.grid.stage_to_global(self._koala_placement.rank_of(self._koala_placement.num_stages - 1))
 
+    def clip_fp32_gradients(self):
+        """DeepSpeed's fp32 gradient clipping, by the norm the stock engine would measure.
+
+        Stock `clip_grad_norm_` counts the gradients of model-parallel rank 0 (pipeline rank 0)
+        only. With several chunks per rank the first rank holds other layers than the stock
+        engine's first stage, so the norm (and every update) would differ: count instead the
+        parameters of the stock first stage's layers, wherever they are (`clip_norm_parameters`)."""
+        counted = getattr(self.module, "clip_norm_parameters", None)
+        if counted is None:
+            return super().clip_fp32_gradients()
+        return clip_grads_like_stock(list(self.module.parameters()), counted(), self.gradient_clipping(), self.mpu,
+                                     self.device)
+
     def _backward_prologue_per_tensor(self, grad):
         # The loss is divided by the gradient accumulation steps once, in _backward_targets.
         return grad
@@ -368,16 +458,52 @@ class KoalaPipelineEngine(PipelineEngine):
         tag = ((microbatch * self._koala_placement.num_stages + stage) * len(_KINDS) + _KINDS[kind]) * _MAX_TENSORS
         return tag + index
 
-    def _wait(self, work, what: str) -> None:
+    def _wait(self, work, what) -> None:
+        """Wait for `work` at most the step's timeout; `what` (a string, or a function giving
+        one) names it in the PipelineTimeoutError."""
+        start = time.monotonic()
         try:
             work.wait(timeout=self._koala_timeout)
         except RuntimeError as exc:
-            secs = self._koala_timeout.total_seconds()
-            raise PipelineTimeoutError(
-                f"rank {self.global_rank} (pipeline rank {self.stage_id}, schedule {self._koala_schedule.name!r}) "
-                f"gave up on {what} after at most {secs:g} s: the peer is hung, dead or runs a different schedule. "
-                f"Slow steps need a larger \"pipeline\": {{\"koala\": {{\"timeout_s\": ...}}}}. "
-                f"({str(exc).splitlines()[0][:200]})") from None
+            raise self._wait_failed(what() if callable(what) else what, exc, time.monotonic() - start) from None
+
+    def _wait_failed(self, what: str, exc: Exception, elapsed: float) -> PipelineTimeoutError:
+        secs = self._koala_timeout.total_seconds()
+        who = f"rank {self.global_rank} (pipeline rank {self.stage_id}, schedule {self._koala_schedule.name!r})"
+        cause = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        if elapsed < 0.9 * secs:  # gloo's wait(timeout) only raises early when the transport failed
+            return PipelineTimeoutError(f"{who}: {what} failed after {elapsed:.1f} s, before the {secs:g} s "
+                                        f"timeout: the peer closed the connection or crashed ({cause})")
+        return PipelineTimeoutError(
+            f"{who} gave up on {what} after {secs:g} s (timeout from {self.koala_config.timeout_source}): the peer "
+            f"is hung, dead or runs a different schedule. Slow steps need a larger "
+            f"\"pipeline\": {{\"koala\": {{\"timeout_s\": ...}}}} or {ENV_KOALA_TIMEOUT}. ({cause})")
+
+    # -- every collective of a step is bounded by the same timeout -----------------------
+    def train_batch(self, data_iter=None):
+        with self._bounded_collectives():
+            return super().train_batch(data_iter)
+
+    def eval_batch(self, *args, **kwargs):
+        with self._bounded_collectives():
+            return super().eval_batch(*args, **kwargs)
+
+    @contextmanager
+    def _bounded_collectives(self):
+        """While a step runs, deepspeed.comm's blocking collectives (the gradient and tied-weight
+        all-reduces, clipping, DeepSpeed's loss broadcast in `_aggregate_total_loss`, ...) are
+        issued asynchronously and waited with the step's timeout."""
+        from deepspeed.comm import comm as ds_comm
+
+        inner = ds_comm.cdb
+        if inner is None or isinstance(inner, _BoundedBackend):
+            yield
+            return
+        ds_comm.cdb = _BoundedBackend(inner, self._wait)
+        try:
+            yield
+        finally:
+            ds_comm.cdb = inner
 
     def _p2p_backend(self):
         """What `_isend` / `_recv` call: `torch.distributed` itself when `deepspeed.comm` would only
@@ -386,7 +512,7 @@ class KoalaPipelineEngine(PipelineEngine):
         from deepspeed.comm import comm as ds_comm
         from deepspeed.comm.torch import TorchBackend
 
-        if isinstance(ds_comm.cdb, TorchBackend) and not ds_comm.comms_logger.enabled and self.device.type != "mps":
+        if isinstance(_unbounded(ds_comm.cdb), TorchBackend) and not ds_comm.comms_logger.enabled and self.device.type != "mps":
             return torch.distributed
         return dist
 

@@ -9,10 +9,18 @@ DeepSpeed's own partitioner, and each rank builds its chunks, exposing one at a 
 Layer indices (and so parameter names and per-layer checkpoint files) stay global.
 
 With chunks=1 and placement "linear" it behaves exactly as a `PipelineModule`.
+
+Gradient clipping: DeepSpeed's fp32 path (`clip_grad_norm_` in deepspeed/runtime/utils.py,
+0.19.8) measures the gradient norm on model-parallel rank 0 only, which for a PipelineModule is
+pipeline rank 0: the norm is that of the layers the stock engine places on the first rank.
+`clip_norm_parameters()` names those same layers' parameters wherever the p x v cut put them,
+so that the Koala engine clips by the same norm as the stock engine (see
+`KoalaPipelineEngine.clip_fp32_gradients`).
 """
 from __future__ import annotations
 
-from deepspeed.runtime.pipe.module import PipelineModule
+from deepspeed.runtime import utils as ds_utils
+from deepspeed.runtime.pipe.module import PipelineModule, TiedLayerSpec
 
 from ..ir import KoalaError, Placement, ScheduleError
 
@@ -56,11 +64,26 @@ class KoalaPipelineModule(PipelineModule):
                              f"chunks = {p * v} virtual stages; use fewer chunks or more layers")
         self.koala_placement = placement
         self.num_ranks = p
+        self.koala_stock_parts = self._layer_parts(method, p)  # the stock engine's cut into p stages
         self.num_stages = p * v  # virtual stages, as DualPipeVModule does
         super()._partition_layers(method)
         rank = self._topo.get_coord(self.global_rank).pipe
         self.koala_stages = placement.stages_of(rank)
         self.chunk_bounds = [(self.parts[s], self.parts[s + 1]) for s in self.koala_stages]
+
+    def _layer_parts(self, method: str, num_parts: int) -> list:
+        """Layer boundaries of `num_parts` stages, as `PipelineModule._partition_layers` cuts them."""
+        method = method.lower()
+        if method == "uniform":
+            return ds_utils.partition_uniform(num_items=len(self._layer_specs), num_parts=num_parts)
+        if method == "parameters":
+            return ds_utils.partition_balanced(weights=self._count_layer_params(), num_parts=num_parts)
+        if method.startswith("type:"):
+            weights = [0] * len(self._layer_specs)
+            for idx in self._find_layer_type(method.split(":")[1]):
+                weights[idx] = 1
+            return ds_utils.partition_balanced(weights=weights, num_parts=num_parts)
+        raise NotImplementedError(f"Partitioning method {method} not implemented.")
 
     def stage_owner(self, layer_idx):
         """The pipeline rank that holds `layer_idx` (used to group tied weights)."""
@@ -75,6 +98,31 @@ class KoalaPipelineModule(PipelineModule):
             self.chunk_funcs.append(self.forward_funcs)
             self.forward_funcs = []
         self.activate_chunk(0)
+
+    # -- gradient clipping ----------------------------------------------------------------
+    def clip_norm_parameters(self) -> list:
+        """This rank's parameters whose gradients DeepSpeed's stock engine counts in its
+        clipping norm: those of the layers its p-stage cut gives pipeline rank 0 (a tied
+        module once, on the rank holding its first such layer). Parameters marked model
+        parallel count on every rank, as in stock (added by the engine)."""
+        if self._grid.get_slice_parallel_rank() != 0:
+            return []
+        first, stop = self.koala_stock_parts[0], self.koala_stock_parts[1]
+        local = {i for start, end in self.chunk_bounds for i in range(start, end)}
+        params: dict[int, object] = {}
+        seen_keys: set = set()
+        for idx in range(first, stop):
+            spec = self._layer_specs[idx]
+            if isinstance(spec, TiedLayerSpec):
+                if spec.key in seen_keys:
+                    continue
+                seen_keys.add(spec.key)
+                owner = self.tied_modules[spec.key] if idx in local else None
+            else:
+                owner = self._modules.get(str(idx)) if idx in local else None
+            for param in owner.parameters() if owner is not None else ():
+                params[id(param)] = param
+        return list(params.values())
 
     # -- chunks -------------------------------------------------------------------------
     def activate_chunk(self, chunk: int) -> None:

@@ -220,22 +220,27 @@ def tiny_layers(dim: int = 16, blocks: int = 8, tied: bool = False, seed: int = 
 
 
 def tiny_batches(steps: int, micro_batches: int, micro_batch_size: int, dim: int, dp_rank: int,
-                 seed: int = 7) -> list:
-    """steps x micro_batches (input, target) pairs for one data-parallel rank."""
+                 seed: int = 7, target_scale: float = 1.0) -> list:
+    """steps x micro_batches (input, target) pairs for one data-parallel rank; targets are
+    scaled by `target_scale` (large targets give gradient norms that clipping acts on)."""
 
     gen = torch.Generator().manual_seed(seed * 1000 + dp_rank)
-    return [(torch.randn(micro_batch_size, dim, generator=gen), torch.randn(micro_batch_size, dim, generator=gen))
+    return [(torch.randn(micro_batch_size, dim, generator=gen),
+             torch.randn(micro_batch_size, dim, generator=gen) * target_scale)
             for _ in range(steps * micro_batches)]
 
 
 def ds_config(micro_batches: int, micro_batch_size: int, dp: int, koala: dict | None = None,
-              schedule: str | None = None) -> dict:
+              schedule: str | None = None, gradient_clipping: float | None = None) -> dict:
+    """A DeepSpeed config for the tiny model; `gradient_clipping` None keeps DeepSpeed's default (1.0)."""
     config = {"train_micro_batch_size_per_gpu": micro_batch_size,
               "gradient_accumulation_steps": micro_batches,
               "train_batch_size": micro_batch_size * micro_batches * dp,
               "steps_per_print": 10 ** 9,
               "wall_clock_breakdown": False,
               "pipeline": {"pipe_partitioned": False, "grad_partitioned": False}}
+    if gradient_clipping is not None:
+        config["gradient_clipping"] = gradient_clipping
     if schedule is not None:
         config["pipeline"]["schedule"] = schedule
     if koala is not None:
@@ -281,8 +286,10 @@ def train_worker(rank: int, world: int, spec: dict) -> dict:
     """Train each case of `spec["cases"]` for spec["steps"] steps on fresh model copies.
 
     A case: {"label", "schedule" (None = DeepSpeed's stock TrainSchedule), "chunks", "placement",
-    "tied", "via" ("config" | "direct"), "koala": extra pipeline.koala keys}. Returns per case the
-    step losses, an eval_batch loss, the final parameters and the step times (seconds)."""
+    "tied", "via" ("config" | "direct"), "koala": extra pipeline.koala keys, "clip": gradient_clipping
+    (absent: DeepSpeed's default)}. Returns per case the
+    step losses, an eval_batch loss, the final parameters and the step times (seconds).
+    spec["target_scale"] scales the targets (see `tiny_batches`)."""
     import koala_ds.deepspeed  # noqa: F401  (registers the engine with deepspeed.initialize)
 
     pp, dp = spec["pp"], world // spec["pp"]
@@ -296,9 +303,10 @@ def train_worker(rank: int, world: int, spec: dict) -> dict:
         koala = None
         if case.get("schedule") is not None and case.get("via", "config") == "config":
             koala = {"schedule": case["schedule"], **case.get("koala", {})}
-        config = ds_config(gas, mbs, dp, koala=koala, schedule="koala" if koala is not None else None)
+        config = ds_config(gas, mbs, dp, koala=koala, schedule="koala" if koala is not None else None,
+                           gradient_clipping=case.get("clip"))
         engine = _engine(model, case, config)
-        data = tiny_batches(steps + 1, gas, mbs, dim, dp_rank)
+        data = tiny_batches(steps + 1, gas, mbs, dim, dp_rank, target_scale=spec.get("target_scale", 1.0))
         losses, times = [], []
         for step in range(steps):
             start = time.perf_counter()
@@ -317,8 +325,26 @@ def train_worker(rank: int, world: int, spec: dict) -> dict:
     return out
 
 
+def _stop_before(engine, method: str) -> None:
+    """Make this process SIGSTOP itself when `engine.<method>` is next called (a peer that
+    stops mid-step, after its point-to-point work)."""
+    import signal
+
+    original = getattr(engine, method)
+
+    def stop_then_call(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return original(*args, **kwargs)
+
+    object.__setattr__(engine, method, stop_then_call)
+
+
 def hang_worker(rank: int, world: int, spec: dict) -> dict:
-    """Rank `spec["hung_rank"]` stops answering after set-up; the others must time out."""
+    """Rank `spec["hung_rank"]` stops answering; the others must time out.
+
+    spec["mode"]: "hang" (sleeps after set-up), "kill" (exits after set-up) or "stop" (SIGSTOPs
+    itself inside the step, just before `engine.<spec["stop_before"]>`, e.g. DeepSpeed's
+    end-of-step loss broadcast `_aggregate_total_loss` or the clipping `clip_fp32_gradients`)."""
     import koala_ds.deepspeed  # noqa: F401
 
     from .engine import PipelineTimeoutError
@@ -340,13 +366,16 @@ def hang_worker(rank: int, world: int, spec: dict) -> dict:
     if rank == spec["hung_rank"]:
         if spec.get("mode") == "kill":
             os._exit(3)
-        time.sleep(3600)
+        if spec.get("mode") == "stop":
+            _stop_before(engine, spec["stop_before"])
+        else:
+            time.sleep(3600)
     start = time.perf_counter()
     try:
-        engine.train_batch(iter(tiny_batches(1, gas, mbs, dim, 0)))
+        engine.train_batch(iter(tiny_batches(1, gas, mbs, dim, 0, target_scale=spec.get("target_scale", 1.0))))
     except PipelineTimeoutError as exc:
         return {"error": type(exc).__name__, "message": str(exc), "elapsed": time.perf_counter() - start,
-                "refused": refused}
+                "refused": refused, "raised_at": time.time()}
     return {"error": None, "elapsed": time.perf_counter() - start, "refused": refused}
 
 

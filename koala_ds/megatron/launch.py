@@ -15,6 +15,7 @@ import importlib
 import logging
 from dataclasses import dataclass, field
 
+from ..timeout import TimeoutSettingError, check_timeout
 from .resolve import MegatronScheduleError, check_spec, looks_like_path
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             ".koala / .json / .csv schedule file")
     group.add_argument("--koala-profile", default=None, metavar="FILE", help="cost profile JSON (version 1)")
     group.add_argument("--koala-p2p-timeout", type=float, default=None, metavar="SECONDS",
-                       help="deadline of every pipeline send/receive (default $KOALA_P2P_TIMEOUT or 600)")
+                       help="deadline of every pipeline send/receive (default $KOALA_TIMEOUT_S, or its older "
+                            "name $KOALA_P2P_TIMEOUT, or 600)")
     return parser
 
 
@@ -52,6 +54,12 @@ def schedule_from_args(args) -> str | None:
         raise MegatronScheduleError("--pipeline-schedule koala needs --koala-schedule NAME|FILE")
     check_spec(spec)
     _check_sizes(spec, args)
+    timeout = getattr(args, "koala_p2p_timeout", None)
+    if timeout is not None:
+        try:
+            check_timeout(timeout, "--koala-p2p-timeout")
+        except TimeoutSettingError as exc:
+            raise MegatronScheduleError(str(exc)) from None
     return spec
 
 
@@ -124,7 +132,8 @@ def install(args) -> InstallReport:
     from .runtime import get_forward_backward_func
 
     func = get_forward_backward_func(spec, getattr(args, "koala_profile", None),
-                                     timeout_s=getattr(args, "koala_p2p_timeout", None))
+                                     timeout_s=getattr(args, "koala_p2p_timeout", None),
+                                     timeout_name="--koala-p2p-timeout")
 
     def koala_get_forward_backward_func(pp_size=None, vp_size=None):
         return func

@@ -37,7 +37,8 @@ GRAD = "gradient"
 
 
 class P2PTimeoutError(KoalaError, TimeoutError):
-    """A pipeline receive or send did not complete in time (a peer died, hung or diverged)."""
+    """A pipeline receive or send did not complete in time (a peer died, hung or diverged), or
+    failed before its deadline (the peer closed the connection): the message says which."""
 
 
 class MessageKey(NamedTuple):
@@ -157,11 +158,12 @@ class P2P:
     """Send and receive the tensors of one step by the plan, with a timeout on every wait."""
 
     def __init__(self, plan: CommPlan, channels: ChannelGroups, recv_spec, timeout_s: float, device: torch.device,
-                 gloo: bool):
+                 gloo: bool, timeout_source: str = "timeout_s"):
         self.plan = plan
         self.channels = channels
         self.recv_spec = recv_spec  # MessageKey -> (shape, dtype)
         self.timeout_s = timeout_s
+        self.timeout_source = timeout_source  # the setting timeout_s came from, for messages
         self.device = device
         self.gloo = gloo
         self._next_post = {peer: 0 for peer in plan.incoming}
@@ -257,23 +259,31 @@ class P2P:
     def _wait(self, work, what: str) -> None:
         if work is None:
             return
-        me = f"pipeline rank {self.plan.rank}"
+        start = time.monotonic()
         if self.gloo:
             try:
                 work.wait(timedelta(seconds=self.timeout_s))
             except RuntimeError as exc:
-                raise P2PTimeoutError(f"koala p2p: {me} failed to {what} within {self.timeout_s:g} s "
-                                      f"(set the timeout with get_forward_backward_func(timeout_s=...) or "
-                                      f"KOALA_P2P_TIMEOUT): {str(exc).splitlines()[0]}") from None
+                raise self._failed(what, str(exc), time.monotonic() - start) from None
             return
-        deadline = time.monotonic() + self.timeout_s
+        deadline = start + self.timeout_s
         while not work.is_completed():
             if time.monotonic() > deadline:
-                raise P2PTimeoutError(f"koala p2p: {me} failed to {what} within {self.timeout_s:g} s "
-                                      f"(set the timeout with get_forward_backward_func(timeout_s=...) or "
-                                      f"KOALA_P2P_TIMEOUT)")
+                raise self._failed(what, "", time.monotonic() - start)
             time.sleep(0.0002)
         work.wait()
+
+    def _failed(self, what: str, error: str, elapsed: float) -> P2PTimeoutError:
+        """The error for a wait that ended without the message: a timeout, or (gloo raising
+        well before the deadline) a transport failure such as the peer closing the connection."""
+        me = f"pipeline rank {self.plan.rank}"
+        cause = error.splitlines()[0][:200] if error else ""
+        if elapsed < 0.9 * self.timeout_s:
+            return P2PTimeoutError(f"koala p2p: {me} could not {what}: the connection failed after {elapsed:.1f} s, "
+                                   f"before the {self.timeout_s:g} s timeout (the peer closed it or crashed): {cause}")
+        return P2PTimeoutError(f"koala p2p: {me} failed to {what} within {self.timeout_s:g} s (timeout from "
+                               f"{self.timeout_source}; set it with get_forward_backward_func(timeout_s=...), "
+                               f"--koala-p2p-timeout or KOALA_TIMEOUT_S)" + (f": {cause}" if cause else ""))
 
 
 def _to_cpu(obj):

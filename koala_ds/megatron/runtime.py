@@ -18,14 +18,13 @@ import torch
 import torch.distributed as dist
 
 from ..ir import Op, Schedule
+from ..timeout import DEFAULT_TIMEOUT_S, timeout_setting  # noqa: F401  (DEFAULT_TIMEOUT_S: re-exported)
 from . import resolve as _resolve
 from .p2p import ACT, GRAD, ChannelGroups, CommPlan, MessageKey, P2P, schedule_channels
 from .resolve import MegatronScheduleError
 from .. import wgrad
 
 log = logging.getLogger(__name__)
-
-DEFAULT_TIMEOUT_S = float(os.environ.get("KOALA_P2P_TIMEOUT", "600"))
 
 
 class _ReorderingIterator:
@@ -108,11 +107,13 @@ def _post_plan(actions: tuple, pl, rank: int, plan: CommPlan, lookahead: int) ->
 class KoalaForwardBackward:
     """Callable with megatron-core's forward_backward_func keyword signature."""
 
-    def __init__(self, schedule, profile=None, timeout_s: float | None = None, per_direction_groups: bool | None = None):
+    def __init__(self, schedule, profile=None, timeout_s: float | None = None, per_direction_groups: bool | None = None,
+                 timeout_name: str = "get_forward_backward_func(timeout_s=...)"):
         _resolve.check_spec(schedule)
         self.schedule_spec = schedule
         self.profile = profile
-        self.timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s)
+        # KOALA_TIMEOUT_S (or its alias KOALA_P2P_TIMEOUT) when timeout_s is None; checked here
+        self.timeout_s, self.timeout_source = timeout_setting(timeout_s, timeout_name)
         self.per_direction_groups = per_direction_groups
         self._channels: dict = {}
         self._prepared: dict = {}
@@ -223,7 +224,8 @@ class KoalaForwardBackward:
         comm_device = torch.device("cpu") if gloo else (model_device if model_device.type == "cuda"
                                                         else torch.device("cuda", torch.cuda.current_device()))
         channels = self._channel_groups(schedule, pp_group, gloo)
-        comm = P2P(prep.plan, channels, lambda key: (tuple(shape), dtype), self.timeout_s, comm_device, gloo)
+        comm = P2P(prep.plan, channels, lambda key: (tuple(shape), dtype), self.timeout_s, comm_device, gloo,
+                   timeout_source=self.timeout_source)
 
         runner = _StepRunner(
             mcs=mcs, schedule=schedule, prep=prep, comm=comm, models=models, iterators=iterators,
@@ -546,13 +548,15 @@ class _StepRunner:
 
 
 def get_forward_backward_func(schedule="1f1b", profile=None, *, timeout_s: float | None = None,
-                              per_direction_groups: bool | None = None) -> KoalaForwardBackward:
+                              per_direction_groups: bool | None = None,
+                              timeout_name: str = "get_forward_backward_func(timeout_s=...)") -> KoalaForwardBackward:
     """A drop-in for megatron-core's `get_forward_backward_func()` that runs a Koala schedule.
 
     `schedule`: a `koala_ds.Schedule`, a library name (compiled for the pipeline size, the
     number of model chunks and the number of microbatches of each call), or a .koala / .json
     / .csv file. `profile`: a cost profile (path or dict) kept for reporting. `timeout_s`:
-    deadline of every p2p wait (default $KOALA_P2P_TIMEOUT or 600 s).
-    `per_direction_groups`: one communicator per direction of each pipeline link (default: on
-    for NCCL, off for gloo)."""
-    return KoalaForwardBackward(schedule, profile, timeout_s, per_direction_groups)
+    deadline of every p2p wait (default $KOALA_TIMEOUT_S, or its older name $KOALA_P2P_TIMEOUT,
+    or 600 s; see koala_ds.timeout). `per_direction_groups`: one communicator per direction of
+    each pipeline link (default: on for NCCL, off for gloo). `timeout_name`: how error messages
+    name the setting timeout_s came from (a launcher passes its flag)."""
+    return KoalaForwardBackward(schedule, profile, timeout_s, per_direction_groups, timeout_name)
