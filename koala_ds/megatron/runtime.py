@@ -165,6 +165,8 @@ class KoalaForwardBackward:
         from megatron.core.pipeline_parallel import schedules as mcs
         from megatron.core.utils import get_model_config, get_model_type
 
+        del p2p_communicator  # megatron-core's signature; this runtime does its own p2p
+
         models = list(model) if isinstance(model, (list, tuple)) else [model]
         v = len(models)
         if isinstance(data_iterator, (list, tuple)):
