@@ -383,7 +383,8 @@ def test_cli_simulate_table_and_errors(capsys, tmp_path):
     assert main(["simulate", "1f1b", "-p", "4", "-m", "8", "--mode", "rendezvous"]) == 2
     assert "deadlock in rendezvous mode" in capsys.readouterr().err
     assert main(["simulate", "1f1b", "-p", "8", "-m", "8", "--profile", "uniform-4"]) == 2
-    assert "'stages' has 4 entries" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "uniform-4 has 4 stages but p x v = 8 x 1 = 8" in err and "change -p or -v" in err
     bad = tmp_path / "bad.json"
     bad.write_text("not json")
     assert main(["simulate", "1f1b", "-m", "8", "--profile", str(bad)]) == 2

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import deepspeed
 import torch
@@ -74,11 +75,15 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1 + model._grid.data_parallel_id)
     data = [(torch.randn(4, args.dim, generator=gen), torch.randn(4, 1, generator=gen))
             for _ in range(args.microbatches)]
+    samples = config["train_batch_size"]
     for step in range(args.steps):
-        loss = engine.train_batch(iter(data))
+        t0 = time.perf_counter()
+        loss = engine.train_batch(iter(data))  # returns after the step's optimizer update
+        ms = (time.perf_counter() - t0) * 1000
         if engine.global_rank == 0:
             name = getattr(getattr(engine, "koala_schedule", None), "name", "stock")
-            print(f"step {step}: loss {float(loss):.5f} ({type(engine).__name__}, schedule {name})", flush=True)
+            print(f"step {step}: loss {float(loss):.5f}, {ms:.1f} ms per iteration, {samples / ms * 1000:.1f} "
+                  f"samples/s ({type(engine).__name__}, schedule {name})", flush=True)
     eval_loss = engine.eval_batch(iter(data))
     if engine.global_rank == 0:
         print(f"eval loss {float(eval_loss):.5f}", flush=True)

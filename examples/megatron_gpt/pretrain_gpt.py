@@ -235,7 +235,8 @@ def main(argv=None) -> int:
                 print(f" iteration {it + 1:8d}/{args.train_iters:8d} | consumed samples: "
                       f"{(it + 1) * args.global_batch_size:10d} | elapsed time per iteration (ms): {ms:.1f} | "
                       f"learning rate: {args.lr:.6E} | global batch size: {args.global_batch_size:5d} | "
-                      f"lm loss: {loss.item():.6E} |", flush=True)
+                      f"lm loss: {loss.item():.6E} | tokens per second: "
+                      f"{args.global_batch_size * args.seq_length / ms * 1000:.1f} |", flush=True)
     if is_logger and args.loss_log:
         with open(args.loss_log, "w") as fh:
             json.dump({"schedule": report.schedule or "default", "tp": tp, "pp": pp, "dp": dp, "v": v,

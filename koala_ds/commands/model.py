@@ -11,8 +11,10 @@ import logging
 from pathlib import Path
 
 from ..ir import KoalaError, Schedule
+from ..outputs import check_output
+from .bounds import NO_FIT, ConfigBound, configuration_bound
 from .table import format_table
-from ..sim import (MODES, CostProfile, SimResult, bundled_profiles, load_profile, lower_bound_for, simulate,
+from ..sim import (MODES, CostProfile, SimResult, bundled_profiles, load_profile, simulate,
                    unit_profile)
 
 log = logging.getLogger(__name__)
@@ -43,11 +45,35 @@ def summary_line(result: SimResult, profile: CostProfile) -> str:
             f"bubble {result.bubble_ratio:.1%}, peak memory {result.peak_memory_max:.4g} MB{fits}")
 
 
-def render_outputs(schedule: Schedule, args: argparse.Namespace) -> SimResult | None:
-    """For `koala show`: simulate when --profile, --gantt or --trace is given; write the files."""
+GANTT_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+def check_output_flags(args: argparse.Namespace) -> None:
+    """--gantt and --trace can be written (before any work)."""
+    if getattr(args, "gantt", None):
+        check_output(args.gantt, "--gantt", GANTT_SUFFIXES)
+    if getattr(args, "trace", None):
+        check_output(args.trace, "--trace")
+
+
+def prepare_outputs(schedule: Schedule, args: argparse.Namespace) -> CostProfile | None:
+    """For `koala show`, before it prints: the profile (checked against the schedule) when
+    --profile, --gantt or --trace is given, and the output paths."""
     if not (getattr(args, "profile", None) or getattr(args, "gantt", None) or getattr(args, "trace", None)):
         return None
+    check_output_flags(args)
     profile = _profile_for(schedule, args)
+    check_profile_fits(profile, schedule.p, schedule.v, schedule.placement)
+    return profile
+
+
+def render_outputs(schedule: Schedule, args: argparse.Namespace, profile: CostProfile | None = None
+                   ) -> SimResult | None:
+    """For `koala show`: simulate when --profile, --gantt or --trace is given; write the files."""
+    if profile is None:
+        profile = prepare_outputs(schedule, args)
+        if profile is None:
+            return None
     result = simulate(schedule, profile, mode=getattr(args, "mode", None) or "async", timeline=True)
     print(summary_line(result, profile))
     _write_files(schedule, result, args)
@@ -67,6 +93,17 @@ def _write_files(schedule: Schedule, result: SimResult, args: argparse.Namespace
         print(f"wrote Chrome trace {path} (open it in https://ui.perfetto.dev or chrome://tracing)")
 
 
+def check_profile_fits(profile: CostProfile, p: int, v: int, placement=None) -> None:
+    """A one-line error naming -p / -v when the profile's stages are not the configuration's."""
+    stages = p * v if placement is None else placement.num_stages
+    pipelines = 1 if placement is None else placement.pipelines
+    if profile.num_stages in (stages, stages // pipelines):
+        return
+    hint = f" (-p {profile.num_stages // v} for v={v})" if profile.num_stages % v == 0 else ""
+    raise KoalaError(f"{profile.source} has {profile.num_stages} stages but p x v = {p} x {v} = {stages}: "
+                     f"change -p or -v to match the profile{hint}")
+
+
 def _default_p(profile: CostProfile | None, v: int, flag: str = "-p") -> int:
     if profile is None:
         raise KoalaError(f"{flag} is needed when no --profile is given")
@@ -75,63 +112,88 @@ def _default_p(profile: CostProfile | None, v: int, flag: str = "-p") -> int:
     return profile.num_stages // v
 
 
-def _gap(makespan: float, bound: float) -> str:
-    """How far above the lower bound (float noise below it shows as +0.0%)."""
-    if bound <= 0:
-        return "-"
-    return f"{max(makespan / bound - 1, 0.0) if makespan >= bound * (1 - 1e-9) else makespan / bound - 1:+.1%}"
-
-
 def _mb(x: float | None) -> str:
     return "-" if x is None else f"{x:.6g}"
 
 
 # -- koala simulate -----------------------------------------------------------------------
-def cmd_simulate(args: argparse.Namespace) -> int:
-    from .schedules import resolve_schedule
+def _bound_line(result: SimResult, bound: ConfigBound | None) -> str:
+    if bound is None:
+        return "lower bound -: the profile does not describe this configuration for the search's model"
+    fits = bound.fits(result.peak_memory_mb)
+    gap = bound.text(result.makespan, fits, weight_copies(result))
+    tail = "the schedule does not fit that memory limit" if gap == NO_FIT else f"makespan {gap} over it"
+    return f"{bound.describe()}; {tail}"
 
+
+def weight_copies(result_or_schedule) -> int:
+    placement = getattr(result_or_schedule, "placement", None)
+    return getattr(placement, "pipelines", 1) if placement is not None else 1
+
+
+def _rank_rows(result: SimResult) -> list[tuple]:
+    return [(r, f"{result.busy[r]:.6g}", f"{result.idle[r]:.6g}", f"{result.idle[r] / result.makespan:.1%}"
+             if result.makespan else "-", f"{result.finish[r]:.6g}", f"{result.peak_memory_mb[r]:.6g}",
+             _mb(result.memory_limit_mb[r]),
+             "-" if result.memory_limit_mb[r] is None else
+             ("yes" if result.peak_memory_mb[r] <= result.memory_limit_mb[r] * (1 + 1e-9) else "NO"))
+            for r in range(result.p)]
+
+
+def _print_simulation(schedule: Schedule, profile: CostProfile, result: SimResult, bound: ConfigBound | None,
+                      args: argparse.Namespace) -> None:
+    print(f"{schedule.name}: p={schedule.p} m={schedule.m} v={schedule.v} "
+          f"placement={schedule.placement.describe()} backward={schedule.backward}, {profile.source}, "
+          f"{result.mode} sends")
+    print(f"makespan {result.makespan:.6g} ms   bubble {result.bubble_ratio:.2%}")
+    print(_bound_line(result, bound))
+    print(format_table(_rank_rows(result), ("rank", "busy ms", "idle ms", "idle %", "finish ms", "peak MB",
+                                            "limit MB", "fits"), ">>>>>>>>"))
+    if any(x is not None for x in result.memory_limit_mb):
+        print("fits the memory limit" if result.fits_memory else "does NOT fit the memory limit")
+    if args.timeline:
+        for t in result.timeline or ():
+            print(f"rank {t.rank}  {str(t.action):>8}  {t.start:10.4f}  {t.end:10.4f}")
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from .schedules import check_counts, resolve_schedule
+
+    check_counts(args)
+    check_output_flags(args)
     profile = load_profile(args.profile) if args.profile else None
     if Path(args.schedule).suffix not in FIXED_SUFFIXES and args.p is None:
         args.p = _default_p(profile, args.v or 1)
     schedule = resolve_schedule(args)
     if profile is None:
         profile = unit_profile(schedule)
+    check_profile_fits(profile, schedule.p, schedule.v, schedule.placement)
     result = simulate(schedule, profile, mode=args.mode, timeline=bool(args.gantt or args.trace or args.timeline))
-    bound = lower_bound_for(schedule, profile)
+    found = configuration_bound(profile, schedule.p, schedule.m, schedule.v)
+    bound = found[0] if found else None
     if args.json:
+        fits = bound is not None and bound.fits(result.peak_memory_mb)
         out = {"schedule": schedule.name, "profile": profile.source, **result.to_dict(timeline=args.timeline),
-               "lower_bound": bound.to_dict()}
+               "lower_bound": None if bound is None else bound.to_dict(),
+               "over_bound": None if bound is None else bound.over(result.makespan, fits, weight_copies(schedule)),
+               "fits_bound_memory_limit": fits}
         print(json.dumps(out, indent=1))
     else:
-        print(f"{schedule.name}: p={schedule.p} m={schedule.m} v={schedule.v} "
-              f"placement={schedule.placement.describe()} backward={schedule.backward}, {profile.source}, "
-              f"{result.mode} sends")
-        gap = _gap(result.makespan, bound.value)
-        print(f"makespan {result.makespan:.6g} ms   bubble {result.bubble_ratio:.2%}   "
-              f"lower bound {bound.value:.6g} ms ({bound.binding}; makespan {gap} over it)")
-        rows = [(r, f"{result.busy[r]:.6g}", f"{result.idle[r]:.6g}", f"{result.idle[r] / result.makespan:.1%}"
-                 if result.makespan else "-", f"{result.finish[r]:.6g}", f"{result.peak_memory_mb[r]:.6g}",
-                 _mb(result.memory_limit_mb[r]),
-                 "-" if result.memory_limit_mb[r] is None else
-                 ("yes" if result.peak_memory_mb[r] <= result.memory_limit_mb[r] * (1 + 1e-9) else "NO"))
-                for r in range(result.p)]
-        print(format_table(rows, ("rank", "busy ms", "idle ms", "idle %", "finish ms", "peak MB", "limit MB", "fits"),
-                     ">>>>>>>>"))
-        if any(x is not None for x in result.memory_limit_mb):
-            print("fits the memory limit" if result.fits_memory else "does NOT fit the memory limit")
-        if args.timeline:
-            for t in result.timeline or ():
-                print(f"rank {t.rank}  {str(t.action):>8}  {t.start:10.4f}  {t.end:10.4f}")
+        _print_simulation(schedule, profile, result, bound, args)
     _write_files(schedule, result, args)
     return 0
 
 
 # -- koala compare ------------------------------------------------------------------------
-def compare_rows(profile: CostProfile, p: int, m: int, v: int, mode: str = "async") -> tuple[list[dict], list[str]]:
+def compare_rows(profile: CostProfile, p: int, m: int, v: int, mode: str = "async",
+                 memory_limit: float | None = None) -> tuple[list[dict], list[str]]:
     """Every library schedule valid for (p, m, v) under `profile`, sorted by makespan; and the
-    skipped ones with the reason."""
+    skipped ones with the reason. Memory fits, and the gap to the bound, are against the limit
+    in force (`bounds.configuration_bound`: --memory-limit, else the profile's, else 1F1B's peak)."""
     from .. import library
 
+    found = configuration_bound(profile, p, m, v, memory_limit)
+    bound, sim_profile = (found[0], found[1].search_profile) if found else (None, profile)
     rows, skipped = [], []
     for name in library.names():
         program = library.get(name)
@@ -141,16 +203,11 @@ def compare_rows(profile: CostProfile, p: int, m: int, v: int, mode: str = "asyn
             continue
         schedule = program.compile(p, m, v)
         try:
-            result = simulate(schedule, profile, mode=mode, timeline=False)
+            result = simulate(schedule, sim_profile, mode=mode, timeline=False)
         except KoalaError as exc:
             skipped.append(f"{name}: {exc}".splitlines()[0])
             continue
-        bound = lower_bound_for(schedule, profile)
-        rows.append({"schedule": name, "placement": schedule.placement.describe(), "backward": schedule.backward,
-                     "makespan": result.makespan, "bubble_ratio": result.bubble_ratio,
-                     "peak_memory_mb": result.peak_memory_max, "fits_memory": result.fits_memory,
-                     "has_limit": any(x is not None for x in result.memory_limit_mb),
-                     "lower_bound": bound.value})
+        rows.append(_compare_row(name, schedule, result, bound))
     # The baseline is 1f1b; with chunks (where 1f1b does not apply) its chunked form.
     base_row = next((r for name in BASELINES for r in rows if r["schedule"] == name), None)
     for r in rows:
@@ -160,32 +217,54 @@ def compare_rows(profile: CostProfile, p: int, m: int, v: int, mode: str = "asyn
     return rows, skipped
 
 
+def _compare_row(name: str, schedule: Schedule, result: SimResult, bound: ConfigBound | None) -> dict:
+    copies = weight_copies(schedule)
+    return {"schedule": name, "placement": schedule.placement.describe(), "backward": schedule.backward,
+            "makespan": result.makespan, "bubble_ratio": result.bubble_ratio,
+            "peak_memory_mb": result.peak_memory_max, "fits_memory": result.fits_memory,
+            "has_limit": any(x is not None for x in result.memory_limit_mb),
+            "lower_bound": None if bound is None else bound.value,
+            "over_bound": None if bound is None else bound.over(result.makespan, result.fits_memory, copies),
+            "over_bound_text": "-" if bound is None else bound.text(result.makespan, result.fits_memory, copies)}
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
+    from .schedules import check_counts
+
+    check_counts(args)
     profile = load_profile(args.profile)
     v = args.v or 1
     p = args.p if args.p is not None else _default_p(profile, v)
-    rows, skipped = compare_rows(profile, p, args.m, v, args.mode)
+    check_profile_fits(profile, p, v)
+    found = configuration_bound(profile, p, args.m, v, args.memory_limit)
+    rows, skipped = compare_rows(profile, p, args.m, v, args.mode, args.memory_limit)
     if args.json:
         print(json.dumps({"profile": profile.source, "p": p, "m": args.m, "v": v, "mode": args.mode,
+                          "lower_bound": None if found is None else found[0].to_dict(),
                           "schedules": rows, "skipped": skipped}, indent=1))
         return 0
     if not rows:
         raise KoalaError(f"no library schedule supports p={p}, m={args.m}, v={v}: " + "; ".join(skipped))
+    _print_compare(profile, p, args, v, rows, skipped, None if found is None else found[0])
+    return 0
+
+
+def _print_compare(profile: CostProfile, p: int, args: argparse.Namespace, v: int, rows: list[dict],
+                   skipped: list[str], bound: ConfigBound | None) -> None:
     print(f"{profile.source}: p={p} m={args.m} v={v}, {args.mode} sends")
+    print(bound.describe() if bound is not None else "lower bound -")
     table = [(r["schedule"], r["placement"], r["backward"], f"{r['makespan']:.6g}",
               "-" if r["speedup"] is None else f"{r['speedup']:.3f}x",
               f"{r['bubble_ratio']:.1%}", f"{r['peak_memory_mb']:.6g}",
-              ("yes" if r["fits_memory"] else "NO") if r["has_limit"] else "-",
-              _gap(r["makespan"], r["lower_bound"]))
+              ("yes" if r["fits_memory"] else "NO") if r["has_limit"] else "-", r["over_bound_text"])
              for r in rows]
     baseline = f"vs {rows[0]['baseline']}" if rows[0]["baseline"] else "speedup"
     print(format_table(table, ("schedule", "placement", "backward", "makespan ms", baseline, "bubble", "peak MB",
-                         "fits", "over bound"), "<<<>>>>>>"))
+                               "fits", "over bound"), "<<<>>>>>>"))
     if skipped:
         print(f"not valid for this configuration: {len(skipped)}")
         for line in skipped:
             print(f"  {line}")
-    return 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -207,5 +286,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-p", type=int, default=None, help="pipeline ranks (default: the profile's stages / v)")
     p.add_argument("-v", type=int, default=None, help="model chunks per rank (default 1)")
     p.add_argument("--mode", choices=MODES, default="async", help="communication mode (default async)")
+    p.add_argument("--memory-limit", type=float, default=None, metavar="MB",
+                   help="per-rank activation memory limit (default: the profile's, else 1F1B's peak, as in "
+                        "`koala search`)")
     p.add_argument("--json", action="store_true", help="print the table as JSON")
     p.set_defaults(func=cmd_compare)

@@ -6,9 +6,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import logging
 import sys
 
 from ..ir import KoalaError
+from ..outputs import atomic_write, check_output
+
+log = logging.getLogger(__name__)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -26,16 +30,22 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="torch CPU threads (default 1: one pipeline rank per process and core)")
 
 
+def _check_args(args) -> None:
+    """What can be checked before torch is imported: counts and the output path."""
+    if args.p < 1 or args.v < 1:
+        raise KoalaError(f"-p and -v must be >= 1 (got p={args.p}, v={args.v})")
+    if args.warmup < 0 or args.iters < 1:
+        raise KoalaError("--warmup must be >= 0 and --iters >= 1")
+    check_output(args.output, "-o", (".json",))
+
+
 def _setup(args):
+    _check_args(args)
     import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if args.p < 1 or args.v < 1:
-        raise KoalaError(f"-p and -v must be >= 1 (got p={args.p}, v={args.v})")
-    if args.warmup < 0 or args.iters < 1:
-        raise KoalaError("--warmup must be >= 0 and --iters >= 1")
     p2p = True if args.p2p_latency is None else args.p2p_latency
     if args.p * args.v == 1 and p2p is True:
         p2p = False
@@ -54,8 +64,7 @@ def _finish(args, result) -> int:
 
     data = result.to_dict()
     CostProfile.from_dict(data, source=args.output)  # what we write must load
-    with open(args.output, "w", encoding="utf-8") as fh:
-        fh.write(json.dumps(data, indent=1) + "\n")
+    atomic_write(args.output, json.dumps(data, indent=1) + "\n", "-o")
     print(f"{'stage':>5}  {'F ms':>9}  {'I ms':>9}  {'W ms':>9}  {'B ms':>9}  {'(I+W)/B':>7}  {'act MiB':>9}  "
           f"{'W-hold MiB':>10}")
     for s, st in enumerate(data["stages"]):
@@ -69,7 +78,23 @@ def _finish(args, result) -> int:
     return 0
 
 
+def _check_gpt(args) -> None:
+    stages = args.p * args.v
+    for flag, value in (("--num-layers", args.num_layers), ("--hidden-size", args.hidden_size),
+                        ("--num-attention-heads", args.num_attention_heads), ("--seq-length", args.seq_length),
+                        ("--micro-batch-size", args.micro_batch_size), ("--vocab-size", args.vocab_size)):
+        if value < 1:
+            raise KoalaError(f"{flag} must be >= 1, got {value}")
+    if stages >= 1 and args.num_layers % stages:
+        raise KoalaError(f"--num-layers {args.num_layers} is not a multiple of the p x v = {args.p} x {args.v} = "
+                         f"{stages} stages: change --num-layers, -p or -v")
+    if args.hidden_size % args.num_attention_heads:
+        raise KoalaError(f"--hidden-size {args.hidden_size} is not a multiple of --num-attention-heads "
+                         f"{args.num_attention_heads}")
+
+
 def cmd_megatron_gpt(args) -> int:
+    _check_gpt(args)
     device, p2p = _setup(args)
     from ..profiler.models import profile_megatron_gpt
 
@@ -91,18 +116,32 @@ def _load(ref: str, what: str):
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise KoalaError(f"{what} {ref!r}: cannot import {module_name} ({exc})") from None
+    func = getattr(module, func_name, None)
+    if func is None:
+        raise KoalaError(f"{what} {ref!r}: {module_name} has no {func_name}")
+    if not callable(func):
+        raise KoalaError(f"{what} {ref!r}: {module_name}.{func_name} is a {type(func).__name__}, not a function")
+    return func
+
+
+def _call(func, ref: str, what: str):
+    """`func()`; an exception in the user's function is one line (its traceback at --log-level DEBUG)."""
     try:
-        return getattr(module, func_name)
-    except AttributeError:
-        raise KoalaError(f"{what} {ref!r}: {module_name} has no {func_name}") from None
+        return func()
+    except Exception as exc:  # noqa: BLE001 - any error of the user's code
+        log.debug("%s %s raised", what, ref, exc_info=True)
+        raise KoalaError(f"{what} {ref!r} raised {type(exc).__name__}: {exc} "
+                         f"(--log-level DEBUG shows the traceback)") from None
 
 
 def cmd_deepspeed(args) -> int:
+    _check_args(args)
+    layers_fn, input_fn = _load(args.layers, "--layers"), _load(args.input, "--input")
     device, p2p = _setup(args)
     from ..profiler.models import profile_pipeline_module
 
-    layers = _load(args.layers, "--layers")()
-    sample = _load(args.input, "--input")()
+    layers = _call(layers_fn, args.layers, "--layers")
+    sample = _call(input_fn, args.input, "--input")
     result = profile_pipeline_module(layers, sample, args.p * args.v, partition_method=args.partition_method,
                                      device=device, warmup=args.warmup, iters=args.iters, p2p=p2p,
                                      p2p_timeout_s=args.p2p_timeout, memory_limit_mb=args.memory_limit,
@@ -112,12 +151,26 @@ def cmd_deepspeed(args) -> int:
 
 
 def cmd_p2p(args) -> int:
-    from ..profiler.p2p import measure_p2p_latency
+    from ..profiler.p2p import check_message, measure_p2p_latency
 
+    if args.iters < 1 or not args.timeout > 0:
+        raise KoalaError("--iters must be >= 1 and --timeout > 0")
+    check_message(args.numel, args.dtype)
     ms = measure_p2p_latency(args.numel, args.dtype, iters=args.iters, timeout_s=args.timeout)
     print(f"p2p latency (one way, median of {args.iters} round trips / 2, gloo, 2 local processes): {ms:.4g} ms "
           f"for {args.numel} x {args.dtype}")
     return 0
+
+
+def _count(text: str) -> int:
+    """An integer, also written as 1e6 (a whole number)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if value != value or value in (float("inf"), float("-inf")) or value != int(value):
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}")
+    return int(value)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -144,7 +197,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     _common(d)
     d.set_defaults(func=cmd_deepspeed)
     q = kinds.add_parser("p2p", help="only the p2p latency (2-process gloo ping-pong)")
-    q.add_argument("--numel", type=int, required=True, help="elements per message")
+    q.add_argument("--numel", type=_count, required=True,
+                   help="elements per message (at most 1 GiB per message, and both processes' buffers must fit "
+                        "the memory available)")
     q.add_argument("--dtype", default="float32")
     q.add_argument("--iters", type=int, default=50)
     q.add_argument("--timeout", type=float, default=120.0, metavar="S")

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 from pathlib import Path
 
 from .. import library
 from ..dsl import print_schedule
 from ..ir import KoalaError, Schedule
+from ..outputs import atomic_write, check_output
 from ..validate import render_grid, validate
 from .table import format_table
 
@@ -23,22 +25,26 @@ def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", type=int, default=None, help="model chunks per rank (default 1)")
 
 
+def check_counts(args: argparse.Namespace) -> None:
+    """-p, -m and -v, where given, are positive (0 is an error, not "the default")."""
+    for key in ("p", "m", "v"):
+        value = getattr(args, key, None)
+        if value is not None and value < 1:
+            raise KoalaError(f"-{key} must be a positive integer, got {value}")
+
+
 def resolve_schedule(args: argparse.Namespace) -> Schedule:
     """The schedule the arguments name; fixed .json/.csv files carry their own p, m, v."""
+    check_counts(args)
     target = args.schedule
     if Path(target).suffix in FIXED_SUFFIXES and target not in library.names():
-        path = Path(target)
-        if not path.exists():
-            raise KoalaError(f"schedule file {path} does not exist")
-        text = path.read_text(encoding="utf-8")
-        schedule = (Schedule.from_json(text, str(path)) if path.suffix == ".json"
-                    else Schedule.from_torch_csv(text, name=path.stem, source=str(path)))
-        return library.load_schedule(target, args.p or schedule.p, args.m or schedule.m,
-                                     args.v or schedule.v)
+        schedule = library.read_schedule_file(target)
+        p, m, v = (getattr(schedule, k) if getattr(args, k) is None else getattr(args, k) for k in ("p", "m", "v"))
+        return library.load_schedule(target, p, m, v)
     missing = [f"-{k}" for k in ("p", "m") if getattr(args, k) is None]
     if missing:
         raise KoalaError(f"{' and '.join(missing)} needed to compile {target!r} (e.g. -p 4 -m 8)")
-    return library.load_schedule(target, args.p, args.m, args.v or 1)
+    return library.load_schedule(target, args.p, args.m, 1 if args.v is None else args.v)
 
 
 def summary(schedule: Schedule) -> str:
@@ -48,11 +54,20 @@ def summary(schedule: Schedule) -> str:
             f"peak in-flight activations per rank {run.peak_in_flight}")
 
 
+def _where(program) -> str:
+    """" where g = ..." for the names a program's requirements use besides p, m and v."""
+    used = {w for r in program.requirements for w in re.findall(r"[A-Za-z_]\w*", r.text)} - {"p", "m", "v"}
+    lets = dict(re.findall(r"^let[ \t]+([A-Za-z_]\w*)[ \t]*=[ \t]*(.+?)[ \t]*(?:#.*)?$", program.text, re.M))
+    defs = [f"{name} = {lets[name]}" for name in sorted(used) if name in lets]
+    return f" where {', '.join(defs)}" if defs else ""
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     rows = []
     for name in library.names():
         prog = library.get(name)
         supports = ", ".join(r.text for r in prog.requirements) or "any p, m, v"
+        supports += _where(prog)
         placement = prog.placement if isinstance(prog.placement, str) else "map"
         rows.append((name, placement, prog.backward, supports, prog.description))
     print(format_table(rows, ("name", "placement", "backward", "supports", "description"), "<<<<<"))
@@ -62,11 +77,13 @@ def cmd_list(args: argparse.Namespace) -> int:
 def cmd_show(args: argparse.Namespace) -> int:
     schedule = resolve_schedule(args)
     run = validate(schedule)
+    prepare = getattr(args, "prepare_outputs", None)
+    state = prepare(schedule, args) if prepare is not None else None  # errors before anything is printed
     print(summary(schedule))
     print(render_grid(schedule, steps=run.steps, width=args.width))
     render = getattr(args, "render_outputs", None)
     if render is not None:
-        render(schedule, args)
+        render(schedule, args, state)
     return 0
 
 
@@ -84,10 +101,12 @@ EXPORTERS = {
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    if args.output:
+        check_output(args.output, "-o")
     schedule = resolve_schedule(args)
     text = EXPORTERS[args.format](schedule)
     if args.output:
-        Path(args.output).write_text(text, encoding="utf-8")
+        atomic_write(args.output, text, "-o")
         log.info("wrote %s", args.output)
         print(f"wrote {args.output} ({args.format}, {schedule.num_actions} actions)")
     else:
@@ -108,7 +127,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         model = None
     if model is not None and hasattr(model, "add_model_arguments"):
         model.add_model_arguments(p)
-        p.set_defaults(render_outputs=model.render_outputs)
+        p.set_defaults(prepare_outputs=model.prepare_outputs, render_outputs=model.render_outputs)
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("validate", help="check a schedule: completeness, order, deadlock freedom")

@@ -8,30 +8,36 @@ from pathlib import Path
 
 from ..dsl import print_schedule
 from ..ir import KoalaError
+from ..outputs import atomic_write, check_output
+from .bounds import ConfigBound, from_problem
+from .model import GANTT_SUFFIXES
 from .table import format_table
-from ..search.problem import BACKWARD_CHOICES, PLACEMENT_CHOICES, relative_gap
+from ..search.problem import BACKWARD_CHOICES, PLACEMENT_CHOICES
 from ..sim import bundled_profiles, load_profile, simulate
 
 log = logging.getLogger(__name__)
 
 
-def result_table(result, limit: float | None) -> str:
-    """The result and every library schedule valid for the configuration."""
+def result_table(result, limit: float | None, bound: ConfigBound | None = None) -> str:
+    """The result and every library schedule valid for the configuration; "over bound" is
+    against `bound` (the configuration's, as in `koala compare`; default: the search's)."""
     base = next((r.makespan for r in result.library if r.name == "1f1b"), None)
+    if bound is None:
+        bound = ConfigBound(result.lower_bound, "", (result.memory_limit,), result.memory_limit_source)
 
-    def row(name: str, ms: float, bubble: float, peak: float, fits: bool, note: str) -> tuple:
+    def row(name: str, ms: float, bubble: float, peak: float, fits: bool, copies: int, note: str) -> tuple:
         return (name, f"{ms:.6g}", "-" if base is None else f"{base / ms:.3f}x", f"{bubble:.1%}", f"{peak:.6g}",
                 "-" if limit is None else ("yes" if fits else "NO"),
-                f"{relative_gap(ms, result.lower_bound):+.2%}" if result.lower_bound > 0 else "-", note)
+                bound.text(ms, fits, copies) if bound.value > 0 else "-", note)
 
     copies = result.schedule.placement.pipelines
-    rows = [row("searched *", result.makespan, result.bubble, result.peak, result.fits,
+    rows = [row("searched *", result.makespan, result.bubble, result.peak, result.fits, copies,
                 "2x weights" if copies > 1 else "")]
     for r in result.library:
         note = r.note
         if r.fits and not r.comparable:
             note += " (not compared: --placement bidirectional/any allows it)"
-        rows.append(row(r.name, r.makespan, r.bubble, r.peak, r.fits, note))
+        rows.append(row(r.name, r.makespan, r.bubble, r.peak, r.fits, r.weight_copies, note))
     return format_table(rows, ("schedule", "makespan ms", "vs 1f1b", "bubble", "peak MB", "fits", "over bound", "note"),
                   "<>>>>>><")
 
@@ -53,71 +59,99 @@ def backward_line(result) -> str:
     return f"backward: {result.schedule.backward} wins; best found per kind: {', '.join(parts)}"
 
 
-def cmd_search(args: argparse.Namespace) -> int:
-    from ..search import SearchProblem, search
-    from ..search.ga import best_predefined
+def _check_args(args: argparse.Namespace) -> Path:
+    """Counts and output paths, before any work (a search must not fail at its end)."""
+    for key in ("p", "m", "v"):
+        value = getattr(args, key)
+        if value is not None and value < 1:
+            raise KoalaError(f"-{key} must be >= 1, got {value}")
+    out = check_output(args.output, "-o", (".koala",))
+    if args.gantt:
+        check_output(args.gantt, "--gantt", GANTT_SUFFIXES)
+    return out
+
+
+def _problem(args: argparse.Namespace, profile):
+    from ..search import SearchProblem
     from ..search.problem import SearchError
 
-    profile = load_profile(args.profile)
-    v = args.v
     p = args.p
     if p is None:
-        if profile.num_stages % v:
-            raise SearchError(f"{profile.source} has {profile.num_stages} stages, not a multiple of -v {v}: give -p")
-        p = profile.num_stages // v
-    if args.m is None or args.m < 1:
-        raise SearchError(f"-m must be >= 1 (microbatches per step), got {args.m}")
-    problem = SearchProblem(profile, p, args.m, v, args.backward, args.memory_limit, placement=args.placement)
-    out = Path(args.output)
-    if out.suffix != ".koala":
-        raise KoalaError(f"-o {out}: the result is written as a .koala program; use a name ending in .koala")
-    if not args.quiet:
-        lim = problem.memory_limit_mb
-        print(f"searching {profile.source}: p={p} m={args.m} v={v} backward={_kinds_text(args.backward, problem)}, "
-              f"memory limit "
-              f"{'none' if lim is None else f'{lim:.6g} MB'} ({problem.memory_limit_source}), placements "
-              f"{', '.join(pl.describe() for pl in problem.placements or [])}, "
-              f"budget {args.time_budget:g} s" + (f" / {args.generations} generations" if args.generations else ""))
-    result = search(problem, time_budget=args.time_budget, generations=args.generations, seed=args.seed,
-                    workers=args.workers, progress=not args.quiet)
-    schedule = result.schedule
-    # write first: an interrupted search still leaves the best schedule so far on disk
-    out.write_text(print_schedule(schedule), encoding="utf-8")
-    exact_line = None
-    if args.exact:
-        from ..search.exact import relaxed_bound, solve_exact
+        if profile.num_stages % args.v:
+            raise SearchError(f"{profile.source} has {profile.num_stages} stages, not a multiple of -v {args.v}: "
+                              f"give -p")
+        p = profile.num_stages // args.v
+    return SearchProblem(profile, p, args.m, args.v, args.backward, args.memory_limit, placement=args.placement)
 
-        part = problem.part_for(schedule.placement, schedule.backward)
-        where = f"placement {part.placement.describe()}" + \
-            (f", backward {part.backward}" if len(problem.kinds) > 1 else "")
-        ex = solve_exact(problem, part, hint=schedule, time_limit=args.exact_time_limit,
-                         workers=max(1, args.workers), seed=args.seed)
-        if ex.schedule is not None and ex.makespan is not None and ex.makespan < result.makespan - 1e-9:
-            schedule = ex.schedule.with_name("searched")
-            out.write_text(print_schedule(schedule), encoding="utf-8")
-            res = simulate(schedule, problem.search_profile, timeline=False)
-            result.makespan, result.bubble, result.peak, result.fits = (res.makespan, res.bubble_ratio,
-                                                                         res.peak_memory_max, res.fits_memory)
-            result.schedule = schedule
-            result.origin = "exact solver"
-        if ex.status == "optimal":
-            exact_line = (f"exact (CP-SAT, {where}): optimal {ex.bound:.6g} ms, "
-                          f"proved in {ex.wall_s:.1f} s")
-        else:
-            # a relaxation proves more than the full model where that does not finish (docs/search.md)
-            rb = relaxed_bound(problem, part, hint=schedule, time_limit=args.exact_time_limit,
-                               workers=max(1, args.workers), seed=args.seed)
-            exact_line = (f"exact (CP-SAT, {where}): {ex.status} after {ex.wall_s:.1f} s; "
-                          f"proven bound {max(ex.bound, rb.bound):.6g} ms" +
-                          (f", best found {ex.makespan:.6g} ms" if ex.makespan is not None else "") +
-                          f" (relaxation with one action at a time on ranks {', '.join(map(str, rb.machines))}: "
-                          f"{rb.bound:.6g} ms{', optimal' if rb.optimal else ''}, {rb.wall_s:.1f} s more)")
+
+def _table_bound(args: argparse.Namespace, problem) -> ConfigBound | None:
+    """The configuration's bound, as `koala compare` shows it (the search's own bound when it
+    searched the default placements and both backward kinds)."""
+    if args.backward == "auto" and args.placement == "default":
+        return from_problem(problem)
+    from .bounds import configuration_bound
+
+    found = configuration_bound(problem.profile, problem.p, problem.m, problem.v, args.memory_limit)
+    return found[0] if found else None
+
+
+def _write(out: Path, schedule, source: str) -> None:
+    """The result as a .koala program; its description names the profile by file name only (no
+    absolute paths in a file that is shared)."""
+    desc = schedule.meta.get("description", "")
+    schedule.meta["description"] = desc.replace(f"under {source}", f"under {Path(source).name}")
+    atomic_write(out, print_schedule(schedule), "-o")
+
+
+def _run_exact(args, problem, result, out: Path) -> str:
+    """--exact: CP-SAT from the result; writes an improvement; the line to print."""
+    from ..search.exact import relaxed_bound, solve_exact
+
+    schedule = result.schedule
+    part = problem.part_for(schedule.placement, schedule.backward)
+    where = f"placement {part.placement.describe()}" + \
+        (f", backward {part.backward}" if len(problem.kinds) > 1 else "")
+    ex = solve_exact(problem, part, hint=schedule, time_limit=args.exact_time_limit,
+                     workers=max(1, args.workers), seed=args.seed)
+    if ex.schedule is not None and ex.makespan is not None and ex.makespan < result.makespan - 1e-9:
+        schedule = ex.schedule.with_name("searched")
+        _write(out, schedule, problem.profile.source)
+        res = simulate(schedule, problem.search_profile, timeline=False)
+        result.makespan, result.bubble, result.peak, result.fits = (res.makespan, res.bubble_ratio,
+                                                                     res.peak_memory_max, res.fits_memory)
+        result.schedule = schedule
+        result.origin = "exact solver"
+    if ex.status == "optimal":
+        return f"exact (CP-SAT, {where}): optimal {ex.bound:.6g} ms, proved in {ex.wall_s:.1f} s"
+    # a relaxation proves more than the full model where that does not finish (docs/search.md)
+    rb = relaxed_bound(problem, part, hint=schedule, time_limit=args.exact_time_limit,
+                       workers=max(1, args.workers), seed=args.seed)
+    return (f"exact (CP-SAT, {where}): {ex.status} after {ex.wall_s:.1f} s; "
+            f"proven bound {max(ex.bound, rb.bound):.6g} ms" +
+            (f", best found {ex.makespan:.6g} ms" if ex.makespan is not None else "") +
+            f" (relaxation with one action at a time on ranks {', '.join(map(str, rb.machines))}: "
+            f"{rb.bound:.6g} ms{', optimal' if rb.optimal else ''}, {rb.wall_s:.1f} s more)")
+
+
+def _report(args, problem, result, out: Path, exact_line: str | None) -> None:
+    from ..search.ga import best_predefined
+
+    schedule = result.schedule
+    bound = _table_bound(args, problem)
     if result.interrupted:
         print(f"interrupted: wrote the best schedule so far to {out}")
-    print(result_table(result, problem.memory_limit_mb))
-    print(f"lower bound {result.lower_bound:.6g} ms; searched schedule {result.gap:+.2%} over it "
-          f"(placement {schedule.placement.describe()}, found by {result.origin}; {result.generations} generations, "
-          f"{result.evaluations} try-tests, {result.wall_s:.1f} s, stopped: {result.stopped})")
+    print(result_table(result, problem.memory_limit_mb, bound))
+    own = "" if bound is None or abs(bound.value - result.lower_bound) <= 1e-9 * max(1.0, bound.value) else \
+        f" (bound of the schedules searched with --backward {args.backward} --placement {args.placement}: " \
+        f"{result.lower_bound:.6g} ms, {result.gap:+.2%})"
+    if bound is None:
+        head = f"lower bound {result.lower_bound:.6g} ms; searched schedule {result.gap:+.2%} over it"
+    else:
+        gap = bound.text(result.makespan, result.fits, schedule.placement.pipelines)
+        head = f"{bound.describe()}; searched schedule {gap} over it"
+    print(f"{head}{own} (placement {schedule.placement.describe()}, found by {result.origin}; "
+          f"{result.generations} generations, {result.evaluations} try-tests, {result.wall_s:.1f} s, "
+          f"stopped: {result.stopped})")
     if len(result.kinds) > 1:
         print(backward_line(result))
     best = best_predefined(result.library)
@@ -129,11 +163,32 @@ def cmd_search(args: argparse.Namespace) -> int:
     if exact_line:
         print(exact_line)
     print(f"wrote {out}")
+
+
+def cmd_search(args: argparse.Namespace) -> int:
+    from ..search import search
+
+    out = _check_args(args)
+    profile = load_profile(args.profile)
+    problem = _problem(args, profile)
+    if not args.quiet:
+        lim = problem.memory_limit_mb
+        print(f"searching {profile.source}: p={problem.p} m={args.m} v={args.v} "
+              f"backward={_kinds_text(args.backward, problem)}, memory limit "
+              f"{'none' if lim is None else f'{lim:.6g} MB'} ({problem.memory_limit_source}), placements "
+              f"{', '.join(pl.describe() for pl in problem.placements or [])}, "
+              f"budget {args.time_budget:g} s" + (f" / {args.generations} generations" if args.generations else ""))
+    result = search(problem, time_budget=args.time_budget, generations=args.generations, seed=args.seed,
+                    workers=args.workers, progress=not args.quiet)
+    # write first: an interrupted search still leaves the best schedule so far on disk
+    _write(out, result.schedule, profile.source)
+    exact_line = _run_exact(args, problem, result, out) if args.exact and not result.interrupted else None
+    _report(args, problem, result, out, exact_line)
     if args.gantt:
         from ..viz.gantt import write_gantt
 
-        res = simulate(schedule, problem.search_profile, timeline=True)
-        path = write_gantt(res, args.gantt, schedule)
+        res = simulate(result.schedule, problem.search_profile, timeline=True)
+        path = write_gantt(res, args.gantt, result.schedule)
         print(f"wrote Gantt chart {path}")
     return 130 if result.interrupted else 0
 

@@ -106,9 +106,11 @@ class ProfileResult:
 
         return CostProfile.from_dict(self.to_dict(), source=f"<profile {self.name}>")
 
-    def write(self, path) -> None:
-        with open(path, "w", encoding="utf-8") as fh:
-            fh.write(self.to_json() + "\n")
+    def write(self, path, flag: str | None = None) -> None:
+        """Write the profile JSON atomically (the previous file survives any failure)."""
+        from ..outputs import atomic_write
+
+        atomic_write(path, self.to_json() + "\n", flag)
 
 
 class _Saved:

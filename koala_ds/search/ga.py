@@ -20,8 +20,11 @@ The dynamic rule (documented in docs/search.md):
 from __future__ import annotations
 
 import logging
+import os
 import random
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -235,8 +238,35 @@ def crossover(a: list[list[int]], b: list[list[int]], rng: random.Random) -> lis
 _WORKER: SearchProblem | None = None
 
 
-def _worker_init(args: tuple) -> None:
+def _exit_with_parent(parent: int) -> None:
+    """End this worker when the search process dies (kill -9 included), instead of leaving it and
+    multiprocessing's resource tracker running as orphans: Linux's parent-death signal, and a
+    thread that polls the parent elsewhere (and covers a parent that died before the call)."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):  # pragma: no cover - no libc prctl
+            pass
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    if os.getppid() != parent:
+        os._exit(1)
+    threading.Thread(target=watch, name="koala-parent-watch", daemon=True).start()
+
+
+def _worker_init(args: tuple, parent: int | None = None) -> None:
     global _WORKER
+    # Ctrl-C goes to the whole process group: only the search process answers it (with the best
+    # schedule so far); a worker ignores it and finishes its batch, then exits with the pool
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if parent is not None:
+        _exit_with_parent(parent)
     profile, p, m, v, backward, limit, placements = args
     _WORKER = SearchProblem(profile, p, m, v, backward, limit, placements)
 
@@ -265,8 +295,22 @@ class _Evaluator:
                     problem.p, problem.m, problem.v, problem.backward,
                     limit if not isinstance(limit, list) else None, placements)
             self.pool = cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"),
-                                               initializer=_worker_init, initargs=(args,))
+                                               initializer=_worker_init, initargs=(args, os.getpid()))
             self.workers = workers
+            self.started = False
+
+    def _start_workers(self) -> None:
+        """Start every worker now, with SIGINT ignored while they are created: they inherit that,
+        so a Ctrl-C while they import is not theirs either (no worker tracebacks)."""
+        self.started = True
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set in the main thread; the initializer still ignores SIGINT
+        old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            for _ in range(self.workers):
+                self.pool.submit(os.getpid)
+        finally:
+            signal.signal(signal.SIGINT, old)
 
     def __call__(self, jobs: list[tuple[int, list[list[int]]]]) -> list[tuple[float, float, list[list[int]]]]:
         self.count += len(jobs)
@@ -276,6 +320,8 @@ class _Evaluator:
                 ev = self.problem.parts[part].evaluate(toks)
                 out.append((ev.makespan, ev.peak, ev.tokens))
             return out
+        if not self.started:
+            self._start_workers()
         chunk = max(1, len(jobs) // (self.workers * 2))
         return list(self.pool.map(_worker_eval, jobs, chunksize=chunk))
 

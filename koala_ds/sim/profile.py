@@ -18,6 +18,7 @@ rank) is optional. Loading validates everything; every error names the file and 
 """
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import math
@@ -247,6 +248,8 @@ def resolve_profile(name_or_path: str | os.PathLike) -> Path:
     path = Path(name_or_path)
     if path.is_file():
         return path
+    if path.is_dir():
+        raise ProfileError(f"profile {path} is a directory, not a JSON file")
     text = str(name_or_path)
     looks_like_path = os.sep in text or "/" in text
     if not looks_like_path:
@@ -254,19 +257,23 @@ def resolve_profile(name_or_path: str | os.PathLike) -> Path:
         bundled = resources.files("koala_ds") / "profiles" / f"{stem}.json"
         if bundled.is_file():
             return Path(str(bundled))
-    raise ProfileError(f"profile {text!r}: no such file, and not a bundled profile "
+    close = difflib.get_close_matches(text[:-5] if text.endswith(".json") else text, bundled_profiles(), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close and not looks_like_path else ""
+    raise ProfileError(f"profile {text!r}: no such file, and not a bundled profile{hint} "
                        f"(bundled: {', '.join(bundled_profiles())})")
 
 
 def load_profile(path_or_name: str | os.PathLike) -> CostProfile:
     """Load and validate a profile file, or a bundled profile by name."""
     path = resolve_profile(path_or_name)
+    # a bundled profile is named by its name, not by where this package is installed
+    source = str(path) if Path(path_or_name).is_file() else path.stem
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a UTF-8 byte-order mark is fine
     except UnicodeDecodeError:
         raise ProfileError(f"{path}: not a JSON file (not UTF-8 text)") from None
     except OSError as exc:
         raise ProfileError(f"{path}: cannot read ({exc.strerror})") from None
-    profile = CostProfile.from_json(text, source=str(path))
+    profile = CostProfile.from_json(text, source=source)
     log.debug("loaded profile %s: %d stages", path, profile.num_stages)
     return profile

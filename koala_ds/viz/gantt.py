@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from ..ir import KoalaError, Op, Schedule
+from ..outputs import atomic_open
 from ..sim.simulator import SimResult
 
 OP_COLOURS = {Op.F: "#3b75af", Op.B: "#4e9a4c", Op.I: "#e08a2c", Op.W: "#8466b5"}
@@ -98,8 +99,6 @@ def write_gantt(result: SimResult, path: str | os.PathLike, schedule: Schedule |
         raise KoalaError(f"--gantt {path}: unknown image format {path.suffix or '(none)'!r}; "
                          f"use one of {', '.join('.' + f for f in FORMATS)}")
     fig = gantt_figure(result, schedule, title)
-    try:
-        fig.savefig(path, format=fmt)
-    except OSError as exc:
-        raise KoalaError(f"cannot write {path}: {exc.strerror}") from None
+    with atomic_open(path, "wb", "--gantt") as fh:
+        fig.savefig(fh, format=fmt)
     return path

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from ..ir import KoalaError, Op, Schedule
+from ..outputs import atomic_write
 from ..sim.simulator import SimResult
 
 OP_NAMES = {Op.F: "forward", Op.B: "backward", Op.I: "backward-input", Op.W: "backward-weight"}
@@ -45,9 +46,4 @@ def chrome_trace(result: SimResult, schedule: Schedule | None = None) -> dict:
 
 
 def write_chrome_trace(result: SimResult, path: str | os.PathLike, schedule: Schedule | None = None) -> Path:
-    path = Path(path)
-    try:
-        path.write_text(json.dumps(chrome_trace(result, schedule)), encoding="utf-8")
-    except OSError as exc:
-        raise KoalaError(f"cannot write trace {path}: {exc.strerror}") from None
-    return path
+    return atomic_write(path, json.dumps(chrome_trace(result, schedule)), "--trace")

@@ -1,0 +1,81 @@
+"""Every `koala ...` command in the code blocks of README.md and docs/*.md runs as written
+(exit code 0), in order, one temporary folder per document (so a later line may read what an
+earlier one wrote). Searches get a small budget; the few lines that cannot run here are listed
+in SKIP with the reason."""
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from koala_ds.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))
+
+#: Command lines (as written, comment stripped) that are not run, and why.
+SKIP = {
+    "koala search --profile P.json -p 8 -m 32 [-v 2] [--backward auto|split|full] [--memory-limit MB]":
+        "docs/search.md: the first line of a synopsis of the options, not a command",
+}
+
+#: Added to every `koala search` that gives no budget of its own, and to --exact.
+SEARCH_BUDGET = ["--time-budget", "2", "--quiet"]
+EXACT_BUDGET = ["--exact-time-limit", "5"]
+
+
+def commands(doc: str) -> list[str]:
+    """The `koala ...` lines of the fenced code blocks, continuations joined, comments dropped."""
+    text = (ROOT / doc).read_text(encoding="utf-8")
+    found = []
+    for block in re.findall(r"^```[^\n]*\n(.*?)^```", text, re.S | re.M):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = re.sub(r"\s+#.*$", "", line).strip()
+            if line.startswith("koala "):
+                found.append(re.sub(r"\s+", " ", line))
+    return found
+
+
+def _argv(line: str) -> list[str]:
+    argv = shlex.split(line)[1:]
+    if argv[0] == "search":
+        if not {"--time-budget", "--generations"} & set(argv):
+            argv += SEARCH_BUDGET
+        if "--exact" in argv:
+            pytest.importorskip("ortools")
+            argv += EXACT_BUDGET
+    return argv
+
+
+def _run(argv: list[str], cwd: Path, capsys) -> tuple[int, str]:
+    if argv[0] == "profile":  # torch and megatron-core: in a process of its own
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        proc = subprocess.run([sys.executable, "-m", "koala_ds.cli", *argv], cwd=cwd, env=env,
+                              capture_output=True, text=True, timeout=600)
+        return proc.returncode, proc.stderr[-2000:]
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # --version, --help
+        code = exc.code or 0
+    return code, capsys.readouterr().err
+
+
+def test_the_documents_have_commands():
+    assert len(commands("README.md")) >= 10
+    assert any(line.startswith("koala profile ") for line in commands("README.md"))
+    assert commands("docs/profiling.md") and commands("docs/search.md")
+    every = {line for doc in DOCS for line in commands(doc)}
+    assert set(SKIP) <= every, "a SKIP entry no longer matches any document line"
+
+
+@pytest.mark.parametrize("doc", [d for d in DOCS if commands(d)])
+def test_every_command_in_the_docs_runs_as_written(doc, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    for line in commands(doc):
+        if line in SKIP:
+            continue
+        code, err = _run(_argv(line), tmp_path, capsys)
+        assert code == 0, f"{doc}: `{line}` exited {code}: {err}"
