@@ -191,6 +191,7 @@ needs_proc = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="ne
 
 
 @needs_proc
+@pytest.mark.slow  # worker processes
 def test_kill_9_of_the_search_leaves_no_worker_behind(tmp_path):
     proc, kids = _start_search(tmp_path / "best.koala")
     try:
@@ -208,6 +209,7 @@ def test_kill_9_of_the_search_leaves_no_worker_behind(tmp_path):
 
 
 @needs_proc
+@pytest.mark.slow  # worker processes
 @pytest.mark.parametrize("after_s", [0.0, 6.0])
 def test_ctrl_c_with_workers_writes_the_best_so_far_without_tracebacks(tmp_path, after_s):
     """At once (the workers may still be importing: they used to print a traceback each) and

@@ -71,6 +71,7 @@ def test_the_documents_have_commands():
     assert set(SKIP) <= every, "a SKIP entry no longer matches any document line"
 
 
+@pytest.mark.slow  # runs every documented command, koala profile and the search with workers included
 @pytest.mark.parametrize("doc", [d for d in DOCS if commands(d)])
 def test_every_command_in_the_docs_runs_as_written(doc, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
