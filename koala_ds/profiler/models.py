@@ -32,7 +32,7 @@ class GPTStage(torch.nn.Module):
                           labels=self.labels if self.chunk.post_process else None)
 
 
-def _init_single_process_megatron(seed: int) -> None:
+def _init_single_process_megatron(seed: int, attention_elements: int = 1 << 22) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -46,7 +46,7 @@ def _init_single_process_megatron(seed: int) -> None:
     ps.initialize_model_parallel(1, 1)
     from ..megatron.cpu import prepare_cpu
 
-    prepare_cpu(seed=seed)
+    prepare_cpu(seed=seed, attention_buffer_elements=max(1 << 22, attention_elements))
     if torch.cuda.is_available():
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -64,7 +64,8 @@ def megatron_gpt_stages(num_layers: int, hidden_size: int, num_attention_heads: 
 
     if num_layers % num_stages:
         raise ValueError(f"--num-layers {num_layers} is not a multiple of the {num_stages} stages")
-    _init_single_process_megatron(seed)
+    # megatron-core's attention scores buffer: heads x seq^2 per sample (on CPU, prepare_cpu sizes it)
+    _init_single_process_megatron(seed, num_attention_heads * seq_length ** 2 * micro_batch_size)
     lps = num_layers // num_stages
     device = torch.device(device) if device is not None else torch.device("cpu")
     g = torch.Generator().manual_seed(seed)
