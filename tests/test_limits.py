@@ -1,0 +1,65 @@
+"""Bounded time and memory (issue 15): compile in O(actions), a cap on actions."""
+import time
+
+import pytest
+
+from koala_ds import ir, library
+from koala_ds.cli import main
+from koala_ds.dsl import KoalaCompileError, python_program
+from koala_ds.dsl import program as program_mod
+from koala_ds.ir import Schedule, ScheduleError
+
+
+def one_line_error(capsys, *argv):
+    code = main(list(argv))
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+# -- compile in O(actions), and a cap on actions ----------------------------------------------
+@pytest.mark.timeout(60)
+def test_compile_is_linear_in_m_and_p():
+    t0 = time.perf_counter()
+    s = library.load_schedule("1f1b", 4, 20_000)  # 160,000 actions: minutes when quadratic in m
+    wide = library.load_schedule("1f1b", 20_000, 2)  # 80,000 actions on 20,000 ranks
+    assert s.num_actions == 160_000 and wide.num_actions == 80_000
+    assert time.perf_counter() - t0 < 20
+
+
+@pytest.mark.timeout(10)
+def test_action_cap_refuses_before_compiling():
+    prog = library.get("1f1b")
+    assert "8,000,000 actions" in prog.supports(4, 10**6, 1)
+    with pytest.raises(KoalaCompileError, match=r"MAX_ACTIONS\): use a smaller -m, -p or -v"):
+        prog.compile(4, 10**6)
+    split = library.get("zb-h1").supports(8, 100_000, 1)
+    assert "p*v*m*3 = 2,400,000" in split  # 1.6 M of the 2.4 M would be valid for full backward
+    assert library.get("1f1b").supports(8, 100_000, 1) is None  # 1.6 M actions: allowed
+
+
+@pytest.mark.timeout(10)
+def test_action_cap_in_the_cli(capsys):
+    err = one_line_error(capsys, "validate", "1f1b", "-p", "4", "-m", "1000000")
+    assert "8,000,000 actions" in err and "-m" in err
+    err = one_line_error(capsys, "simulate", "interleaved-1f1b", "-p", "100", "-m", "100", "-v", "200")
+    assert "4,000,000 actions" in err
+
+
+def test_action_cap_on_fixed_schedules_and_programs(monkeypatch, tmp_path):
+    s = library.load_schedule("1f1b", 2, 4)
+    monkeypatch.setattr(ir, "MAX_ACTIONS", s.num_actions - 1)
+    with pytest.raises(ScheduleError, match="16 actions, over the limit of 15"):
+        Schedule.from_json(s.to_json(), "x.json")
+    with pytest.raises(ScheduleError, match="over the limit"):
+        Schedule.from_torch_csv(s.to_torch_csv(), source="x.csv")
+    monkeypatch.setattr(ir, "MAX_ACTIONS", 10**6)
+    monkeypatch.setattr(program_mod, "MAX_ACTIONS", 5)  # what a program emits is counted too
+
+    @python_program("greedy-emitter")
+    def prog(b, p, m, v, r):
+        b.F(m)
+        b.B(m)
+
+    with pytest.raises(KoalaCompileError, match="more than 5 actions"):
+        prog.compile(2, 4)
