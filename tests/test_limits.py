@@ -1,11 +1,12 @@
-"""Bounded time and memory (issue 15): compile in O(actions), a cap on actions."""
+"""Bounded time and memory (issue 15): compile in O(actions), a cap on actions, bounded loops,
+flat expressions of any length, the search's time budget, finite float options, valid JSON."""
 import time
 
 import pytest
 
 from koala_ds import ir, library
 from koala_ds.cli import main
-from koala_ds.dsl import KoalaCompileError, python_program
+from koala_ds.dsl import KoalaCompileError, KoalaSyntaxError, parse_program, python_program
 from koala_ds.dsl import program as program_mod
 from koala_ds.ir import Schedule, ScheduleError
 
@@ -63,3 +64,56 @@ def test_action_cap_on_fixed_schedules_and_programs(monkeypatch, tmp_path):
 
     with pytest.raises(KoalaCompileError, match="more than 5 actions"):
         prog.compile(2, 4)
+
+
+# -- bounded loops, flat expressions of any length -------------------------------------------
+def program(body: str) -> str:
+    return "schedule t\nplacement linear\nbackward full\nrank:\n" + body
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("line, col", [("for k in 0..1000000000: F?", 3), ("B? * 1000000000", 6)])
+def test_loops_are_bounded(line, col):
+    prog = parse_program(program(f"  F * m\n  B * m\n  {line}\n"), "t.koala")
+    with pytest.raises(KoalaCompileError, match=rf"^t.koala:7:{col}: .*1,000,000,000 passes.*MIN_LOOP_PASSES"):
+        prog.compile(2, 4)
+
+
+@pytest.mark.timeout(60)
+def test_nested_loops_that_emit_nothing_are_bounded():
+    prog = parse_program(program("  F * m\n  B * m\n  for i in 0..5000:\n    for j in 0..5000: F?\n"), "t.koala")
+    with pytest.raises(KoalaCompileError, match=r"^t.koala:8:5: loop 'for j in 0..5000'.*limit of 1,000,000"):
+        prog.compile(2, 4)
+
+
+@pytest.mark.timeout(20)
+def test_python_builder_repetitions_are_bounded():
+    @python_program("spin")
+    def prog(b, p, m, v, r):
+        b.F(m)
+        b.B(m)
+        b.F(10**9, optional=True)
+
+    with pytest.raises(KoalaCompileError, match="F repeated 1,000,000,000 times"):
+        prog.compile(2, 4)
+
+
+def test_long_flat_expressions_evaluate():
+    terms = " + ".join(["1"] * 2000)
+    conj = " and ".join(["m > 0"] * 2000)
+    prog = parse_program(program(f"  let k = {terms} - 2000\n  if {conj}:\n    F * (m + k)\n"
+                                 f"  B * ({terms} - 2000 + m)\n"), "t.koala")
+    assert prog.compile(2, 3).num_actions == 12
+
+
+def test_deep_nesting_is_a_syntax_error():
+    deep = "(" * 70 + "m" + ")" * 70
+    with pytest.raises(KoalaSyntaxError, match=r"^t.koala:5:\d+: nested more than 64 deep"):
+        parse_program(program(f"  let k = {deep}\n  F * m\n  B * m\n"), "t.koala")
+    with pytest.raises(KoalaSyntaxError, match=r"^t.koala:5:\d+: nested more than 64 deep"):
+        parse_program(program("  let k = " + "-" * 70 + "m\n  F * m\n  B * m\n"), "t.koala")
+    blocks = "".join("  " * (i + 1) + f"for i{i} in 0..1:\n" for i in range(70)) + "  " * 71 + "F\n"
+    with pytest.raises(KoalaSyntaxError, match="blocks nested more than 64 deep"):
+        parse_program(program(blocks), "t.koala")
+    ok = "(" * 60 + "m" + ")" * 60
+    assert parse_program(program(f"  F * {ok}\n  B * m\n"), "t.koala").compile(2, 3).num_actions == 12

@@ -32,17 +32,41 @@ def _fmt_params(env: dict) -> str:
     return ", ".join(f"{k}={env[k]}" for k in ("p", "m", "v", "r") if k in env)
 
 
-class Budget:
-    """The actions left to one compile; raises `KoalaError` when spent."""
+#: Loop passes (`for` iterations and `X * n` repetitions, all ranks together, emitting or not)
+#: one compile may run: LOOP_PASSES_PER_ACTION per action of the schedule, p * v * m * 2 (or 3
+#: with backward split), and at least MIN_LOOP_PASSES. The library needs at most 2 per action;
+#: a pass costs about a microsecond.
+LOOP_PASSES_PER_ACTION = 4
+MIN_LOOP_PASSES = 1_000_000
 
-    def __init__(self, max_actions: int = MAX_ACTIONS):
-        self.actions_left = self.max_actions = max_actions
+
+def loop_pass_limit(p: int, m: int, v: int, backward: str = "full") -> int:
+    return max(MIN_LOOP_PASSES, LOOP_PASSES_PER_ACTION * p * v * m * (3 if backward == "split" else 2))
+
+
+class Budget:
+    """The actions and loop passes left to one compile; raises `KoalaError` when spent."""
+
+    def __init__(self, max_actions: int = MAX_ACTIONS, max_passes: int = MIN_LOOP_PASSES):
+        self.actions_left, self.passes_left = max_actions, max_passes
+        self.max_actions, self.max_passes = max_actions, max_passes
 
     def spend_action(self) -> None:
         self.actions_left -= 1
         if self.actions_left < 0:
             raise KoalaError(f"more than {self.max_actions:,} actions, the limit of one schedule "
                              f"(MAX_ACTIONS): use a smaller -m, -p or -v")
+
+    def spend_passes(self, n: int, what: str) -> None:
+        """Charge `n` passes before a loop runs them."""
+        if n <= 0:
+            return
+        self.passes_left -= n
+        if self.passes_left < 0:
+            raise KoalaError(f"{what} of {n:,} passes goes over the limit of {self.max_passes:,} loop passes "
+                             f"for this p, m, v (LOOP_PASSES_PER_ACTION per action, at least MIN_LOOP_PASSES): "
+                             f"bound the loop by p, m or v")
+
 
 _CLASS = {"F": "F", "B": "B", "I": "B", "W": "W"}  # B and I share one counter
 _OP = {op.value: op for op in Op}
@@ -160,6 +184,8 @@ class RankBuilder:
     def _op(self, op: str, times: int, chunk: int | None, mb: int | None, optional: bool) -> None:
         if times < 0:
             raise KoalaError(f"{op}: repetition count {times} < 0")
+        if self._e.budget is not None:
+            self._e.budget.spend_passes(times, f"{op} repeated {times:,} times")
         for _ in range(times):
             self._e.emit(op, chunk, mb, optional)
 
@@ -189,24 +215,14 @@ _BIN = {
 _FUN = {"min": min, "max": max, "abs": abs}
 
 
-def evaluate(expr: A.Expr, env: dict) -> int:
-    if isinstance(expr, A.Num):
-        return expr.value
-    if isinstance(expr, A.Name):
-        if expr.id not in env:
-            known = ", ".join(sorted(env))
-            raise KoalaCompileError(f"{expr.pos}: unknown name {expr.id!r} (known here: {known})")
-        return env[expr.id]
-    if isinstance(expr, A.Unary):
-        val = evaluate(expr.operand, env)
-        return -val if expr.op == "-" else int(not val)
-    if isinstance(expr, A.Call):
-        return _FUN[expr.fn](*(evaluate(a, env) for a in expr.args))
-    if expr.op == "and":
-        return int(bool(evaluate(expr.left, env)) and bool(evaluate(expr.right, env)))
-    if expr.op == "or":
-        return int(bool(evaluate(expr.left, env)) or bool(evaluate(expr.right, env)))
-    left, right = evaluate(expr.left, env), evaluate(expr.right, env)
+def _name(expr: A.Name, env: dict) -> int:
+    if expr.id not in env:
+        known = ", ".join(sorted(env))
+        raise KoalaCompileError(f"{expr.pos}: unknown name {expr.id!r} (known here: {known})")
+    return env[expr.id]
+
+
+def _binary(expr: A.Binary, left: int, right: int, env: dict) -> int:
     if expr.op in ("//", "%"):
         if right == 0:
             raise KoalaCompileError(f"{expr.pos}: division by zero ({_fmt_params(env)})")
@@ -214,9 +230,48 @@ def evaluate(expr: A.Expr, env: dict) -> int:
     return int(_BIN[expr.op](left, right))
 
 
+def evaluate(expr: A.Expr, env: dict) -> int:
+    """The value of `expr`. A chain `a + b - c ...` is a left-deep tree as long as the chain;
+    it is walked in a loop, so recursion goes only as deep as the parenthesized nesting, which
+    the parser caps (`parser.MAX_NESTING`)."""
+    kind = type(expr)
+    if kind is A.Num:
+        return expr.value
+    if kind is A.Name:
+        return _name(expr, env)
+    if kind is A.Binary:
+        return _chain(expr, env)
+    if kind is A.Unary:
+        val = evaluate(expr.operand, env)
+        return -val if expr.op == "-" else int(not val)
+    return _FUN[expr.fn](*(evaluate(a, env) for a in expr.args))
+
+
+def _chain(expr: A.Binary, env: dict) -> int:
+    spine = []
+    while type(expr) is A.Binary:
+        spine.append(expr)
+        expr = expr.left
+    val = evaluate(expr, env)
+    for node in reversed(spine):
+        if node.op == "and":
+            val = int(bool(val) and bool(evaluate(node.right, env)))
+        elif node.op == "or":
+            val = int(bool(val) or bool(evaluate(node.right, env)))
+        else:
+            val = _binary(node, val, evaluate(node.right, env), env)
+    return val
+
+
 class _Interpreter:
-    def __init__(self, emitter: RankEmitter, env: dict):
-        self.e, self.env = emitter, env
+    def __init__(self, emitter: RankEmitter, env: dict, budget: Budget):
+        self.e, self.env, self.budget = emitter, env, budget
+
+    def charge(self, n: int, what: str, pos: A.Pos) -> None:
+        try:
+            self.budget.spend_passes(n, what)
+        except KoalaError as exc:
+            raise KoalaCompileError(f"{pos}: {exc} ({_fmt_params(self.env)})") from None
 
     def run(self, stmts: tuple[A.Stmt, ...]) -> None:
         for stmt in stmts:
@@ -234,6 +289,7 @@ class _Interpreter:
 
     def loop(self, stmt: A.For) -> None:
         start, stop = evaluate(stmt.start, self.env), evaluate(stmt.stop, self.env)
+        self.charge(stop - start, f"loop 'for {stmt.var} in {start}..{stop}'", stmt.pos)
         saved = self.env.get(stmt.var)
         for value in range(start, stop):
             self.env[stmt.var] = value
@@ -251,6 +307,7 @@ class _Interpreter:
             if count < 0:
                 raise KoalaCompileError(f"{item.pos}: repetition count is {count} for {_fmt_params(self.env)}; "
                                         f"this program needs other values of p, m or v")
+            self.charge(count, f"repetition '* {count}'", item.pos)
             if isinstance(item.item, A.OpItem):
                 self.op(item.item, count)
             else:
@@ -353,7 +410,7 @@ class Program:
     def _run_ranks(self, placement: Placement, p: int, m: int, v: int) -> tuple[list, list]:
         """Each rank's actions (and their slots when `compact` needs them), one rank at a time."""
         ranks, slots = [], []
-        budget = Budget(MAX_ACTIONS)
+        budget = Budget(MAX_ACTIONS, loop_pass_limit(p, m, v, self.backward))
         for r in range(p):
             emitter = RankEmitter(placement, m, r, budget)
             try:
@@ -409,7 +466,7 @@ def from_ast(tree: A.ProgramAst, text: str = "") -> Program:
         if stmts is None:
             raise KoalaCompileError(f"{tree.file}: no block for rank {env['r']} (add 'rank {env['r']}:' "
                                     f"or a generic 'rank:' block, or change -p)")
-        _Interpreter(emitter, env).run(stmts)
+        _Interpreter(emitter, env, emitter.budget or Budget()).run(stmts)
 
     reqs = tuple(Requirement(r.text, (lambda cond: lambda env: evaluate(cond, global_env(env)))(r.cond), str(r.pos))
                  for r in tree.supports)
