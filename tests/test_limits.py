@@ -117,3 +117,45 @@ def test_deep_nesting_is_a_syntax_error():
         parse_program(program(blocks), "t.koala")
     ok = "(" * 60 + "m" + ")" * 60
     assert parse_program(program(f"  F * {ok}\n  B * m\n"), "t.koala").compile(2, 3).num_actions == 12
+
+
+# -- the search's time budget binds from the first second ------------------------------------
+def _problem(m):
+    from koala_ds.search import SearchProblem
+    from koala_ds.sim import load_profile
+
+    return SearchProblem(load_profile("uniform-4"), 4, m, 1, "auto", None)
+
+
+@pytest.mark.timeout(120)
+def test_search_budget_binds_the_seeding():
+    from koala_ds.search import search
+
+    budget = 3.0
+    t0 = time.perf_counter()
+    result = search(_problem(2048), time_budget=budget, started=t0)  # seeding alone was ~15 s here
+    elapsed = time.perf_counter() - t0
+    assert result.stopped == "time" and elapsed <= 1.1 * budget + 0.2, elapsed
+    assert result.schedule.num_actions == 4 * 2048 * 3
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_during_seeding_answers_with_the_best_so_far(monkeypatch):
+    from koala_ds.search import ga, greedy, search
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(greedy, "greedy_walk", interrupt)  # the first greedy seed, after the library's
+    monkeypatch.setattr(ga, "greedy_walk", interrupt, raising=False)
+    result = search(_problem(64), time_budget=30)
+    assert result.interrupted and result.stopped == "interrupted"
+    assert result.origin.startswith("library") and result.schedule.m == 64
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("budget", ["nan", "inf", "-1", "0"])
+def test_search_budget_must_be_finite_and_positive(capsys, tmp_path, budget):
+    err = one_line_error(capsys, "search", "--profile", "uniform-4", "-m", "8", "--time-budget", budget,
+                         "-o", str(tmp_path / "x.koala"))
+    assert "--time-budget" in err and "finite" in err

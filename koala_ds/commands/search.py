@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
 from pathlib import Path
 
 from ..dsl import print_schedule
@@ -58,6 +59,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     from ..search.ga import best_predefined
     from ..search.problem import SearchError
 
+    started = time.perf_counter()  # the time budget counts from here
     profile = load_profile(args.profile)
     v = args.v
     p = args.p
@@ -79,7 +81,7 @@ def cmd_search(args: argparse.Namespace) -> int:
               f"{', '.join(pl.describe() for pl in problem.placements or [])}, "
               f"budget {args.time_budget:g} s" + (f" / {args.generations} generations" if args.generations else ""))
     result = search(problem, time_budget=args.time_budget, generations=args.generations, seed=args.seed,
-                    workers=args.workers, progress=not args.quiet)
+                    workers=args.workers, progress=not args.quiet, started=started)
     schedule = result.schedule
     # write first: an interrupted search still leaves the best schedule so far on disk
     out.write_text(print_schedule(schedule), encoding="utf-8")
@@ -115,6 +117,8 @@ def cmd_search(args: argparse.Namespace) -> int:
     if result.interrupted:
         print(f"interrupted: wrote the best schedule so far to {out}")
     print(result_table(result, problem.memory_limit_mb))
+    if result.library_skipped:
+        print(f"not simulated (out of time): {', '.join(result.library_skipped)}")
     print(f"lower bound {result.lower_bound:.6g} ms; searched schedule {result.gap:+.2%} over it "
           f"(placement {schedule.placement.describe()}, found by {result.origin}; {result.generations} generations, "
           f"{result.evaluations} try-tests, {result.wall_s:.1f} s, stopped: {result.stopped})")
@@ -156,7 +160,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "interleaved and vshape for v>=2); bidirectional keeps two copies of the weights "
                         "(Chimera; not charged by the memory model, not runnable by the engine adapters); "
                         "any = default + bidirectional")
-    p.add_argument("--time-budget", type=float, default=10.0, metavar="S", help="wall-clock budget (default 10 s)")
+    p.add_argument("--time-budget", type=float, default=10.0, metavar="S",
+                   help="wall-clock budget from the start, library schedules and seeds included (default 10 s)")
     p.add_argument("--generations", type=int, default=None, metavar="N", help="generation budget (default none)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--workers", type=int, default=1, help="processes evaluating candidates (default 1)")
