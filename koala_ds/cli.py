@@ -26,8 +26,16 @@ class UserError(KoalaError):
     """A problem with what the user asked for; printed without a traceback."""
 
 
+class KoalaArgumentParser(argparse.ArgumentParser):
+    """argparse with its errors on one line (no usage block): `koala search: error: argument
+    --time-budget: must be a finite number > 0, got 'nan' (see koala search -h)`."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="koala", description="Pipeline schedules as data.")
+    parser = KoalaArgumentParser(prog="koala", description="Pipeline schedules as data.")
     parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:

@@ -8,7 +8,7 @@ from koala_ds import ir, library
 from koala_ds.cli import main
 from koala_ds.dsl import KoalaCompileError, KoalaSyntaxError, parse_program, python_program
 from koala_ds.dsl import program as program_mod
-from koala_ds.ir import Schedule, ScheduleError
+from koala_ds.ir import KoalaError, Schedule, ScheduleError
 
 
 def one_line_error(capsys, *argv):
@@ -156,6 +156,106 @@ def test_ctrl_c_during_seeding_answers_with_the_best_so_far(monkeypatch):
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("budget", ["nan", "inf", "-1", "0"])
 def test_search_budget_must_be_finite_and_positive(capsys, tmp_path, budget):
-    err = one_line_error(capsys, "search", "--profile", "uniform-4", "-m", "8", "--time-budget", budget,
-                         "-o", str(tmp_path / "x.koala"))
-    assert "--time-budget" in err and "finite" in err
+    from koala_ds.search import search
+    from koala_ds.search.problem import SearchError
+
+    with pytest.raises(SearchError, match="--time-budget must be a finite number of seconds > 0"):
+        search(_problem(8), time_budget=float(budget))
+    err = _argparse_error(capsys, "search", "--profile", "uniform-4", "-m", "8", f"--time-budget={budget}",
+                          "-o", str(tmp_path / "x.koala"))
+    assert "argument --time-budget: must be a finite number > 0" in err
+
+
+# -- float options are finite; JSON output is valid JSON -------------------------------------
+def _argparse_error(capsys, *argv):
+    with pytest.raises(SystemExit) as exc:
+        main(list(argv))
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and "\n" not in err, err
+    return err
+
+
+def _float_options():
+    """(subcommand path, flag, action) of every option of `koala` that takes a number with a point."""
+    import argparse
+
+    from koala_ds.cli import build_parser
+    from koala_ds.commands import nonnegative_float, positive_float
+
+    out = []
+
+    def walk(parser, path):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, path + [name])
+            elif action.type in (float, positive_float, nonnegative_float):
+                out.append((path, action.option_strings[-1], action))
+    walk(build_parser(), [])
+    return out
+
+
+def test_every_float_option_is_checked(capsys):
+    from koala_ds.commands import nonnegative_float, positive_float
+
+    options = _float_options()
+    assert {flag for _, flag, _ in options} >= {"--time-budget", "--memory-limit", "--exact-time-limit",
+                                                "--p2p-latency", "--p2p-timeout", "--timeout"}
+    for path, flag, action in options:
+        assert action.type in (positive_float, nonnegative_float), (path, flag)
+        for bad in ("nan", "inf", "-inf", "1e400", "-1", "x"):
+            err = _argparse_error(capsys, *path, f"{flag}={bad}")
+            assert f"argument {flag}: must be a finite number" in err, err
+
+
+def test_memory_limit_inf_is_refused_and_an_infinite_profile_limit_is_none(capsys, tmp_path):
+    err = _argparse_error(capsys, "search", "--profile", "uniform-4", "-m", "8", "--memory-limit", "inf",
+                          "-o", str(tmp_path / "x.koala"))
+    assert "--memory-limit" in err
+    from koala_ds.sim import CostProfile
+
+    prof = tmp_path / "inf.json"
+    prof.write_text(CostProfile.uniform(4, memory_limit_mb=float("inf")).to_json().replace("inf", "Infinity"))
+    assert main(["search", "--profile", str(prof), "-m", "8", "--time-budget", "1", "--quiet",
+                 "-o", str(tmp_path / "x.koala")]) == 0
+    capsys.readouterr()
+    assert main(["simulate", "1f1b", "-m", "8", "--profile", str(prof), "--json"]) == 0
+    assert _strict_json(capsys.readouterr().out)["memory_limit_mb"] == [None] * 4
+
+
+def _strict_json(text):
+    import json
+
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def _profile(tmp_path, value):
+    import json
+
+    stage = {"forward": value, "backward_input": value, "backward_weight": value, "activation_mb": 1.0,
+             "w_hold_mb": 0.0}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"version": 1, "p2p_latency": 0.0, "stages": [stage] * 4}))
+    return str(path)
+
+
+def test_json_output_is_valid_json(capsys, tmp_path):
+    err = one_line_error(capsys, "simulate", "1f1b", "-m", "8", "--profile", _profile(tmp_path, 1e308), "--json")
+    assert "MAX_PROFILE_NUMBER" in err and "stages[0].forward" in err
+    big = _profile(tmp_path, 1e12)  # the largest allowed: every sum stays finite
+    for argv in (["simulate", "1f1b", "-m", "64", "--json", "--timeline"], ["compare", "-m", "64", "--json"]):
+        assert main(argv + ["--profile", big]) == 0
+        _strict_json(capsys.readouterr().out)
+    assert main(["simulate", "1f1b", "-m", "8", "--profile", _profile(tmp_path, 0), "--json"]) == 0
+    assert _strict_json(capsys.readouterr().out)["makespan"] == 0
+
+
+def test_dumps_json_refuses_non_finite_numbers():
+    from koala_ds.commands import dumps_json
+
+    assert dumps_json({"x": 1.5}) == '{"x": 1.5}'
+    with pytest.raises(KoalaError, match="not finite"):
+        dumps_json({"x": float("inf")})

@@ -6,11 +6,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from pathlib import Path
 
 from ..ir import KoalaError, Schedule
+from . import dumps_json
 from .table import format_table
 from ..sim import (MODES, CostProfile, SimResult, bundled_profiles, load_profile, lower_bound_for, simulate,
                    unit_profile)
@@ -101,7 +101,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.json:
         out = {"schedule": schedule.name, "profile": profile.source, **result.to_dict(timeline=args.timeline),
                "lower_bound": bound.to_dict()}
-        print(json.dumps(out, indent=1))
+        print(dumps_json(out, indent=1))
     else:
         print(f"{schedule.name}: p={schedule.p} m={schedule.m} v={schedule.v} "
               f"placement={schedule.placement.describe()} backward={schedule.backward}, {profile.source}, "
@@ -166,7 +166,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     p = args.p if args.p is not None else _default_p(profile, v)
     rows, skipped = compare_rows(profile, p, args.m, v, args.mode)
     if args.json:
-        print(json.dumps({"profile": profile.source, "p": p, "m": args.m, "v": v, "mode": args.mode,
+        print(dumps_json({"profile": profile.source, "p": p, "m": args.m, "v": v, "mode": args.mode,
                           "schedules": rows, "skipped": skipped}, indent=1))
         return 0
     if not rows:

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from ..dsl import print_schedule
+from . import positive_float
 from ..ir import KoalaError
 from .table import format_table
 from ..search.problem import BACKWARD_CHOICES, PLACEMENT_CHOICES, relative_gap
@@ -21,7 +22,7 @@ def result_table(result, limit: float | None) -> str:
     base = next((r.makespan for r in result.library if r.name == "1f1b"), None)
 
     def row(name: str, ms: float, bubble: float, peak: float, fits: bool, note: str) -> tuple:
-        return (name, f"{ms:.6g}", "-" if base is None else f"{base / ms:.3f}x", f"{bubble:.1%}", f"{peak:.6g}",
+        return (name, f"{ms:.6g}", "-" if base is None or ms <= 0 else f"{base / ms:.3f}x", f"{bubble:.1%}", f"{peak:.6g}",
                 "-" if limit is None else ("yes" if fits else "NO"),
                 f"{relative_gap(ms, result.lower_bound):+.2%}" if result.lower_bound > 0 else "-", note)
 
@@ -128,8 +129,9 @@ def cmd_search(args: argparse.Namespace) -> int:
     if best is None:
         print("no predefined schedule fits the memory limit")
     else:
+        speed = f"{best.makespan / result.makespan:.3f}x" if result.makespan > 0 else "-"
         print(f"best predefined schedule that fits: {best.name} {best.makespan:.6g} ms; searched is "
-              f"{best.makespan / result.makespan:.3f}x its speed")
+              f"{speed} its speed")
     if exact_line:
         print(exact_line)
     print(f"wrote {out}")
@@ -153,21 +155,21 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="auto: search both and answer with the faster (default; split only when every stage's "
                         "B >= I + W, as without the profile's 'backward'); split: backward as I + W "
                         "(zero-bubble style); full: B only")
-    p.add_argument("--memory-limit", type=float, default=None, metavar="MB",
+    p.add_argument("--memory-limit", type=positive_float, default=None, metavar="MB",
                    help="per-rank activation memory limit (default: the profile's, else 1F1B's peak)")
     p.add_argument("--placement", choices=PLACEMENT_CHOICES, default="default",
                    help="placements to search: default = the single-copy ones valid for -v (linear for v=1; "
                         "interleaved and vshape for v>=2); bidirectional keeps two copies of the weights "
                         "(Chimera; not charged by the memory model, not runnable by the engine adapters); "
                         "any = default + bidirectional")
-    p.add_argument("--time-budget", type=float, default=10.0, metavar="S",
+    p.add_argument("--time-budget", type=positive_float, default=10.0, metavar="S",
                    help="wall-clock budget from the start, library schedules and seeds included (default 10 s)")
     p.add_argument("--generations", type=int, default=None, metavar="N", help="generation budget (default none)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--workers", type=int, default=1, help="processes evaluating candidates (default 1)")
     p.add_argument("--exact", action="store_true",
                    help="then run the exact CP-SAT solver (extra 'exact') hinted with the result")
-    p.add_argument("--exact-time-limit", type=float, default=60.0, metavar="S",
+    p.add_argument("--exact-time-limit", type=positive_float, default=60.0, metavar="S",
                    help="time limit of --exact (default 60 s); where it does not prove the optimum, a "
                         "relaxation bound gets as long again")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
