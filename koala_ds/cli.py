@@ -29,10 +29,18 @@ class UserError(KoalaError):
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
+class KoalaArgumentParser(argparse.ArgumentParser):
+    """argparse with its errors on one line (no usage block): `koala search: error: argument
+    --time-budget: must be a finite number > 0, got 'nan' (see koala search -h)`."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    parser = argparse.ArgumentParser(prog="koala", description="Pipeline schedules as data.")
+    parser = KoalaArgumentParser(prog="koala", description="Pipeline schedules as data.")
     parser.add_argument("--version", action="version", version=f"koala-ds {__version__}")
     parser.add_argument("--log-level", default="WARNING", type=str.upper, choices=LOG_LEVELS,
                         help="logging level (default WARNING)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import json
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Iterable, Sequence
@@ -20,6 +21,29 @@ class KoalaError(ValueError):
 
 class ScheduleError(KoalaError):
     """A schedule that breaks a rule of the IR (validation, deadlock, bad input)."""
+
+
+#: The most actions a schedule may have (all ranks together): `koala` refuses larger ones
+#: before compiling or loading them. A schedule has p * v * m * 2 actions (backward full) or
+#: p * v * m * 3 (split); compile, validation and simulation take about 0.45 KB and a few
+#: microseconds per action (2 M actions: about 1 GB). Change -m, -p or -v to stay below.
+MAX_ACTIONS = 2_000_000
+
+
+def size_error(p: int, m: int, v: int, backward: str = "full") -> str | None:
+    """None when a (p, m, v) schedule stays within MAX_ACTIONS; else a one-line reason."""
+    per = 3 if backward == "split" else 2
+    n = p * v * m * per
+    if n <= MAX_ACTIONS:
+        return None
+    return (f"p={p}, m={m}, v={v} gives p*v*m*{per} = {n:,} actions (backward {backward}), over the "
+            f"limit of {MAX_ACTIONS:,} (MAX_ACTIONS): use a smaller -m, -p or -v")
+
+
+def _check_count(n: int, source: str) -> None:
+    if n > MAX_ACTIONS:
+        raise ScheduleError(f"{source}: {n:,} actions, over the limit of {MAX_ACTIONS:,} (MAX_ACTIONS): "
+                            f"use a smaller -m, -p or -v")
 
 
 class Op(str, enum.Enum):
@@ -35,7 +59,7 @@ class Op(str, enum.Enum):
 _ACTION_RE = re.compile(r"^\s*(\d+)\s*([FIWB])\s*(\d+)\s*$")
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True, order=True, slots=True)
 class Action:
     """One compute action: `op` of virtual `stage` on `microbatch`. Text form `3I7`."""
 
@@ -98,7 +122,7 @@ class Placement:
         ranks = set(self.stage_ranks)
         if ranks != set(range(len(ranks))):
             raise ScheduleError(f"placement: ranks {sorted(ranks)} must be 0..p-1 with none unused")
-        counts = {r: self.stage_ranks.count(r) for r in ranks}
+        counts = dict(Counter(self.stage_ranks))
         if len(set(counts.values())) != 1:
             raise ScheduleError(f"placement: ranks hold different numbers of stages {counts}")
 
@@ -265,6 +289,7 @@ class Schedule:
         try:
             pl = data["placement"]
             placement = Placement(tuple(pl["stage_ranks"]), int(pl.get("pipelines", 1)), pl.get("style", "map"))
+            _check_count(sum(len(rank) for rank in data["ranks"]), source)
             ranks = tuple(tuple(Action.parse(a) for a in rank) for rank in data["ranks"])
             return cls(int(data["p"]), int(data["m"]), int(data["v"]), placement, ranks,
                        data.get("backward", "full"), data.get("name", "schedule"))
@@ -293,6 +318,7 @@ class Schedule:
                        placement: Placement | None = None, source: str = "<csv>") -> "Schedule":
         """Read a compute-only CSV. The placement is inferred (which rank runs each stage)
         unless given; the backward mode is split when any I or W appears."""
+        _check_count(sum(1 for cell in text.replace("\n", ",").split(",") if cell.strip()), source)
         rows: list[list[Action]] = []
         for lineno, line in enumerate(text.splitlines(), 1):
             cells = [c.strip() for c in line.split(",")]

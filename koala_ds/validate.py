@@ -5,10 +5,9 @@ marked, so that a user sees where the schedule goes wrong.
 """
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
-from .ir import Action, Op, Schedule, ScheduleError
+from .ir import MAX_ACTIONS, Action, Op, Schedule, ScheduleError
 
 BACKWARD_INPUT_OPS = (Op.I, Op.B)
 
@@ -78,35 +77,76 @@ class DryRun:
     peak_pending_w: list[int]  # per rank, weight-gradient steps waiting
 
 
+def _dependency_keys(schedule: Schedule) -> list[list[tuple[tuple[int, ...], int]]]:
+    """Per rank and action, (its data dependencies, its own key), as keys into the end-time
+    table: 2k = forward of (stage, mb) key k = stage * m + mb, 2k + 1 = its input gradient
+    (I or B); W needs its I and has no key of its own (-1)."""
+    spp, m = schedule.placement.stages_per_pipeline, schedule.m
+    out = []
+    for actions in schedule.ranks:
+        row = []
+        for a in actions:
+            s, k = a.stage, a.stage * m + a.microbatch
+            if a.op is Op.F:
+                row.append((() if s % spp == 0 else (2 * (k - m),), 2 * k))
+            elif a.op is Op.W:
+                row.append(((2 * k + 1,), -1))
+            else:
+                row.append(((2 * k,) if (s + 1) % spp == 0 else (2 * k, 2 * (k + m) + 1), 2 * k + 1))
+        out.append(row)
+    return out
+
+
+def _key_text(schedule: Schedule, key: int, bwd: dict[int, Op]) -> str:
+    k, kind = divmod(key, 2)
+    stage, mb = divmod(k, schedule.m)
+    op = Op.F if kind == 0 else bwd.get(k, Op.B)
+    return str(Action(op, stage, mb))
+
+
+def _run_ranks(schedule: Schedule, deps: list) -> tuple[list[list[int]], list[int], list[int]]:
+    """Unit-time execution; a rank waits on the first missing key of its next action and is
+    woken when that key completes, so every action is looked at O(1) times."""
+    p = schedule.p
+    end = [-1] * (2 * schedule.num_stages * schedule.m)
+    free, ptr = [0] * p, [0] * p
+    steps: list[list[int]] = [[] for _ in range(p)]
+    waiters: dict[int, list[int]] = {}
+    ready = list(range(p - 1, -1, -1))
+    while ready:
+        r = ready.pop()
+        dl_row, t, row = deps[r], free[r], steps[r]
+        i, n = ptr[r], len(dl_row)
+        while i < n:
+            dl, key = dl_row[i]
+            start, blocked = t, -1
+            for d in dl:
+                if end[d] < 0:
+                    blocked = d
+                    break
+                if end[d] > start:
+                    start = end[d]
+            if blocked >= 0:
+                waiters.setdefault(blocked, []).append(r)
+                break
+            row.append(start)
+            t = start + 1
+            if key >= 0:
+                end[key] = t
+                if key in waiters:
+                    ready += waiters.pop(key)
+            i += 1
+        free[r], ptr[r] = t, i
+    return steps, free, ptr
+
+
 def dry_run(schedule: Schedule) -> DryRun:
     """Execute every rank's order with unit-time actions; raise on deadlock."""
-    bwd_op = {(a.stage, a.microbatch): a.op for r in schedule.ranks for a in r if a.op in BACKWARD_INPUT_OPS}
-    deps = [[cross_dependencies(schedule, a, bwd_op) for a in rank] for rank in schedule.ranks]
-    end: dict[Action, int] = {}
-    free = [0] * schedule.p
-    ptr = [0] * schedule.p
-    steps: list[list[int]] = [[] for _ in range(schedule.p)]
-    remaining = schedule.num_actions
-    while remaining:
-        progress = False
-        for r, actions in enumerate(schedule.ranks):
-            while ptr[r] < len(actions):
-                dl = deps[r][ptr[r]]
-                if any(d not in end for d in dl):
-                    break
-                start = max([free[r]] + [end[d] for d in dl])
-                steps[r].append(start)
-                free[r] = start + 1
-                end[actions[ptr[r]]] = start + 1
-                ptr[r] += 1
-                remaining -= 1
-                progress = True
-        if not progress:
-            waiting = [(r, schedule.ranks[r][ptr[r]]) for r in range(schedule.p) if ptr[r] < len(schedule.ranks[r])]
-            desc = "; ".join(f"rank {r} waits at {a} for "
-                             f"{', '.join(str(d) for d in deps[r][ptr[r]] if d not in end)}" for r, a in waiting)
-            _fail(schedule, f"deadlock with non-blocking sends and blocking receives: {desc}",
-                  waiting[0][1], waiting[0][0])
+    deps = _dependency_keys(schedule)
+    steps, free, ptr = _run_ranks(schedule, deps)
+    waiting = [(r, schedule.ranks[r][ptr[r]]) for r in range(schedule.p) if ptr[r] < len(schedule.ranks[r])]
+    if waiting:
+        _deadlock(schedule, deps, steps, ptr, waiting)
     peaks, pend = [], []
     for rank in schedule.ranks:
         held = pw = peak = peak_w = 0
@@ -125,44 +165,91 @@ def dry_run(schedule: Schedule) -> DryRun:
     return DryRun(steps, max(free), peaks, pend)
 
 
+def _deadlock(schedule: Schedule, deps: list, steps: list[list[int]], ptr: list[int],
+              waiting: list[tuple[int, Action]]) -> None:
+    m = schedule.m
+    bwd = {a.stage * m + a.microbatch: a.op for r in schedule.ranks for a in r if a.op in BACKWARD_INPUT_OPS}
+    done = set()
+    for r, actions in enumerate(schedule.ranks):
+        for a in actions[:ptr[r]]:
+            if a.op is not Op.W:
+                done.add(2 * (a.stage * m + a.microbatch) + (a.op is not Op.F))
+    desc = "; ".join(f"rank {r} waits at {a} for "
+                     f"{', '.join(_key_text(schedule, d, bwd) for d in deps[r][ptr[r]][0] if d not in done)}"
+                     for r, a in waiting)
+    _fail(schedule, f"deadlock with non-blocking sends and blocking receives: {desc}", waiting[0][1], waiting[0][0])
+
+
+def _check_rank(schedule: Schedule, r: int, allowed: set, flags: dict) -> None:
+    """The per-action rules of rank r, in order; marks each action done in `flags`."""
+    placement, m = schedule.placement, schedule.m
+    n, stage_ranks, pipelines, spp = placement.num_stages, placement.stage_ranks, placement.pipelines, \
+        placement.stages_per_pipeline
+    f_done, i_done = flags[Op.F], flags[Op.I]
+    for a in schedule.ranks[r]:
+        s, mb, op = a.stage, a.microbatch, a.op
+        if s >= n or stage_ranks[s] != r or mb >= m or mb % pipelines != s // spp or op not in allowed:
+            _check_action(schedule, r, a, allowed, flags)  # raises with the reason
+        k = s * m + mb
+        done = flags[op]
+        if done[k] or (op is Op.W and not i_done[k]) or (op is not Op.F and op is not Op.W and not f_done[k]):
+            _check_action(schedule, r, a, allowed, flags)
+        done[k] = 1
+
+
+def _check_action(schedule: Schedule, r: int, a: Action, allowed: set, flags: dict) -> None:
+    """The per-action rules (placement, range, op, order); marks the action done."""
+    placement, m = schedule.placement, schedule.m
+    s, mb = a.stage, a.microbatch
+    if s >= placement.num_stages:
+        _fail(schedule, f"{a}: stage {s} does not exist (stages 0..{placement.num_stages - 1})", a, r)
+    if placement.stage_ranks[s] != r:
+        _fail(schedule, f"{a} is on rank {r} but stage {s} lives on rank {placement.rank_of(s)}", a, r)
+    if mb >= m or mb % placement.pipelines != placement.pipeline_of(s):
+        _fail(schedule, f"{a}: microbatch {mb} does not pass through stage {s} (m={m})", a, r)
+    if a.op not in allowed:
+        _fail(schedule, f"{a}: op {a.op} needs 'backward split' (schedule is backward full)", a, r)
+    k = s * m + mb
+    if flags[a.op][k]:
+        _fail(schedule, f"{a} appears twice", a, r)
+    if a.op in BACKWARD_INPUT_OPS and not flags[Op.F][k]:
+        _fail(schedule, f"{a} runs before its forward {s}F{mb}", a, r)
+    if a.op is Op.W and not flags[Op.I][k]:
+        _fail(schedule, f"{a} runs before its input-gradient step {s}I{mb}", a, r)
+    flags[a.op][k] = 1
+
+
+def _check_complete(schedule: Schedule, flags: dict) -> None:
+    placement, m = schedule.placement, schedule.m
+    f, b, i, w = flags[Op.F], flags[Op.B], flags[Op.I], flags[Op.W]
+    for stage in range(placement.num_stages):
+        for mb in placement.microbatches_of(stage, m):
+            k = stage * m + mb
+            if f[k] and ((b[k] and not i[k] and not w[k]) or (i[k] and w[k] and not b[k])):
+                continue
+            rank = placement.rank_of(stage)
+            if not f[k]:
+                _fail(schedule, f"missing forward {stage}F{mb} on rank {rank}")
+            _fail(schedule, f"stage {stage} microbatch {mb} needs one B or one I and one W on rank {rank}; "
+                            f"has B x{b[k]}, I x{i[k]}, W x{w[k]}")
+
+
 def validate(schedule: Schedule) -> DryRun:
-    """Check every rule; return the unit-time dry run. Raises `ScheduleError`."""
+    """Check every rule; return the unit-time dry run. Raises `ScheduleError`.
+
+    Time and memory are O(actions + stages * m): each (op, stage, microbatch) is a flag in a
+    dense table (a stage lives on one rank, so a repeat anywhere is a repeat on that rank)."""
     placement = schedule.placement
     if placement.num_stages != schedule.p * schedule.v * placement.pipelines:
         _fail(schedule, f"placement has {placement.num_stages} stages, expected p*v*pipelines = "
                         f"{schedule.p * schedule.v * placement.pipelines}")
+    if schedule.num_actions > MAX_ACTIONS:
+        raise ScheduleError(f"schedule {schedule.name!r}: {schedule.num_actions:,} actions, over the limit of "
+                            f"{MAX_ACTIONS:,} (MAX_ACTIONS): use a smaller -m, -p or -v")
     allowed = {Op.F, Op.B} if schedule.backward == "full" else {Op.F, Op.I, Op.W, Op.B}
-    seen: Counter = Counter()
-    for r, actions in enumerate(schedule.ranks):
-        done: set[tuple[Op, int, int]] = set()
-        for a in actions:
-            if a.stage >= placement.num_stages:
-                _fail(schedule, f"{a}: stage {a.stage} does not exist (stages 0..{placement.num_stages - 1})", a, r)
-            if placement.rank_of(a.stage) != r:
-                _fail(schedule, f"{a} is on rank {r} but stage {a.stage} lives on rank "
-                                f"{placement.rank_of(a.stage)}", a, r)
-            if a.microbatch not in placement.microbatches_of(a.stage, schedule.m):
-                _fail(schedule, f"{a}: microbatch {a.microbatch} does not pass through stage {a.stage} "
-                                f"(m={schedule.m})", a, r)
-            if a.op not in allowed:
-                _fail(schedule, f"{a}: op {a.op} needs 'backward split' (schedule is backward full)", a, r)
-            key = (a.op, a.stage, a.microbatch)
-            if key in done:
-                _fail(schedule, f"{a} appears twice", a, r)
-            if a.op in (Op.I, Op.B) and (Op.F, a.stage, a.microbatch) not in done:
-                _fail(schedule, f"{a} runs before its forward {a.stage}F{a.microbatch}", a, r)
-            if a.op is Op.W and (Op.I, a.stage, a.microbatch) not in done:
-                _fail(schedule, f"{a} runs before its input-gradient step {a.stage}I{a.microbatch}", a, r)
-            done.add(key)
-            seen[key] += 1
-    for stage in range(placement.num_stages):
-        for mb in placement.microbatches_of(stage, schedule.m):
-            has = {op: seen[(op, stage, mb)] for op in Op}
-            rank = placement.rank_of(stage)
-            if not has[Op.F]:
-                _fail(schedule, f"missing forward {stage}F{mb} on rank {rank}")
-            full, split = has[Op.B] == 1 and not has[Op.I] and not has[Op.W], has[Op.I] == 1 and has[Op.W] == 1 and not has[Op.B]
-            if not (full or split):
-                _fail(schedule, f"stage {stage} microbatch {mb} needs one B or one I and one W on rank {rank}; "
-                                f"has B x{has[Op.B]}, I x{has[Op.I]}, W x{has[Op.W]}")
+    n = placement.num_stages * schedule.m
+    flags = {op: bytearray(n) for op in Op}
+    for r in range(schedule.p):
+        _check_rank(schedule, r, allowed, flags)
+    _check_complete(schedule, flags)
     return dry_run(schedule)

@@ -6,12 +6,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from pathlib import Path
 
 from ..ir import KoalaError, Schedule
 from ..outputs import check_output
+from . import dumps_json, positive_float
 from .bounds import NO_FIT, ConfigBound, configuration_bound
 from .table import format_table
 from ..sim import (MODES, CostProfile, SimResult, bundled_profiles, load_profile, simulate,
@@ -177,7 +177,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                "lower_bound": None if bound is None else bound.to_dict(),
                "over_bound": None if bound is None else bound.over(result.makespan, fits, weight_copies(schedule)),
                "fits_bound_memory_limit": fits}
-        print(json.dumps(out, indent=1))
+        print(dumps_json(out, indent=1))
     else:
         _print_simulation(schedule, profile, result, bound, args)
     _write_files(schedule, result, args)
@@ -239,7 +239,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     found = configuration_bound(profile, p, args.m, v, args.memory_limit)
     rows, skipped = compare_rows(profile, p, args.m, v, args.mode, args.memory_limit)
     if args.json:
-        print(json.dumps({"profile": profile.source, "p": p, "m": args.m, "v": v, "mode": args.mode,
+        print(dumps_json({"profile": profile.source, "p": p, "m": args.m, "v": v, "mode": args.mode,
                           "lower_bound": None if found is None else found[0].to_dict(),
                           "schedules": rows, "skipped": skipped}, indent=1))
         return 0
@@ -286,7 +286,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-p", type=int, default=None, help="pipeline ranks (default: the profile's stages / v)")
     p.add_argument("-v", type=int, default=None, help="model chunks per rank (default 1)")
     p.add_argument("--mode", choices=MODES, default="async", help="communication mode (default async)")
-    p.add_argument("--memory-limit", type=float, default=None, metavar="MB",
+    p.add_argument("--memory-limit", type=positive_float, default=None, metavar="MB",
                    help="per-rank activation memory limit (default: the profile's, else 1F1B's peak, as in "
                         "`koala search`)")
     p.add_argument("--json", action="store_true", help="print the table as JSON")

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import logging
 import sys
 
 from ..ir import KoalaError
 from ..outputs import atomic_write, check_output
+from . import dumps_json, nonnegative_float, positive_float
 
 log = logging.getLogger(__name__)
 
@@ -21,10 +21,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", required=True, metavar="prof.json", help="write the profile here")
     p.add_argument("--warmup", type=int, default=2, help="microbatches run before measuring (default 2)")
     p.add_argument("--iters", type=int, default=10, help="microbatches measured per stage; the median counts (default 10)")
-    p.add_argument("--p2p-latency", type=float, default=None, metavar="MS",
+    p.add_argument("--p2p-latency", type=nonnegative_float, default=None, metavar="MS",
                    help="write this p2p latency instead of measuring it (2-process gloo ping-pong)")
-    p.add_argument("--p2p-timeout", type=float, default=120.0, metavar="S", help="deadline of the ping-pong (default 120 s)")
-    p.add_argument("--memory-limit", type=float, default=None, metavar="MB", help="write this per-rank memory limit")
+    p.add_argument("--p2p-timeout", type=positive_float, default=120.0, metavar="S", help="deadline of the ping-pong (default 120 s)")
+    p.add_argument("--memory-limit", type=positive_float, default=None, metavar="MB", help="write this per-rank memory limit")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: one pipeline rank per process and core)")
@@ -64,7 +64,7 @@ def _finish(args, result) -> int:
 
     data = result.to_dict()
     CostProfile.from_dict(data, source=args.output)  # what we write must load
-    atomic_write(args.output, json.dumps(data, indent=1) + "\n", "-o")
+    atomic_write(args.output, dumps_json(data, indent=1) + "\n", "-o")
     print(f"{'stage':>5}  {'F ms':>9}  {'I ms':>9}  {'W ms':>9}  {'B ms':>9}  {'(I+W)/B':>7}  {'act MiB':>9}  "
           f"{'W-hold MiB':>10}")
     for s, st in enumerate(data["stages"]):
@@ -202,5 +202,5 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "the memory available)")
     q.add_argument("--dtype", default="float32")
     q.add_argument("--iters", type=int, default=50)
-    q.add_argument("--timeout", type=float, default=120.0, metavar="S")
+    q.add_argument("--timeout", type=positive_float, default=120.0, metavar="S")
     q.set_defaults(func=cmd_p2p)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .. import library
 from ..dsl import print_schedule
-from ..ir import KoalaError, Schedule
+from ..ir import MAX_ACTIONS, KoalaError, Schedule
 from ..outputs import atomic_write, check_output
 from ..validate import render_grid, validate
 from .table import format_table
@@ -21,7 +21,8 @@ def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("schedule", metavar="NAME|FILE",
                         help="a library schedule name (see `koala list`), a .koala program, or a .json/.csv schedule")
     parser.add_argument("-p", type=int, help="pipeline ranks")
-    parser.add_argument("-m", type=int, help="microbatches per step")
+    parser.add_argument("-m", type=int, help=f"microbatches per step; a schedule has p*v*m*2 actions (*3 with "
+                                             f"backward split), at most {MAX_ACTIONS:,} (docs/dsl.md, Limits)")
     parser.add_argument("-v", type=int, default=None, help="model chunks per rank (default 1)")
 
 

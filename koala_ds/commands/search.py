@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
 from pathlib import Path
 
 from ..dsl import print_schedule
 from ..ir import KoalaError
 from ..outputs import atomic_write, check_output
+from . import positive_float
 from .bounds import ConfigBound, from_problem
 from .model import GANTT_SUFFIXES
 from .table import format_table
@@ -26,7 +28,7 @@ def result_table(result, limit: float | None, bound: ConfigBound | None = None) 
         bound = ConfigBound(result.lower_bound, "", (result.memory_limit,), result.memory_limit_source)
 
     def row(name: str, ms: float, bubble: float, peak: float, fits: bool, copies: int, note: str) -> tuple:
-        return (name, f"{ms:.6g}", "-" if base is None else f"{base / ms:.3f}x", f"{bubble:.1%}", f"{peak:.6g}",
+        return (name, f"{ms:.6g}", "-" if base is None or ms <= 0 else f"{base / ms:.3f}x", f"{bubble:.1%}", f"{peak:.6g}",
                 "-" if limit is None else ("yes" if fits else "NO"),
                 bound.text(ms, fits, copies) if bound.value > 0 else "-", note)
 
@@ -141,6 +143,8 @@ def _report(args, problem, result, out: Path, exact_line: str | None) -> None:
     if result.interrupted:
         print(f"interrupted: wrote the best schedule so far to {out}")
     print(result_table(result, problem.memory_limit_mb, bound))
+    if result.library_skipped:
+        print(f"not simulated (out of time): {', '.join(result.library_skipped)}")
     own = "" if bound is None or abs(bound.value - result.lower_bound) <= 1e-9 * max(1.0, bound.value) else \
         f" (bound of the schedules searched with --backward {args.backward} --placement {args.placement}: " \
         f"{result.lower_bound:.6g} ms, {result.gap:+.2%})"
@@ -158,8 +162,9 @@ def _report(args, problem, result, out: Path, exact_line: str | None) -> None:
     if best is None:
         print("no predefined schedule fits the memory limit")
     else:
+        speed = f"{best.makespan / result.makespan:.3f}x" if result.makespan > 0 else "-"
         print(f"best predefined schedule that fits: {best.name} {best.makespan:.6g} ms; searched is "
-              f"{best.makespan / result.makespan:.3f}x its speed")
+              f"{speed} its speed")
     if exact_line:
         print(exact_line)
     print(f"wrote {out}")
@@ -168,6 +173,7 @@ def _report(args, problem, result, out: Path, exact_line: str | None) -> None:
 def cmd_search(args: argparse.Namespace) -> int:
     from ..search import search
 
+    started = time.perf_counter()  # the time budget counts from here
     out = _check_args(args)
     profile = load_profile(args.profile)
     problem = _problem(args, profile)
@@ -179,7 +185,7 @@ def cmd_search(args: argparse.Namespace) -> int:
               f"{', '.join(pl.describe() for pl in problem.placements or [])}, "
               f"budget {args.time_budget:g} s" + (f" / {args.generations} generations" if args.generations else ""))
     result = search(problem, time_budget=args.time_budget, generations=args.generations, seed=args.seed,
-                    workers=args.workers, progress=not args.quiet)
+                    workers=args.workers, progress=not args.quiet, started=started)
     # write first: an interrupted search still leaves the best schedule so far on disk
     _write(out, result.schedule, profile.source)
     exact_line = _run_exact(args, problem, result, out) if args.exact and not result.interrupted else None
@@ -204,20 +210,21 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="auto: search both and answer with the faster (default; split only when every stage's "
                         "B >= I + W, as without the profile's 'backward'); split: backward as I + W "
                         "(zero-bubble style); full: B only")
-    p.add_argument("--memory-limit", type=float, default=None, metavar="MB",
+    p.add_argument("--memory-limit", type=positive_float, default=None, metavar="MB",
                    help="per-rank activation memory limit (default: the profile's, else 1F1B's peak)")
     p.add_argument("--placement", choices=PLACEMENT_CHOICES, default="default",
                    help="placements to search: default = the single-copy ones valid for -v (linear for v=1; "
                         "interleaved and vshape for v>=2); bidirectional keeps two copies of the weights "
                         "(Chimera; not charged by the memory model, not runnable by the engine adapters); "
                         "any = default + bidirectional")
-    p.add_argument("--time-budget", type=float, default=10.0, metavar="S", help="wall-clock budget (default 10 s)")
+    p.add_argument("--time-budget", type=positive_float, default=10.0, metavar="S",
+                   help="wall-clock budget from the start, library schedules and seeds included (default 10 s)")
     p.add_argument("--generations", type=int, default=None, metavar="N", help="generation budget (default none)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--workers", type=int, default=1, help="processes evaluating candidates (default 1)")
     p.add_argument("--exact", action="store_true",
                    help="then run the exact CP-SAT solver (extra 'exact') hinted with the result")
-    p.add_argument("--exact-time-limit", type=float, default=60.0, metavar="S",
+    p.add_argument("--exact-time-limit", type=positive_float, default=60.0, metavar="S",
                    help="time limit of --exact (default 60 s); where it does not prove the optimum, a "
                         "relaxation bound gets as long again")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -15,6 +15,9 @@ HEADERS = ("schedule", "description", "source", "supports", "placement", "backwa
 COMPACT_MODES = ("greedy",)
 FUNCTIONS = {"min": (1, None), "max": (1, None), "abs": (1, 1)}
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*$")
+#: How deep parentheses, unary '-' / 'not', function calls, op groups and indented blocks may
+#: nest. A flat chain (`1 + 1 + ...`, `a and b and ...`) of any length is fine.
+MAX_NESTING = 64
 
 
 class KoalaSyntaxError(KoalaError):
@@ -91,6 +94,9 @@ def _line_tree(text: str, file: str) -> list[Line]:
         line = Line(number, indent, content.strip(), raw, [])
         while stack and stack[-1].indent >= indent:
             stack.pop()
+        if len(stack) > MAX_NESTING:
+            raise KoalaSyntaxError(f"blocks nested more than {MAX_NESTING} deep (MAX_NESTING)",
+                                   A.Pos(file, number, indent + 1, raw), "fewer nested 'for' / 'if' blocks")
         if stack:
             if not stack[-1].content.endswith(":"):
                 raise KoalaSyntaxError("unexpected indentation", A.Pos(file, number, indent + 1, raw),
@@ -110,6 +116,13 @@ class _Tokens:
         self.line, self.file = line, file
         self.toks = tokenize(line.content[start:], line.number, line.indent + start + 1, file, line.full)
         self.i = 0
+        self.depth = 0  # nesting of the construct being parsed
+
+    def enter(self, tok: Tok) -> None:
+        self.depth += 1
+        if self.depth > MAX_NESTING:
+            raise KoalaSyntaxError(f"nested more than {MAX_NESTING} deep (MAX_NESTING)", tok.pos,
+                                   "fewer levels of parentheses, '-', 'not' or calls")
 
     @property
     def cur(self) -> Tok:
@@ -157,8 +170,11 @@ class _Tokens:
 
     def not_expr(self) -> A.Expr:
         if self.at("not"):
+            self.enter(self.cur)
             pos = self.next().pos
-            return A.Unary("not", self.not_expr(), pos)
+            out = A.Unary("not", self.not_expr(), pos)
+            self.depth -= 1
+            return out
         return self.comparison()
 
     def comparison(self) -> A.Expr:
@@ -188,8 +204,11 @@ class _Tokens:
 
     def unary(self) -> A.Expr:
         if self.at("-"):
+            self.enter(self.cur)
             pos = self.next().pos
-            return A.Unary("-", self.unary(), pos)
+            out = A.Unary("-", self.unary(), pos)
+            self.depth -= 1
+            return out
         return self.atom()
 
     def atom(self) -> A.Expr:
@@ -203,12 +222,13 @@ class _Tokens:
                 if tok.text not in FUNCTIONS:
                     raise KoalaSyntaxError(f"unknown function {tok.text!r}", tok.pos,
                                            "one of " + ", ".join(FUNCTIONS))
-                self.next()
+                self.enter(self.next())
                 args = [self.expr()]
                 while self.at(","):
                     self.next()
                     args.append(self.expr())
                 self.expect(")", "',' or ')'")
+                self.depth -= 1
                 lo, hi = FUNCTIONS[tok.text]
                 if len(args) < lo or (hi is not None and len(args) > hi):
                     raise KoalaSyntaxError(f"{tok.text}() takes {lo if hi == lo else f'at least {lo}'} "
@@ -216,9 +236,10 @@ class _Tokens:
                 return A.Call(tok.text, tuple(args), tok.pos)
             return A.Name(tok.text, tok.pos)
         if self.at("("):
-            self.next()
+            self.enter(self.next())
             inner = self.expr()
             self.expect(")", "')'")
+            self.depth -= 1
             return inner
         self.fail("a number, a name, '(' or a function call")
 
@@ -243,9 +264,10 @@ class _Tokens:
     def item(self) -> A.Item:
         tok = self.cur
         if self.at("("):
-            self.next()
+            self.enter(self.next())
             inner = self.items(")")
             self.expect(")", "an op or ')'")
+            self.depth -= 1
             item: A.Item = A.Group(inner, tok.pos)
         elif tok.kind == "name" and tok.text in OPS:
             self.next()

@@ -20,7 +20,7 @@ def rank_tokens(schedule: Schedule, rank: int) -> list[str]:
     for a in schedule.ranks[rank]:
         op, stage, mb = a.op.value, a.stage, a.microbatch
         chunk = placement.chunk_of(stage)
-        if a.op is Op.W and emitter.pending_w and emitter.pending_w[0] == (stage, mb):
+        if a.op is Op.W and emitter.oldest_pending_w() == (stage, mb):
             out.append("W")
             emitter.emit("W")
             continue

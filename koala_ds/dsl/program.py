@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..ir import Action, KoalaError, Op, Placement, Schedule, ScheduleError
+from ..ir import MAX_ACTIONS, Action, KoalaError, Op, Placement, Schedule, ScheduleError, size_error
 from ..validate import validate
 from . import ast as A
 from .compact import CompactError, Pass, compact_greedy
@@ -32,27 +32,97 @@ def _fmt_params(env: dict) -> str:
     return ", ".join(f"{k}={env[k]}" for k in ("p", "m", "v", "r") if k in env)
 
 
-class RankEmitter:
-    """Turns op requests into actions for one rank, tracking the implicit microbatch counters."""
+#: Loop passes (`for` iterations and `X * n` repetitions, all ranks together, emitting or not)
+#: one compile may run: LOOP_PASSES_PER_ACTION per action of the schedule, p * v * m * 2 (or 3
+#: with backward split), and at least MIN_LOOP_PASSES. The library needs at most 2 per action;
+#: a pass costs about a microsecond.
+LOOP_PASSES_PER_ACTION = 4
+MIN_LOOP_PASSES = 1_000_000
 
-    def __init__(self, placement: Placement, m: int, rank: int):
+
+def loop_pass_limit(p: int, m: int, v: int, backward: str = "full") -> int:
+    return max(MIN_LOOP_PASSES, LOOP_PASSES_PER_ACTION * p * v * m * (3 if backward == "split" else 2))
+
+
+class Budget:
+    """The actions and loop passes left to one compile; raises `KoalaError` when spent."""
+
+    def __init__(self, max_actions: int = MAX_ACTIONS, max_passes: int = MIN_LOOP_PASSES):
+        self.actions_left, self.passes_left = max_actions, max_passes
+        self.max_actions, self.max_passes = max_actions, max_passes
+
+    def spend_action(self) -> None:
+        self.actions_left -= 1
+        if self.actions_left < 0:
+            raise KoalaError(f"more than {self.max_actions:,} actions, the limit of one schedule "
+                             f"(MAX_ACTIONS): use a smaller -m, -p or -v")
+
+    def spend_passes(self, n: int, what: str) -> None:
+        """Charge `n` passes before a loop runs them."""
+        if n <= 0:
+            return
+        self.passes_left -= n
+        if self.passes_left < 0:
+            raise KoalaError(f"{what} of {n:,} passes goes over the limit of {self.max_passes:,} loop passes "
+                             f"for this p, m, v (LOOP_PASSES_PER_ACTION per action, at least MIN_LOOP_PASSES): "
+                             f"bound the loop by p, m or v")
+
+
+_CLASS = {"F": "F", "B": "B", "I": "B", "W": "W"}  # B and I share one counter
+_OP = {op.value: op for op in Op}
+
+
+class _Track:
+    """The microbatches one (op class, stage) has done, and a cursor to the first not done."""
+
+    __slots__ = ("used", "cursor", "mbs")
+
+    def __init__(self, mbs: range):
+        self.used: set[int] = set()
+        self.cursor, self.mbs = 0, mbs
+
+    def next(self) -> int | None:
+        i, mbs, used = self.cursor, self.mbs, self.used
+        while i < len(mbs) and mbs[i] in used:
+            i += 1
+        self.cursor = i
+        return mbs[i] if i < len(mbs) else None
+
+
+class RankEmitter:
+    """Turns op requests into actions for one rank, tracking the implicit microbatch counters.
+
+    Every request costs O(1) amortized: per (op class, stage) a `_Track`; pending weight
+    gradients are a FIFO with lazy deletion. `budget` (shared by the ranks of one compile)
+    caps the actions."""
+
+    def __init__(self, placement: Placement, m: int, rank: int, budget: "Budget | None" = None):
         self.placement, self.m, self.rank = placement, m, rank
         self.stages = placement.stages_of(rank)
+        self.budget = budget
         self.actions: list[Action] = []
         self.slot: int | None = None  # set by `slot`; recorded with each action
         self.slots: list[int | None] = []
-        self.done: dict[tuple[str, int], set[int]] = {}
-        self.pending_w: deque[tuple[int, int]] = deque()
+        self._tracks: dict[tuple[str, int], _Track] = {}
+        self._w_queue: deque[tuple[int, int]] = deque()  # I order; entries leave `_w_live` lazily
+        self._w_live: set[tuple[int, int]] = set()
 
-    def _used(self, cls: str, stage: int) -> set[int]:
-        return self.done.setdefault((cls, stage), set())
+    def _track(self, op: str, stage: int) -> _Track:
+        key = (_CLASS[op], stage)
+        track = self._tracks.get(key)
+        if track is None:
+            track = self._tracks[key] = _Track(self.placement.microbatches_of(stage, self.m))
+        return track
 
     def next_microbatch(self, op: str, stage: int) -> int | None:
-        used = self._used("B" if op in ("B", "I") else op, stage)
-        for mb in self.placement.microbatches_of(stage, self.m):
-            if mb not in used:
-                return mb
-        return None
+        return self._track(op, stage).next()
+
+    def oldest_pending_w(self) -> tuple[int, int] | None:
+        """(stage, microbatch) of the oldest I whose W has not run, or None."""
+        queue = self._w_queue
+        while queue and queue[0] not in self._w_live:
+            queue.popleft()
+        return queue[0] if queue else None
 
     def stage_of_chunk(self, chunk: int) -> int:
         if not 0 <= chunk < len(self.stages):
@@ -62,38 +132,47 @@ class RankEmitter:
 
     def emit(self, op: str, chunk: int | None = None, microbatch: int | None = None,
              optional: bool = False) -> bool:
-        """Append one action; return False when `optional` and nothing is left to do."""
+        """Append one action; return False when `optional` and nothing is left to do (which
+        leaves the emitter as it was, so the same request again returns False too)."""
         if op == "W" and chunk is None and microbatch is None:
-            if not self.pending_w:
-                if optional:
-                    return False
-                raise KoalaError(f"W on rank {self.rank}: no weight gradient is pending (no I without its W)")
-            stage, mb = self.pending_w[0]
-        else:
-            stage = self.stage_of_chunk(0 if chunk is None else chunk)
-            mb = self.next_microbatch(op, stage) if microbatch is None else microbatch
-            if mb is None or (optional and op == "W" and (stage, mb) not in self.pending_w):
-                if optional:
-                    return False
-                what = {"F": "forward", "B": "backward", "I": "backward", "W": "weight-gradient"}[op]
-                raise KoalaError(f"{op}[{chunk or 0}] on rank {self.rank}: every microbatch of stage {stage} "
-                                 f"already had its {what} step (m={self.m})")
-        cls = "B" if op in ("B", "I") else op
-        if mb in self._used(cls, stage):
+            return self._emit_oldest_w(optional)
+        stage = self.stage_of_chunk(0 if chunk is None else chunk)
+        track = self._track(op, stage)
+        mb = track.next() if microbatch is None else microbatch
+        if mb is None or (optional and op == "W" and (stage, mb) not in self._w_live):
+            if optional:
+                return False
+            what = {"F": "forward", "B": "backward", "I": "backward", "W": "weight-gradient"}[op]
+            raise KoalaError(f"{op}[{chunk or 0}] on rank {self.rank}: every microbatch of stage {stage} "
+                             f"already had its {what} step (m={self.m})")
+        if mb in track.used:
             if optional:
                 return False
             raise KoalaError(f"{op}@{mb} on rank {self.rank}, stage {stage}: microbatch {mb} already done")
-        self._used(cls, stage).add(mb)
-        if op == "I":
-            self.pending_w.append((stage, mb))
-        elif op == "W":
-            try:
-                self.pending_w.remove((stage, mb))
-            except ValueError:
-                pass
-        self.actions.append(Action(Op(op), stage, mb))
-        self.slots.append(self.slot)
+        self._append(op, stage, mb, track.used)
         return True
+
+    def _emit_oldest_w(self, optional: bool) -> bool:
+        target = self.oldest_pending_w()
+        if target is None:
+            if optional:
+                return False
+            raise KoalaError(f"W on rank {self.rank}: no weight gradient is pending (no I without its W)")
+        stage, mb = target
+        self._append("W", stage, mb, self._track("W", stage).used)
+        return True
+
+    def _append(self, op: str, stage: int, mb: int, used: set[int]) -> None:
+        if self.budget is not None:
+            self.budget.spend_action()
+        used.add(mb)
+        if op == "I":
+            self._w_queue.append((stage, mb))
+            self._w_live.add((stage, mb))
+        elif op == "W":
+            self._w_live.discard((stage, mb))
+        self.actions.append(Action(_OP[op], stage, mb))
+        self.slots.append(self.slot)
 
 
 class RankBuilder:
@@ -105,6 +184,8 @@ class RankBuilder:
     def _op(self, op: str, times: int, chunk: int | None, mb: int | None, optional: bool) -> None:
         if times < 0:
             raise KoalaError(f"{op}: repetition count {times} < 0")
+        if self._e.budget is not None:
+            self._e.budget.spend_passes(times, f"{op} repeated {times:,} times")
         for _ in range(times):
             self._e.emit(op, chunk, mb, optional)
 
@@ -134,24 +215,14 @@ _BIN = {
 _FUN = {"min": min, "max": max, "abs": abs}
 
 
-def evaluate(expr: A.Expr, env: dict) -> int:
-    if isinstance(expr, A.Num):
-        return expr.value
-    if isinstance(expr, A.Name):
-        if expr.id not in env:
-            known = ", ".join(sorted(env))
-            raise KoalaCompileError(f"{expr.pos}: unknown name {expr.id!r} (known here: {known})")
-        return env[expr.id]
-    if isinstance(expr, A.Unary):
-        val = evaluate(expr.operand, env)
-        return -val if expr.op == "-" else int(not val)
-    if isinstance(expr, A.Call):
-        return _FUN[expr.fn](*(evaluate(a, env) for a in expr.args))
-    if expr.op == "and":
-        return int(bool(evaluate(expr.left, env)) and bool(evaluate(expr.right, env)))
-    if expr.op == "or":
-        return int(bool(evaluate(expr.left, env)) or bool(evaluate(expr.right, env)))
-    left, right = evaluate(expr.left, env), evaluate(expr.right, env)
+def _name(expr: A.Name, env: dict) -> int:
+    if expr.id not in env:
+        known = ", ".join(sorted(env))
+        raise KoalaCompileError(f"{expr.pos}: unknown name {expr.id!r} (known here: {known})")
+    return env[expr.id]
+
+
+def _binary(expr: A.Binary, left: int, right: int, env: dict) -> int:
     if expr.op in ("//", "%"):
         if right == 0:
             raise KoalaCompileError(f"{expr.pos}: division by zero ({_fmt_params(env)})")
@@ -159,9 +230,48 @@ def evaluate(expr: A.Expr, env: dict) -> int:
     return int(_BIN[expr.op](left, right))
 
 
+def evaluate(expr: A.Expr, env: dict) -> int:
+    """The value of `expr`. A chain `a + b - c ...` is a left-deep tree as long as the chain;
+    it is walked in a loop, so recursion goes only as deep as the parenthesized nesting, which
+    the parser caps (`parser.MAX_NESTING`)."""
+    kind = type(expr)
+    if kind is A.Num:
+        return expr.value
+    if kind is A.Name:
+        return _name(expr, env)
+    if kind is A.Binary:
+        return _chain(expr, env)
+    if kind is A.Unary:
+        val = evaluate(expr.operand, env)
+        return -val if expr.op == "-" else int(not val)
+    return _FUN[expr.fn](*(evaluate(a, env) for a in expr.args))
+
+
+def _chain(expr: A.Binary, env: dict) -> int:
+    spine = []
+    while type(expr) is A.Binary:
+        spine.append(expr)
+        expr = expr.left
+    val = evaluate(expr, env)
+    for node in reversed(spine):
+        if node.op == "and":
+            val = int(bool(val) and bool(evaluate(node.right, env)))
+        elif node.op == "or":
+            val = int(bool(val) or bool(evaluate(node.right, env)))
+        else:
+            val = _binary(node, val, evaluate(node.right, env), env)
+    return val
+
+
 class _Interpreter:
-    def __init__(self, emitter: RankEmitter, env: dict):
-        self.e, self.env = emitter, env
+    def __init__(self, emitter: RankEmitter, env: dict, budget: Budget):
+        self.e, self.env, self.budget = emitter, env, budget
+
+    def charge(self, n: int, what: str, pos: A.Pos) -> None:
+        try:
+            self.budget.spend_passes(n, what)
+        except KoalaError as exc:
+            raise KoalaCompileError(f"{pos}: {exc} ({_fmt_params(self.env)})") from None
 
     def run(self, stmts: tuple[A.Stmt, ...]) -> None:
         for stmt in stmts:
@@ -173,38 +283,53 @@ class _Interpreter:
                 for item in stmt.items:
                     self.item(item)
             elif isinstance(stmt, A.For):
-                start, stop = evaluate(stmt.start, self.env), evaluate(stmt.stop, self.env)
-                saved = self.env.get(stmt.var)
-                for value in range(start, stop):
-                    self.env[stmt.var] = value
-                    self.run(stmt.body)
-                if saved is None:
-                    self.env.pop(stmt.var, None)
-                else:
-                    self.env[stmt.var] = saved
+                self.loop(stmt)
             else:
                 self.run(stmt.then if evaluate(stmt.cond, self.env) else stmt.orelse)
 
+    def loop(self, stmt: A.For) -> None:
+        start, stop = evaluate(stmt.start, self.env), evaluate(stmt.stop, self.env)
+        self.charge(stop - start, f"loop 'for {stmt.var} in {start}..{stop}'", stmt.pos)
+        saved = self.env.get(stmt.var)
+        for value in range(start, stop):
+            self.env[stmt.var] = value
+            self.run(stmt.body)
+        if saved is None:
+            self.env.pop(stmt.var, None)
+        else:
+            self.env[stmt.var] = saved
+
     def item(self, item: A.Item) -> None:
-        if isinstance(item, A.Repeat):
+        if isinstance(item, A.OpItem):
+            self.op(item, 1)
+        elif isinstance(item, A.Repeat):
             count = evaluate(item.count, self.env)
             if count < 0:
                 raise KoalaCompileError(f"{item.pos}: repetition count is {count} for {_fmt_params(self.env)}; "
                                         f"this program needs other values of p, m or v")
-            for _ in range(count):
-                self.item(item.item)
-        elif isinstance(item, A.Group):
+            self.charge(count, f"repetition '* {count}'", item.pos)
+            if isinstance(item.item, A.OpItem):
+                self.op(item.item, count)
+            else:
+                for _ in range(count):
+                    self.item(item.item)
+        else:
             for sub in item.items:
                 self.item(sub)
-        else:
-            chunk = None if item.chunk is None else evaluate(item.chunk, self.env)
-            mb = None if item.microbatch is None else evaluate(item.microbatch, self.env)
-            try:
-                self.e.emit(item.op, chunk, mb, item.optional)
-            except KoalaError as exc:
-                if isinstance(exc, KoalaCompileError):
-                    raise
-                raise KoalaCompileError(f"{item.pos}: {exc} ({_fmt_params(self.env)})") from None
+
+    def op(self, item: A.OpItem, times: int) -> None:
+        """Emit `item` `times` times; its chunk and microbatch are the same on every pass."""
+        chunk = None if item.chunk is None else evaluate(item.chunk, self.env)
+        mb = None if item.microbatch is None else evaluate(item.microbatch, self.env)
+        emit = self.e.emit
+        try:
+            for _ in range(times):
+                if not emit(item.op, chunk, mb, item.optional):
+                    break  # nothing left to do, and a skipped request changes nothing
+        except KoalaError as exc:
+            if isinstance(exc, KoalaCompileError):
+                raise
+            raise KoalaCompileError(f"{item.pos}: {exc} ({_fmt_params(self.env)})") from None
 
 
 # -- programs -------------------------------------------------------------------------------
@@ -241,6 +366,9 @@ class Program:
         for name, val in (("p", p), ("m", m), ("v", v)):
             if not isinstance(val, int) or val < 1:
                 return f"{name} must be a positive integer, got {name}={val!r} (change -{name})"
+        too_big = size_error(p, m, v, self.backward)
+        if too_big:
+            return f"schedule {self.name!r}: {too_big}"
         env = {"p": p, "m": m, "v": v}
         for req in self.requirements:
             try:
@@ -267,20 +395,9 @@ class Program:
             placement = self.make_placement(p, v)
         except ScheduleError as exc:
             raise KoalaCompileError(f"schedule {self.name!r} ({self.file or 'python'}): {exc}") from None
-        ranks = []
-        emitters = []
-        for r in range(p):
-            emitter = RankEmitter(placement, m, r)
-            emitters.append(emitter)
-            try:
-                self.rank_body(emitter, {"p": p, "m": m, "v": v, "r": r})
-            except KoalaCompileError:
-                raise
-            except KoalaError as exc:
-                raise KoalaCompileError(f"schedule {self.name!r}, rank {r} (p={p}, m={m}, v={v}): {exc}") from None
-            ranks.append(tuple(emitter.actions))
+        ranks, slots = self._run_ranks(placement, p, m, v)
         if self.compact:
-            ranks = self._compacted(placement, ranks, emitters, p, m, v)
+            ranks = self._compacted(placement, ranks, slots, p, m, v)
         schedule = Schedule(p, m, v, placement, tuple(ranks), self.backward, self.name,
                             {"program": self.name, "file": self.file})
         try:
@@ -290,7 +407,23 @@ class Program:
                                     f"p={p}, m={m}, v={v}: {exc}") from None
         return schedule
 
-    def _compacted(self, placement: Placement, ranks: list[tuple[Action, ...]], emitters: list[RankEmitter],
+    def _run_ranks(self, placement: Placement, p: int, m: int, v: int) -> tuple[list, list]:
+        """Each rank's actions (and their slots when `compact` needs them), one rank at a time."""
+        ranks, slots = [], []
+        budget = Budget(MAX_ACTIONS, loop_pass_limit(p, m, v, self.backward))
+        for r in range(p):
+            emitter = RankEmitter(placement, m, r, budget)
+            try:
+                self.rank_body(emitter, {"p": p, "m": m, "v": v, "r": r})
+            except KoalaCompileError:
+                raise
+            except KoalaError as exc:
+                raise KoalaCompileError(f"schedule {self.name!r}, rank {r} (p={p}, m={m}, v={v}): {exc}") from None
+            ranks.append(tuple(emitter.actions))
+            slots.append(emitter.slots if self.compact else None)
+        return ranks, slots
+
+    def _compacted(self, placement: Placement, ranks: list[tuple[Action, ...]], slots: list[list],
                    p: int, m: int, v: int) -> list[tuple[Action, ...]]:
         """Each rank's order after `compact greedy` (V-shape, v == 2, split backward only)."""
         where = self.compact_where or self.file or self.name
@@ -302,7 +435,7 @@ class Program:
         if why:
             raise KoalaCompileError(f"{where}: compact {self.compact}: {why}")
         passes = [[Pass(a.op.value, placement.chunk_of(a.stage), a.microbatch, slot)
-                   for a, slot in zip(actions, e.slots)] for actions, e in zip(ranks, emitters)]
+                   for a, slot in zip(actions, rank_slots)] for actions, rank_slots in zip(ranks, slots)]
         try:
             orders = compact_greedy(passes, m)
         except CompactError as exc:
@@ -333,7 +466,7 @@ def from_ast(tree: A.ProgramAst, text: str = "") -> Program:
         if stmts is None:
             raise KoalaCompileError(f"{tree.file}: no block for rank {env['r']} (add 'rank {env['r']}:' "
                                     f"or a generic 'rank:' block, or change -p)")
-        _Interpreter(emitter, env).run(stmts)
+        _Interpreter(emitter, env, emitter.budget or Budget()).run(stmts)
 
     reqs = tuple(Requirement(r.text, (lambda cond: lambda env: evaluate(cond, global_env(env)))(r.cond), str(r.pos))
                  for r in tree.supports)

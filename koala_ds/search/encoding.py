@@ -20,8 +20,9 @@ can, so that every token list decodes to a complete, locally ordered schedule.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ..ir import Action, KoalaError, Op, Placement, Schedule
 
@@ -318,7 +319,6 @@ class GenomeDecoder:
         peak = 0.0
         out_tok: list[int] = []
         out_code: list[int] = []
-        pending: list[int] = []
         m, S = self.m, self.S
 
         def can(tok: int) -> bool:
@@ -380,32 +380,33 @@ class GenomeDecoder:
                 kept.append(tok)
         for t in range(4 * C):  # append what is missing
             kept += [t] * (need[t] - have[t])
-        for t in kept:
-            if can(t):
-                emit(t)
-                # flush deferred tokens that can now run
-                progress = True
-                while progress and pending:
-                    progress = False
-                    for j, q in enumerate(pending):
-                        if can(q):
-                            del pending[j]
-                            emit(q)
-                            progress = True
-                            break
-            else:
-                pending.append(t)
+        # deferred tokens, one FIFO per token value: the first runnable one in walk order is the
+        # runnable value with the oldest head (can() depends on the value only), O(4C) per step
+        pending: list[deque[int]] = [deque() for _ in range(4 * C)]
+
+        def first(ready: Callable[[int], bool]) -> int:
+            best = -1
+            for q in range(4 * C):
+                if pending[q] and (best < 0 or pending[q][0] < pending[best][0]) and ready(q):
+                    best = q
+            return best
+
+        for seq, t in enumerate(kept):
+            if not can(t):
+                pending[t].append(seq)
+                continue
+            emit(t)
+            q = first(can)  # flush deferred tokens that can now run
+            while q >= 0:
+                pending[q].popleft()
+                emit(q)
+                q = first(can)
         # whatever is still pending (memory can never allow it): emit in order, ignoring memory
-        while pending:
-            progressed = False
-            for j, q in enumerate(pending):
-                kind, c = divmod(q, C)
-                ok = (nF[c] < total[c]) if kind == F_K else can(q)
-                if ok:
-                    del pending[j]
-                    emit(q)
-                    progressed = True
-                    break
-            if not progressed:  # pragma: no cover - cannot happen with complete counts
+        ignore_memory = (lambda q: nF[q % C] < total[q % C] if q // C == F_K else can(q))
+        while any(pending):
+            q = first(ignore_memory)
+            if q < 0:  # pragma: no cover - cannot happen with complete counts
                 raise EncodingError(f"rank {rank}: walk cannot be completed")
+            pending[q].popleft()
+            emit(q)
         return out_tok, out_code, peak

@@ -20,6 +20,7 @@ The dynamic rule (documented in docs/search.md):
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import signal
@@ -27,13 +28,13 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from .. import library
 from ..ir import KoalaError, Schedule
 from ..sim import random_schedule, simulate
 from .encoding import W_K
-from .greedy import greedy_seeds
+from .greedy import greedy_walk, policies
 from .local import LocalSearch
 from .problem import INFEASIBLE, SearchError, SearchProblem, relative_gap, weight_copies
 
@@ -105,6 +106,7 @@ class SearchResult:
     per_placement: list[tuple[Schedule, float]] = field(default_factory=list)  # best of each placement and kind
     kinds: tuple[str, ...] = ("split",)   # the backward kinds searched (two with --backward auto)
     kind_bounds: dict[str, float] = field(default_factory=dict)  # the lower bound of each kind
+    library_skipped: list[str] = field(default_factory=list)  # library schedules not simulated: out of time
 
     def best_for(self, placement, backward: str | None = None) -> Schedule | None:
         """The best schedule found for `placement` (of backward kind `backward`; None: either)."""
@@ -125,37 +127,55 @@ class SearchResult:
 
 
 # -- library seeds ------------------------------------------------------------------------
-def library_rows(problem: SearchProblem) -> list[LibraryRow]:
-    """Every library schedule valid for (p, m, v) and the backward mode, simulated as written."""
-    rows = []
-    for name in library.names():
-        try:
-            program = library.get(name)
-            reason = program.supports(problem.p, problem.m, problem.v)
-        except KoalaError as exc:
-            log.info("library %s skipped: %s", name, exc)
-            continue
-        if reason is not None:
-            continue
-        try:
-            schedule = program.compile(problem.p, problem.m, problem.v)
-        except KoalaError as exc:
-            log.info("library %s does not compile for p=%d m=%d v=%d: %s", name, problem.p, problem.m, problem.v,
-                     str(exc).splitlines()[0])
-            continue
-        if schedule.backward == "split" and "split" not in problem.kinds:
-            continue
-        try:
-            res = simulate(schedule, problem.search_profile, timeline=False)
-        except KoalaError as exc:
-            log.info("library %s does not simulate: %s", name, str(exc).splitlines()[0])
-            continue
-        copies = weight_copies(schedule.placement)
-        rows.append(LibraryRow(name, schedule, res.makespan, res.peak_memory_max, res.bubble_ratio, res.fits_memory,
-                               note="2x weights" if copies > 1 else "", weight_copies=copies,
-                               comparable=copies == 1 or problem.allows_two_copies))
+def library_rows(problem: SearchProblem, out_of_time: Callable[[float], bool] | None = None,
+                 skipped: list[str] | None = None) -> list[LibraryRow]:
+    """Every library schedule valid for (p, m, v) and the backward mode, simulated as written.
+
+    With `out_of_time` (given the seconds still needed: the next schedule, and about as much for
+    one seed and the closing work), stops when it returns True once a row is in; the names not
+    simulated go to `skipped`."""
+    rows: list[LibraryRow] = []
+    names = library.names()
+    step = 0.0
+    for i, name in enumerate(names):
+        if out_of_time is not None and rows and out_of_time(2 * step):  # the next, and a seed
+            if skipped is not None:
+                skipped += names[i:]
+            break
+        started = time.perf_counter()
+        _library_row(problem, name, rows)
+        step = time.perf_counter() - started
     rows.sort(key=lambda r: (r.makespan, r.name))
     return rows
+
+
+def _library_row(problem: SearchProblem, name: str, rows: list[LibraryRow]) -> None:
+    """Append the row of library schedule `name` when it is valid and simulates."""
+    try:
+        program = library.get(name)
+        reason = program.supports(problem.p, problem.m, problem.v)
+    except KoalaError as exc:
+        log.info("library %s skipped: %s", name, exc)
+        return
+    if reason is not None:
+        return
+    try:
+        schedule = program.compile(problem.p, problem.m, problem.v)
+    except KoalaError as exc:
+        log.info("library %s does not compile for p=%d m=%d v=%d: %s", name, problem.p, problem.m, problem.v,
+                 str(exc).splitlines()[0])
+        return
+    if schedule.backward == "split" and "split" not in problem.kinds:
+        return
+    try:
+        res = simulate(schedule, problem.search_profile, timeline=False)
+    except KoalaError as exc:
+        log.info("library %s does not simulate: %s", name, str(exc).splitlines()[0])
+        return
+    copies = weight_copies(schedule.placement)
+    rows.append(LibraryRow(name, schedule, res.makespan, res.peak_memory_max, res.bubble_ratio, res.fits_memory,
+                           note="2x weights" if copies > 1 else "", weight_copies=copies,
+                           comparable=copies == 1 or problem.allows_two_copies))
 
 
 # -- variation operators ------------------------------------------------------------------
@@ -282,6 +302,7 @@ class _Evaluator:
         self.problem = problem
         self.pool = None
         self.count = 0
+        self.seconds = 0.0  # wall time of the calls, for the mean time of one try-test
         if workers > 1:
             import concurrent.futures as cf
             import multiprocessing as mp
@@ -312,7 +333,30 @@ class _Evaluator:
         finally:
             signal.signal(signal.SIGINT, old)
 
-    def __call__(self, jobs: list[tuple[int, list[list[int]]]]) -> list[tuple[float, float, list[list[int]]]]:
+    def __call__(self, jobs: list[tuple[int, list[list[int]]]], out_of_time: Callable[[], bool] | None = None
+                 ) -> list[tuple[float, float, list[list[int]]]]:
+        """The results of `jobs`, in order; with `out_of_time`, of a prefix of them: it stops
+        when that returns True (one job or one round of the pool at a time)."""
+        t0 = time.perf_counter()
+        try:
+            return self._run(jobs, out_of_time)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    @property
+    def mean_seconds(self) -> float:
+        return self.seconds / self.count if self.count else 0.0
+
+    def _run(self, jobs: list[tuple[int, list[list[int]]]], out_of_time: Callable[[], bool] | None
+             ) -> list[tuple[float, float, list[list[int]]]]:
+        if out_of_time is not None:
+            step = 1 if self.pool is None else 2 * self.workers
+            out: list = []
+            for i in range(0, len(jobs), step):
+                if i and out_of_time():
+                    break
+                out += self._run(jobs[i:i + step], None)
+            return out
         self.count += len(jobs)
         if self.pool is None or len(jobs) < 4:
             out = []
@@ -350,25 +394,32 @@ class GAConfig:
 
 def search(problem: SearchProblem, *, time_budget: float | None = 10.0, generations: int | None = None,
            seed: int = 0, workers: int = 1, progress: bool = False, config: GAConfig | None = None,
-           on_generation: Callable[[int, float], None] | None = None) -> SearchResult:
+           on_generation: Callable[[int, float], None] | None = None, started: float | None = None
+           ) -> SearchResult:
     """Search the schedule space of `problem`; the best schedule found within the budgets.
 
     Deterministic for a given `seed` when `time_budget` is None (a generation budget) or does
     not bind: the random stream and the evaluation order do not depend on timing or workers.
-    Ctrl-C (KeyboardInterrupt) ends the search and returns the best schedule so far."""
-    if time_budget is not None and time_budget <= 0:
-        raise SearchError(f"--time-budget must be positive, got {time_budget}")
+    Ctrl-C (KeyboardInterrupt) ends the search and returns the best schedule so far.
+
+    The time budget counts from `started` (a `time.perf_counter()` value; default: now) and
+    binds every phase: the library schedules, the seeds (library, greedy, random walks: each
+    is made and try-tested only while time is left, once one seed is in), the polish and the
+    generations."""
+    if time_budget is not None and not (0 < time_budget < math.inf):
+        raise SearchError(f"--time-budget must be a finite number of seconds > 0, got {time_budget}")
     if generations is not None and generations < 0:
         raise SearchError(f"--generations must be >= 0, got {generations}")
     if workers < 1:
         raise SearchError(f"--workers must be >= 1, got {workers}")
     cfg = config or GAConfig()
-    t0 = time.perf_counter()
+    t0 = time.perf_counter() if started is None else started
     rng = random.Random(seed)
-    lib = library_rows(problem)
-    # library schedules seed the search when their placement is one the problem searches
-    seeds_lib = [row for row in lib if row.schedule is not None and problem.allows(row.schedule.placement)]
+    lib: list[LibraryRow] = []
+    lib_skipped: list[str] = []
+    seeds_lib: list[LibraryRow] = []
     lb = problem.lower_bound
+    row_seconds = 0.0  # the mean time of one library schedule (compile and simulate)
     stop_at = lb * (1 + 1e-9)
     evaluator = _Evaluator(problem, workers)
     pop: list[Individual] = []
@@ -396,8 +447,14 @@ def search(problem: SearchProblem, *, time_budget: float | None = 10.0, generati
             return True
         return False
 
-    def out_of_time() -> bool:
-        return time_budget is not None and time.perf_counter() - t0 >= time_budget
+    def out_of_time(next_step: float = 0.0) -> bool:
+        """True when the budget cannot take `next_step` more seconds and the closing work: the
+        result's and each placement's best built as a schedule again, each about as long as a
+        library schedule took to compile and simulate (at most a quarter of the budget)."""
+        if time_budget is None:
+            return False
+        closing = min(time_budget / 4, (len(problem.parts) + 1) * row_seconds + 2 * evaluator.mean_seconds)
+        return time.perf_counter() - t0 + next_step + closing >= time_budget
 
     searchers: dict[int, LocalSearch] = {}
     polished: set[tuple] = set()
@@ -431,23 +488,19 @@ def search(problem: SearchProblem, *, time_budget: float | None = 10.0, generati
         return consider(new), new
 
     try:
-        # seeds: library, greedy, random walks
-        jobs, origins = _library_jobs(problem, seeds_lib)
-        if cfg.greedy:
-            for idx, part in enumerate(problem.searched_parts):
-                for pol, walk in greedy_seeds(part):
-                    jobs.append((idx, walk))
-                    origins.append(pol.label() + f" {part.placement.describe()}")
-                if out_of_time():
-                    break
-        for k in range(cfg.random_walks):
-            idx = k % len(problem.parts)
-            part = problem.parts[idx]
-            sched = random_schedule(part.placement, problem.m, part.backward, seed=rng.randrange(2 ** 31))
-            jobs.append((idx, part.tokens_of(sched)))
-            origins.append("random walk")
-        for (idx, _), (ms, pk, toks), origin in zip(jobs, evaluator(jobs), origins):
-            consider(Individual(idx, toks, ms, pk, origin))
+        phase = time.perf_counter()
+        lib += library_rows(problem, out_of_time, lib_skipped)
+        row_seconds = (time.perf_counter() - phase) / max(1, len(lib))
+        # library schedules seed the search when their placement is one the problem searches
+        seeds_lib += [row for row in lib if row.schedule is not None and problem.allows(row.schedule.placement)]
+        # seeds: library, greedy, random walks; made and try-tested in turn while time is left
+        seeding, made = time.perf_counter(), 0
+        for batch in _seed_batches(problem, seeds_lib, cfg, rng, 2 * workers if workers > 1 else 1):
+            for (idx, _, origin), (ms, pk, toks) in zip(batch, evaluator([(i, w) for i, w, _ in batch])):
+                consider(Individual(idx, toks, ms, pk, origin))
+            made += 1
+            if best is not None and out_of_time((time.perf_counter() - seeding) / made):
+                break
         if best is None:
             raise SearchError("no seed schedule fits the memory limit and runs without deadlock; "
                               "raise --memory-limit")
@@ -505,7 +558,7 @@ def search(problem: SearchProblem, *, time_budget: float | None = 10.0, generati
                     toks = mutate(toks, rng, strength, chunks)
                 children.append((a.part, toks))
             improved = False
-            for (idx, _), (ms, pk, toks) in zip(children, evaluator(children)):
+            for (idx, _), (ms, pk, toks) in zip(children, evaluator(children, out_of_time)):
                 if consider(Individual(idx, toks, ms, pk, f"generation {gen}")):
                     improved = True
             if cfg.local_search:
@@ -542,7 +595,7 @@ def search(problem: SearchProblem, *, time_budget: float | None = 10.0, generati
                         fresh.append((a.part, mutate(a.tokens, rng, cfg.strength_max,
                                                      problem.parts[a.part].placement.chunks_per_rank)))
                     pop[:] = keep
-                    for (idx, _), (ms, pk, toks) in zip(fresh, evaluator(fresh)):
+                    for (idx, _), (ms, pk, toks) in zip(fresh, evaluator(fresh, out_of_time)):
                         consider(Individual(idx, toks, ms, pk, f"restart {gen}"))
                     strength = 2.0
             if bar is not None:
@@ -564,7 +617,7 @@ def search(problem: SearchProblem, *, time_budget: float | None = 10.0, generati
     part = problem.parts[best.part]
     # the repaired walk's own codes
     ev = part.evaluate(best.tokens)
-    schedule = part.schedule(ev.codes, "searched")
+    schedule = own = part.schedule(ev.codes, "searched")
     res = part.sim.run(schedule.ranks, timeline=False)
     chosen_makespan, origin = res.makespan, best.origin
     fit_lib = sorted((row for row in seeds_lib if row.fits), key=lambda r: (r.makespan, r.name))
@@ -582,6 +635,9 @@ def search(problem: SearchProblem, *, time_budget: float | None = 10.0, generati
         if idx not in part_best:
             continue
         top = part_best[idx]
+        if top is best:
+            per_placement.append((own, top.makespan))
+            continue
         ev_i = part_i.evaluate(top.tokens)
         per_placement.append((part_i.schedule(ev_i.codes, "searched"), top.makespan))
     wall = time.perf_counter() - t0
@@ -590,23 +646,50 @@ def search(problem: SearchProblem, *, time_budget: float | None = 10.0, generati
     return SearchResult(schedule, chosen_makespan, res.peak_memory_max, res.bubble_ratio, res.fits_memory,
                         origin, lb, problem.memory_limit_mb, problem.memory_limit_source, lib, gen,
                         evaluator.count, wall, stopped, interrupted, history, per_placement, problem.kinds,
-                        {kind: problem.lower_bound_of(kind) for kind in problem.kinds})
+                        {kind: problem.lower_bound_of(kind) for kind in problem.kinds}, lib_skipped)
+
+
+def _seed_batches(problem: SearchProblem, seeds_lib: Sequence[LibraryRow], cfg: GAConfig, rng: random.Random,
+                  size: int) -> Iterator[list[tuple[int, list[list[int]], str]]]:
+    """The seed walks (part index, walk, origin) in batches of `size`, each made only when the
+    one before was asked for: library schedules, greedy walks, random walks."""
+    batch: list[tuple[int, list[list[int]], str]] = []
+    for job in _seed_walks(problem, seeds_lib, cfg, rng):
+        batch.append(job)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _seed_walks(problem: SearchProblem, seeds_lib: Sequence[LibraryRow], cfg: GAConfig, rng: random.Random
+                ) -> Iterator[tuple[int, list[list[int]], str]]:
+    yield from _library_jobs(problem, seeds_lib)
+    if cfg.greedy:
+        for idx, part in enumerate(problem.searched_parts):
+            for pol in policies(part.placement.p, part.placement.chunks_per_rank, part.sim.backward):
+                walk = greedy_walk(part, pol)
+                if walk is not None:
+                    yield idx, walk, pol.label() + f" {part.placement.describe()}"
+    for k in range(cfg.random_walks):
+        idx = k % len(problem.parts)
+        part = problem.parts[idx]
+        sched = random_schedule(part.placement, problem.m, part.backward, seed=rng.randrange(2 ** 31))
+        yield idx, part.tokens_of(sched), "random walk"
 
 
 def _library_jobs(problem: SearchProblem, rows: Sequence[LibraryRow]
-                  ) -> tuple[list[tuple[int, list[list[int]]]], list[str]]:
+                  ) -> Iterator[tuple[int, list[list[int]], str]]:
     """Seed walks from library schedules: each seeds every part of its placement that admits it (a
     full-backward schedule seeds the split part too, as I + W)."""
-    jobs, origins = [], []
     for row in rows:
         sched = row.schedule
         assert sched is not None
         problem.part_for(sched.placement)  # adds its parts when its placement is not searched
         for idx, part in enumerate(problem.parts):
             if part.admits(sched):
-                jobs.append((idx, part.tokens_of(sched)))
-                origins.append(f"library {row.name}")
-    return jobs, origins
+                yield idx, part.tokens_of(sched), f"library {row.name}"
 
 
 def _tournament(pop: Sequence[Individual], rng: random.Random, k: int = 3) -> Individual:

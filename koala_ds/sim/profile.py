@@ -75,6 +75,12 @@ class StageCost:
         return out
 
 
+#: The largest time (ms) or size (MB) a profile may give: 1e12 ms is 31 years, 1e12 MB an
+#: exabyte. Below it every sum the simulator makes (at most MAX_ACTIONS terms) stays finite, so
+#: every result, and `--json`, holds finite numbers.
+MAX_PROFILE_NUMBER = 1e12
+
+
 def _number(value: Any, where: str, *, allow_inf: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ProfileError(f"{where}: expected a number, got {value!r}")
@@ -83,6 +89,9 @@ def _number(value: Any, where: str, *, allow_inf: bool = False) -> float:
         raise ProfileError(f"{where}: expected a finite number, got {value!r}")
     if value < 0:
         raise ProfileError(f"{where}: must not be negative, got {value!r}")
+    if MAX_PROFILE_NUMBER < value < math.inf:
+        raise ProfileError(f"{where}: {value!r} is more than {MAX_PROFILE_NUMBER:g} (MAX_PROFILE_NUMBER; "
+                           f"times are ms, sizes MB)")
     return value
 
 
@@ -158,7 +167,8 @@ class CostProfile:
 
     # -- queries ------------------------------------------------------------------------
     def memory_limit_for(self, rank: int, p: int) -> float | None:
-        """The memory limit of `rank` out of `p` ranks, or None when there is none."""
+        """The memory limit of `rank` out of `p` ranks, or None when there is none (an
+        infinite limit is none)."""
         limit = self.memory_limit_mb
         if limit is None:
             return None
@@ -166,8 +176,8 @@ class CostProfile:
             if len(limit) != p:
                 raise ProfileError(f"{self.source}: field 'memory_limit_mb' lists {len(limit)} ranks "
                                    f"but the schedule has p={p}; give one number or {p} numbers")
-            return limit[rank]
-        return limit
+            limit = limit[rank]
+        return None if math.isinf(limit) else limit
 
     def memory_limits(self, p: int) -> tuple[float | None, ...]:
         return tuple(self.memory_limit_for(r, p) for r in range(p))
