@@ -40,7 +40,10 @@ Two predictions per row: `predicted_profile_ms` is the simulator on the profile 
 ping-pong, one way, for the activation size) and the runtime's overhead, c ms per action plus
 k ms per step, fitted on calibration runs that are not rows (1f1b with uniform 1 ms ops at m
 and at m / 2 microbatches: two lengths give the two constants; the per-action overhead at zero
-compute is reported too). Both predictions are printed.
+compute is reported too). Both predictions are printed. With `--real` a third calibration run
+(interleaved-1f1b, two chunks per rank, 0.5 ms ops) gives the per-action overhead of two-chunk
+schedules, which is higher than one chunk's on both engines; v = 2 rows and the search at v = 2
+use it.
 
 One launch per (engine, p): the calibration runs first; rank 0 then chooses the schedules
 (best predefined, search) on the model of this machine (profile + the two constants), as a
@@ -148,8 +151,14 @@ def with_overhead(profile: CostProfile, overhead_ms: float) -> CostProfile:
     return dataclasses.replace(profile, stages=st)
 
 
+def overhead_for(overhead: float | dict, v: int) -> float:
+    """The per-action overhead for schedules with v chunks per rank: one number, or one per v
+    (the runtimes' overhead per action differs with the number of chunks)."""
+    return overhead.get(v, overhead[1]) if isinstance(overhead, dict) else overhead
+
+
 def candidates(profile: CostProfile, p: int, m: int, budget: float, seed: int = 0, latency: float | None = None,
-               overhead: float = 0.0) -> tuple[dict, float]:
+               overhead: float | dict = 0.0) -> tuple[dict, float]:
     """{'1f1b': (schedule, model profile), 'best predefined (..)': ..., 'searched (..)': ...} and the
     memory limit. The choice (simulated makespan) uses the model of this machine: the profile with
     the measured p2p `latency` and per-action `overhead` (the search adds it to F, I and W)."""
@@ -172,20 +181,20 @@ def candidates(profile: CostProfile, p: int, m: int, budget: float, seed: int = 
                 continue
             sim = Simulator(dataclasses.replace(model, memory_limit_mb=limit), sched.placement, m, sched.backward)
             fits = sim.run(sched.ranks, name=name).fits_memory
-            rows.append((predict(sched, machine(model), overhead), name, v, sched, model, fits))
+            rows.append((predict(sched, machine(model), overhead_for(overhead, v)), name, v, sched, model, fits))
     one = next(r for r in rows if r[1] == "1f1b")
     fitting = sorted((r for r in rows if r[5] and r[1] != "1f1b"), key=lambda r: (r[0], r[1]))
     best = fitting[0]
     searched = []
     for v, model in models.items():
         for backward in ("split", "full"):  # split backward costs one more action per microbatch
-            problem = SearchProblem(with_overhead(machine(model), overhead), p, m, v, backward, limit)
+            problem = SearchProblem(with_overhead(machine(model), overhead_for(overhead, v)), p, m, v, backward, limit)
             result = search(problem, time_budget=budget, seed=seed)
             # the search's answer: a library schedule when nothing faster was found (a tie included)
             sched = result.schedule
             if sched.placement.pipelines == 1:
                 same = result.origin.removeprefix("library ") if result.origin.startswith("library ") else ""
-                searched.append((predict(sched, machine(model), overhead), v, sched.with_name("searched"),
+                searched.append((predict(sched, machine(model), overhead_for(overhead, v)), v, sched.with_name("searched"),
                                  model, same))
     ms, v, sched, model, same = min(searched, key=lambda r: r[0])
     label = (f"searched ({sched.placement.describe()}, {sched.backward}{', v=2' if v == 2 else ''}"

@@ -49,9 +49,27 @@ def _run_jobs(engine: str, p: int, jobs: list, steps: int) -> list:
                                        timeout_s=1200, pg_timeout_s=600)]
 
 
+def _calibrate(engine: str, p: int, m: int, latency: float, steps: int, E) -> tuple[dict, float]:
+    """The runtime's overhead (emulated 1 ms ops, 1f1b at m and m/2, zero compute) and, per
+    action of a two-chunk schedule (interleaved-1f1b at 0.5 ms ops), `oh["action_v"]`."""
+    from koala_ds.library import load_schedule
+    from koala_ds.profiler.engine_runs import cpu_ms_per_step, step_times_ms
+
+    cal_jobs, calib, one, zero = E.calibration_jobs(p, m, latency)
+    two = load_schedule("interleaved-1f1b", p, m, 2)
+    half = CostProfile.uniform(2 * p, 0.5, 0.5, 0.5, p2p_latency=latency)
+    cal_jobs.append({"key": "calibration 0.5 ms, v=2", "schedule": two.to_dict(), "costs": E.costs_of(half, two)})
+    res = E.run_engine(engine, p, {"jobs": cal_jobs, "warmup": 2, "steps": steps}, timeout_s=600)
+    times = step_times_ms(res, 2)
+    oh = E.overheads(calib, one, zero, times[:3])
+    t_two = statistics.median(times[3]) - oh["step"]
+    oh["action_v"] = {1: oh["action"], 2: E.fit_overhead(two, half, t_two)}
+    return oh, cpu_ms_per_step(res, 2)[2] / calib.num_actions
+
+
 def _row(engine, label, sched, model, steps, latency, oh, cpu, base, E) -> dict:
     ms = statistics.median(steps)
-    c, k = oh["action"], oh["step"]
+    c, k = oh["action_v"].get(sched.v, oh["action"]), oh["step"]
     pred = E.predict(sched, E.with_latency(model, latency), c) + k
     pred_profile = E.predict(sched, model)
     base = base or (ms, pred, pred_profile)
@@ -69,7 +87,7 @@ def _row(engine, label, sched, model, steps, latency, oh, cpu, base, E) -> dict:
 def run_real(engine: str, p: int, m: int, args, say) -> list:
     """Profile, calibrate, choose (1f1b, best predefined, searched) and run one engine's real GPT."""
     import engine_speedup as E
-    from koala_ds.profiler.engine_runs import cpu_ms_per_step, step_times_ms
+    from koala_ds.profiler.engine_runs import step_times_ms
     from koala_ds.profiler.p2p import measure_p2p_latency
 
     say(f"[{engine}] real GPT {MODEL}, p={p}, m={m}: profiling {2 * p} virtual stages (1 thread per process) ...")
@@ -84,12 +102,10 @@ def run_real(engine: str, p: int, m: int, args, say) -> list:
     say("  profile (ms): " + "; ".join(f"s{s}: F {c.forward:.2f} I {c.backward_input:.2f} W {c.backward_weight:.2f} "
                                        f"B {c.backward:.2f}" for s, c in enumerate(profile.stages))
         + f"; p2p {latency:.3f} ms")
-    cal_jobs, calib, one, zero = E.calibration_jobs(p, m, latency)
-    res = E.run_engine(engine, p, {"jobs": cal_jobs, "warmup": 2, "steps": args.steps}, timeout_s=600)
-    oh = E.overheads(calib, one, zero, step_times_ms(res, 2))
-    cpu = cpu_ms_per_step(res, 2)[len(cal_jobs) - 1] / calib.num_actions
-    say(f"  runtime overhead (emulated 1f1b calibration): {oh['action']:.3f} ms per action + {oh['step']:.2f} ms per step")
-    chosen, _ = E.candidates(profile, p, m, args.search_budget, latency=latency, overhead=oh["action"])
+    oh, cpu = _calibrate(engine, p, m, latency, args.steps, E)
+    say(f"  runtime overhead (emulated calibration): {oh['action']:.3f} ms per action + {oh['step']:.2f} ms per step; "
+        f"{oh['action_v'][2]:.3f} ms per action with two chunks per rank")
+    chosen, _ = E.candidates(profile, p, m, args.search_budget, latency=latency, overhead=oh["action_v"])
     plan = list(chosen.items())
     jobs = [{"key": label, "schedule": sched.to_dict()} for label, (sched, _) in plan]
     say(f"  running {len(jobs)} schedules on the real GPT ...")
