@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import io
 import logging
-import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import NamedTuple
@@ -28,6 +27,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from ..bounded_collectives import is_gloo, wait_work
 from ..ir import KoalaError, Op, Schedule
 
 log = logging.getLogger(__name__)
@@ -259,31 +259,44 @@ class P2P:
     def _wait(self, work, what: str) -> None:
         if work is None:
             return
-        start = time.monotonic()
-        if self.gloo:
-            try:
-                work.wait(timedelta(seconds=self.timeout_s))
-            except RuntimeError as exc:
-                raise self._failed(what, str(exc), time.monotonic() - start) from None
-            return
-        deadline = start + self.timeout_s
-        while not work.is_completed():
-            if time.monotonic() > deadline:
-                raise self._failed(what, "", time.monotonic() - start)
-            time.sleep(0.0002)
-        work.wait()
+        done, error, elapsed = wait_work(work, self.timeout_s, self.gloo)
+        if not done:
+            raise self._failed(what, error, elapsed)
 
     def _failed(self, what: str, error: str, elapsed: float) -> P2PTimeoutError:
-        """The error for a wait that ended without the message: a timeout, or (gloo raising
-        well before the deadline) a transport failure such as the peer closing the connection."""
-        me = f"pipeline rank {self.plan.rank}"
-        cause = error.splitlines()[0][:200] if error else ""
-        if elapsed < 0.9 * self.timeout_s:
-            return P2PTimeoutError(f"koala p2p: {me} could not {what}: the connection failed after {elapsed:.1f} s, "
-                                   f"before the {self.timeout_s:g} s timeout (the peer closed it or crashed): {cause}")
-        return P2PTimeoutError(f"koala p2p: {me} failed to {what} within {self.timeout_s:g} s (timeout from "
-                               f"{self.timeout_source}; set it with get_forward_backward_func(timeout_s=...), "
-                               f"--koala-p2p-timeout or KOALA_TIMEOUT_S)" + (f": {cause}" if cause else ""))
+        return wait_failed(f"koala p2p: pipeline rank {self.plan.rank}", what, error, elapsed, self.timeout_s,
+                           self.timeout_source)
+
+
+def wait_failed(who: str, what: str, error: str, elapsed: float, timeout_s: float, source: str) -> P2PTimeoutError:
+    """The error for a wait that ended without its message or collective: a timeout, or (gloo
+    raising well before the deadline) a transport failure such as the peer closing the connection."""
+    cause = error.splitlines()[0][:200] if error else ""
+    if elapsed < 0.9 * timeout_s:
+        return P2PTimeoutError(f"{who} could not {what}: the connection failed after {elapsed:.1f} s, "
+                               f"before the {timeout_s:g} s timeout (the peer closed it or crashed): {cause}")
+    return P2PTimeoutError(f"{who} failed to {what} within {timeout_s:g} s (timeout from "
+                           f"{source}; set it with get_forward_backward_func(timeout_s=...), "
+                           f"--koala-p2p-timeout or KOALA_TIMEOUT_S)" + (f": {cause}" if cause else ""))
+
+
+class CollectiveWaiter:
+    """The `wait` of `koala_ds.bounded_collectives` for one forward_backward_func call: every
+    blocking collective issued during the call waits at most the pipeline timeout, then raises
+    P2PTimeoutError naming the rank, the collective and `phase` (where in the call it was)."""
+
+    def __init__(self, who: str, timeout_s: float, source: str) -> None:
+        self.who, self.timeout_s, self.source = who, timeout_s, source
+        self.phase = "the pipeline steps"
+
+    def __call__(self, work, group, describe) -> None:
+        self.wait(work, is_gloo(group), describe)
+
+    def wait(self, work, gloo: bool, describe) -> None:
+        done, error, elapsed = wait_work(work, self.timeout_s, gloo)
+        if not done:
+            raise wait_failed(self.who, f"finish {describe()} (in {self.phase})", error, elapsed, self.timeout_s,
+                              self.source)
 
 
 def _to_cpu(obj):

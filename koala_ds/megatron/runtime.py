@@ -17,10 +17,11 @@ from typing import Callable, Iterator, List, Optional, Union
 import torch
 import torch.distributed as dist
 
+from ..bounded_collectives import bounded_collectives
 from ..ir import Op, Schedule
 from ..timeout import DEFAULT_TIMEOUT_S, timeout_setting  # noqa: F401  (DEFAULT_TIMEOUT_S: re-exported)
 from . import resolve as _resolve
-from .p2p import ACT, GRAD, ChannelGroups, CommPlan, MessageKey, P2P, schedule_channels
+from .p2p import ACT, GRAD, ChannelGroups, CollectiveWaiter, CommPlan, MessageKey, P2P, schedule_channels
 from .resolve import MegatronScheduleError
 from .. import wgrad
 
@@ -225,43 +226,49 @@ class KoalaForwardBackward:
         model_device = next((q.device for q in models[0].parameters()), torch.device("cpu"))
         comm_device = torch.device("cpu") if gloo else (model_device if model_device.type == "cuda"
                                                         else torch.device("cuda", torch.cuda.current_device()))
-        channels = self._channel_groups(schedule, pp_group, gloo)
-        comm = P2P(prep.plan, channels, lambda key: (tuple(shape), dtype), self.timeout_s, comm_device, gloo,
-                   timeout_source=self.timeout_source)
+        # every blocking collective of the call (finalize_model_grads_func's all-reduces, grad / param
+        # sync, timers' barriers, ...) waits at most the pipeline timeout, as the p2p waits do
+        waiter = CollectiveWaiter(f"koala runtime: rank {dist.get_rank()} (pipeline rank {rank})", self.timeout_s,
+                                  self.timeout_source)
+        with bounded_collectives(waiter):
+            channels = self._channel_groups(schedule, pp_group, gloo)
+            comm = P2P(prep.plan, channels, lambda key: (tuple(shape), dtype), self.timeout_s, comm_device, gloo,
+                       timeout_source=self.timeout_source)
 
-        runner = _StepRunner(
-            mcs=mcs, schedule=schedule, prep=prep, comm=comm, models=models, iterators=iterators,
-            config=config, model_type=model_type, forward_step_func=forward_step_func,
-            num_microbatches=num_microbatches, forward_only=forward_only,
-            collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
-            cp_size=cp_group.size(), model_device=model_device, rank=rank)
+            runner = _StepRunner(
+                mcs=mcs, schedule=schedule, prep=prep, comm=comm, models=models, iterators=iterators,
+                config=config, model_type=model_type, forward_step_func=forward_step_func,
+                num_microbatches=num_microbatches, forward_only=forward_only,
+                collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
+                cp_size=cp_group.size(), model_device=model_device, rank=rank)
 
-        if config.timers is not None:
-            config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
-        holds_last = schedule.placement.rank_of(schedule.num_stages - 1) == rank
-        embedding_module = None
-        if config.finalize_model_grads_func is not None and not forward_only:
-            last_chunk = schedule.placement.chunk_of(schedule.num_stages - 1) if holds_last else v - 1
-            embedding_module = mcs.clear_embedding_activation_buffer(config, [models[last_chunk]], holds_last)
-        runner.run()
-        losses = runner.losses()
-        comm.finish()
-        # megatron-LM reads the losses on the last pipeline rank; a V-shape puts the loss elsewhere
-        if schedule.placement.rank_of(schedule.num_stages - 1) != p - 1:
-            if holds_last:
-                comm.send_object(losses, p - 1)
-                losses = []
-            elif rank == p - 1:
-                losses = comm.recv_object(schedule.placement.rank_of(schedule.num_stages - 1), model_device)
+            if config.timers is not None:
+                config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
+            holds_last = schedule.placement.rank_of(schedule.num_stages - 1) == rank
+            embedding_module = None
+            if config.finalize_model_grads_func is not None and not forward_only:
+                last_chunk = schedule.placement.chunk_of(schedule.num_stages - 1) if holds_last else v - 1
+                embedding_module = mcs.clear_embedding_activation_buffer(config, [models[last_chunk]], holds_last)
+            runner.run()
+            losses = runner.losses()
+            comm.finish()
+            # megatron-LM reads the losses on the last pipeline rank; a V-shape puts the loss elsewhere
+            if schedule.placement.rank_of(schedule.num_stages - 1) != p - 1:
+                if holds_last:
+                    comm.send_object(losses, p - 1)
+                    losses = []
+                elif rank == p - 1:
+                    losses = comm.recv_object(schedule.placement.rank_of(schedule.num_stages - 1), model_device)
 
-        if config.finalize_model_grads_func is not None and not forward_only:
-            mcs.finish_embedding_wgrad_compute(config, embedding_module, holds_last, tp_group)
-            config.finalize_model_grads_func(
-                models, runner.total_num_tokens if config.calculate_per_token_loss else None,
-                pg_collection=pg_collection, force_all_reduce=force_all_reduce)
-        if config.timers is not None:
-            config.timers("forward-backward").stop()
-        return losses
+            if config.finalize_model_grads_func is not None and not forward_only:
+                mcs.finish_embedding_wgrad_compute(config, embedding_module, holds_last, tp_group)
+                waiter.phase = "finalize_model_grads_func"
+                config.finalize_model_grads_func(
+                    models, runner.total_num_tokens if config.calculate_per_token_loss else None,
+                    pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+            if config.timers is not None:
+                config.timers("forward-backward").stop()
+            return losses
 
     # ------------------------------------------------------------------------------------
     @staticmethod
