@@ -10,17 +10,24 @@ same one before any communication. So instead of a traceback per rank, rank 0 pr
 `error: <message>` on stderr and every rank exits with code 2 (`USER_ERROR_EXIT`). Any other
 exception keeps its traceback. torchrun still prints its own summary of the failed ranks
 (`ChildFailedError`, with the exit code): that part belongs to torchrun.
+
+torchrun (and the deepspeed launcher) stop the other ranks as soon as one exits: were rank 1 to
+exit first, rank 0 could be stopped before it printed the message. So the other ranks wait
+(`OTHER_RANKS_GRACE_S`) before they exit; rank 0 exits at once and the launcher ends them.
 """
 from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Callable, NoReturn
 
 from .ir import KoalaError
 
 #: Exit code of every rank after a user error (argparse's code for bad arguments).
 USER_ERROR_EXIT = 2
+#: How long ranks other than 0 wait before exiting after a user error, so rank 0 prints first.
+OTHER_RANKS_GRACE_S = 5.0
 
 
 def process_rank() -> int:
@@ -54,14 +61,18 @@ def report_user_error(exc: KoalaError, prog: str | None = None) -> None:
     sys.stderr.flush()
 
 
-def run_main(main: Callable[[], object], prog: str | None = None) -> NoReturn:
+def run_main(main: Callable[[], object], prog: str | None = None,
+             grace_s: float = OTHER_RANKS_GRACE_S) -> NoReturn:
     """Run `main()` and exit with its return value (0 for None); a KoalaError becomes one line
-    on rank 0 and exit code USER_ERROR_EXIT on every rank, without a traceback."""
+    on rank 0 and exit code USER_ERROR_EXIT on every rank, without a traceback (the other
+    ranks exit `grace_s` later, unless their launcher ends them first)."""
     try:
         code = main()
     except KoalaError as exc:
         report_user_error(exc, prog)
         _flush()
+        if process_rank() != 0:
+            time.sleep(grace_s)
         sys.exit(USER_ERROR_EXIT)
     sys.exit(code if isinstance(code, int) else 0)
 

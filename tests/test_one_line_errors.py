@@ -42,10 +42,15 @@ def test_run_main_prints_one_line_on_rank_zero_and_exits_2(monkeypatch, capsys):
     assert err == "train.py: error: the schedule is for p=4 | second line\n"
 
 
-def test_run_main_other_ranks_exit_2_quietly(monkeypatch, capsys):
+def test_run_main_other_ranks_exit_2_quietly_after_rank_zero(monkeypatch, capsys):
+    # quietly, and late enough that a launcher which stops all ranks when one exits lets rank 0 print
+    import time
+
     monkeypatch.setenv("RANK", "1")
+    start = time.monotonic()
     with pytest.raises(SystemExit) as info:
-        run_main(_fails("bad"))
+        run_main(_fails("bad"), grace_s=0.3)
+    assert time.monotonic() - start >= 0.3
     assert info.value.code == 2
     assert capsys.readouterr() == ("", "")
 
