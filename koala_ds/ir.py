@@ -29,15 +29,35 @@ class ScheduleError(KoalaError):
 #: microseconds per action (2 M actions: about 1 GB). Change -m, -p or -v to stay below.
 MAX_ACTIONS = 2_000_000
 
+#: How messages name the settings that give p, m and v: koala's own flags by default; an engine
+#: passes its own (DeepSpeed's config keys, Megatron's flags) so its users read their settings.
+CLI_NAMES = {"p": "-p", "m": "-m", "v": "-v"}
 
-def size_error(p: int, m: int, v: int, backward: str = "full") -> str | None:
+
+def setting_names(names: dict | None) -> dict:
+    """`names` completed with koala's flags for any of p, m, v it does not name."""
+    return {**CLI_NAMES, **(names or {})}
+
+
+def change_hint(keys, names: dict | None = None, verb: str = "change") -> str:
+    """"change -m or -v" (or the engine's setting names) for the parameters `keys`."""
+    names = setting_names(names)
+    return f"{verb} {' or '.join(names[k] for k in keys)}"
+
+
+def size_error(p: int, m: int, v: int, backward: str = "full", names: dict | None = None) -> str | None:
     """None when a (p, m, v) schedule stays within MAX_ACTIONS; else a one-line reason."""
     per = 3 if backward == "split" else 2
     n = p * v * m * per
     if n <= MAX_ACTIONS:
         return None
     return (f"p={p}, m={m}, v={v} gives p*v*m*{per} = {n:,} actions (backward {backward}), over the "
-            f"limit of {MAX_ACTIONS:,} (MAX_ACTIONS): use a smaller -m, -p or -v")
+            f"limit of {MAX_ACTIONS:,} (MAX_ACTIONS): {_smaller(names)}")
+
+
+def _smaller(names: dict | None) -> str:
+    names = setting_names(names)
+    return f"use a smaller {names['m']}, {names['p']} or {names['v']}"
 
 
 def _check_count(n: int, source: str) -> None:

@@ -95,4 +95,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from koala_ds.errors import run_main
+
+    run_main(main, "train.py")  # a KoalaError: one line on rank 0, exit code 2 on every rank

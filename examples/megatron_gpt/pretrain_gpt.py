@@ -248,12 +248,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except Exception as exc:  # a KoalaError is a user error: print it without a traceback
-        from koala_ds.ir import KoalaError
+    from koala_ds.errors import run_main
 
-        if isinstance(exc, KoalaError):
-            print(f"pretrain_gpt: error: {exc}", file=sys.stderr)
-            sys.exit(2)
-        raise
+    run_main(main, "pretrain_gpt")  # a KoalaError: one line on rank 0, exit code 2 on every rank

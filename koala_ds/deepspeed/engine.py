@@ -44,7 +44,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule
 
 from .. import wgrad
-from ..ir import KoalaError, Placement, Schedule, ScheduleError
+from ..ir import KoalaError, Placement, Schedule
 from ..timeout import DEFAULT_TIMEOUT_S, ENV_TIMEOUT, TimeoutSettingError, timeout_setting
 from ..validate import validate
 from ..wgrad import WeightGradQueue
@@ -58,6 +58,11 @@ ENV_PIPELINE_SCHEDULE = "DS_PIPELINE_SCHEDULE"
 ENV_KOALA_SCHEDULE = "KOALA_SCHEDULE"
 ENV_KOALA_PROFILE = "KOALA_PROFILE"
 ENV_KOALA_TIMEOUT = ENV_TIMEOUT  # KOALA_TIMEOUT_S (KOALA_P2P_TIMEOUT is read too): see koala_ds.timeout
+#: The values of `"pipeline": {"schedule": ...}` (and DS_PIPELINE_SCHEDULE): DeepSpeed's own engine or Koala's.
+PIPELINE_SCHEDULES = ("default", "koala")
+#: How schedule errors name p, m and v on DeepSpeed: its config keys and the module's arguments.
+DEEPSPEED_NAMES = {"p": "the PipelineModule's num_stages", "m": '"gradient_accumulation_steps"',
+                   "v": "the KoalaPipelineModule's chunks"}
 _META_SIZE = 256
 _KINDS = {"meta": 0, "act": 1, "grad": 2}
 _MAX_TENSORS = 32
@@ -100,10 +105,27 @@ class KoalaPipelineConfig:
 
 
 def koala_requested(pipeline_section: dict | None, env: dict | None = None) -> bool:
-    """True when the config (`pipeline.schedule`) or the launcher (DS_PIPELINE_SCHEDULE) asks for Koala."""
+    """True when the config (`pipeline.schedule`) or the launcher (DS_PIPELINE_SCHEDULE) asks for Koala;
+    KoalaConfigError for a value that is neither "koala" nor "default"."""
+    return pipeline_schedule(pipeline_section, env) == "koala"
+
+
+def pipeline_schedule(pipeline_section: dict | None, env: dict | None = None) -> str:
+    """"koala" or "default", from `"pipeline": {"schedule": ...}` or else DS_PIPELINE_SCHEDULE."""
     env = os.environ if env is None else env
-    value = (pipeline_section or {}).get("schedule") or env.get(ENV_PIPELINE_SCHEDULE) or ""
-    return str(value).lower() == "koala"
+    value = (pipeline_section or {}).get("schedule")
+    where = 'DeepSpeed config "pipeline.schedule"'
+    if value is None or value == "":
+        value = env.get(ENV_PIPELINE_SCHEDULE) or "default"
+        where = f"{ENV_PIPELINE_SCHEDULE} (the launcher's --pipeline_schedule)"
+    text = str(value).lower()
+    if text not in PIPELINE_SCHEDULES:
+        from ..library import did_you_mean
+
+        raise KoalaConfigError(f"{where} is {value!r}{did_you_mean(text, list(PIPELINE_SCHEDULES))}; "
+                               f"valid values: {', '.join(map(repr, PIPELINE_SCHEDULES))} (default: DeepSpeed's "
+                               f"own schedule; the Koala schedule itself goes in \"pipeline.koala.schedule\")")
+    return text
 
 
 def module_placement(model: PipelineModule) -> Placement:
@@ -125,7 +147,7 @@ def resolve_schedule(spec: Any, p: int, m: int, v: int) -> Schedule:
     text = str(spec)
     if text.endswith(FIXED_SUFFIXES) and Path(text).is_file():
         return read_schedule_file(text)  # as written: check_schedule names the setting to change
-    return load_schedule(text, p, m, v)
+    return load_schedule(text, p, m, v, DEEPSPEED_NAMES)
 
 
 def check_schedule(schedule: Schedule, placement: Placement, m: int, source: str) -> None:
@@ -138,8 +160,8 @@ def check_schedule(schedule: Schedule, placement: Placement, m: int, source: str
                                f"Use a single-pipeline schedule (e.g. zb-v or dualpipe-v).")
     if schedule.p != placement.p:
         raise KoalaConfigError(f"{where} is for p={schedule.p} pipeline ranks but the PipelineModule has "
-                               f"{placement.p} (num_stages / topology pipe dimension): compile the schedule for "
-                               f"p={placement.p} or set num_stages={schedule.p}.")
+                               f"{placement.p} (num_stages / topology pipe dimension): set the PipelineModule's "
+                               f"num_stages={schedule.p}, or use a schedule for p={placement.p}.")
     if schedule.m != m:
         raise KoalaConfigError(f"{where} is for m={schedule.m} microbatches but the DeepSpeed config gives "
                                f"gradient_accumulation_steps={m}: set gradient_accumulation_steps={schedule.m} "
@@ -285,7 +307,7 @@ class KoalaPipelineEngine(PipelineEngine):
             check_schedule(schedule, placement, m, source)
         except KoalaConfigError:
             raise
-        except ScheduleError as exc:
+        except KoalaError as exc:  # the schedule's own errors (unknown name, does not fit p, m, v)
             raise KoalaConfigError(f"{source}: {exc}") from None
         self._check_config(config_class)
         if kcfg.profile is not None:

@@ -18,7 +18,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..ir import MAX_ACTIONS, Action, KoalaError, Op, Placement, Schedule, ScheduleError, size_error
+from ..ir import (MAX_ACTIONS, Action, KoalaError, Op, Placement, Schedule, ScheduleError, change_hint,
+                  setting_names, size_error)
 from ..validate import validate
 from . import ast as A
 from .compact import CompactError, Pass, compact_greedy
@@ -100,6 +101,7 @@ class RankEmitter:
         self.placement, self.m, self.rank = placement, m, rank
         self.stages = placement.stages_of(rank)
         self.budget = budget
+        self.names = setting_names(None)  # how messages name p, m, v (Program.compile sets it)
         self.actions: list[Action] = []
         self.slot: int | None = None  # set by `slot`; recorded with each action
         self.slots: list[int | None] = []
@@ -361,12 +363,13 @@ class Program:
     compact: str | None = None  # "greedy": reorder by slots after every rank ran (compact.py)
     compact_where: str = ""  # file:line:col of the `compact` line, for messages
 
-    def supports(self, p: int, m: int, v: int = 1) -> str | None:
-        """None when (p, m, v) is supported; else the reason, naming what to change."""
+    def supports(self, p: int, m: int, v: int = 1, names: dict | None = None) -> str | None:
+        """None when (p, m, v) is supported; else the reason, naming what to change: koala's
+        flags (-p, -m, -v), or the engine's settings given as `names` ({"m": "...", ...})."""
         for name, val in (("p", p), ("m", m), ("v", v)):
             if not isinstance(val, int) or val < 1:
-                return f"{name} must be a positive integer, got {name}={val!r} (change -{name})"
-        too_big = size_error(p, m, v, self.backward)
+                return f"{name} must be a positive integer, got {name}={val!r} ({change_hint(name, names)})"
+        too_big = size_error(p, m, v, self.backward, names)
         if too_big:
             return f"schedule {self.name!r}: {too_big}"
         env = {"p": p, "m": m, "v": v}
@@ -379,7 +382,7 @@ class Program:
                 params = [k for k in ("p", "m", "v") if _mentions(req.text, k)] or ["p", "m", "v"]
                 where = f" ({req.where})" if req.where else ""
                 return (f"schedule {self.name!r} needs {req.text}{where}; got p={p}, m={m}, v={v}: "
-                        f"change {' or '.join('-' + k for k in params)}")
+                        f"{change_hint(params, names)}")
         return None
 
     def make_placement(self, p: int, v: int) -> Placement:
@@ -387,17 +390,18 @@ class Program:
             return self.placement(p, v)
         return Placement.named(self.placement, p, v)
 
-    def compile(self, p: int, m: int, v: int = 1) -> Schedule:
-        reason = self.supports(p, m, v)
+    def compile(self, p: int, m: int, v: int = 1, names: dict | None = None) -> Schedule:
+        """The Schedule for (p, m, v); errors name `names`' settings (see `supports`)."""
+        reason = self.supports(p, m, v, names)
         if reason:
             raise KoalaCompileError(reason)
         try:
             placement = self.make_placement(p, v)
         except ScheduleError as exc:
             raise KoalaCompileError(f"schedule {self.name!r} ({self.file or 'python'}): {exc}") from None
-        ranks, slots = self._run_ranks(placement, p, m, v)
+        ranks, slots = self._run_ranks(placement, p, m, v, names)
         if self.compact:
-            ranks = self._compacted(placement, ranks, slots, p, m, v)
+            ranks = self._compacted(placement, ranks, slots, p, m, v, names)
         schedule = Schedule(p, m, v, placement, tuple(ranks), self.backward, self.name,
                             {"program": self.name, "file": self.file})
         try:
@@ -407,12 +411,13 @@ class Program:
                                     f"p={p}, m={m}, v={v}: {exc}") from None
         return schedule
 
-    def _run_ranks(self, placement: Placement, p: int, m: int, v: int) -> tuple[list, list]:
+    def _run_ranks(self, placement: Placement, p: int, m: int, v: int, names: dict | None = None) -> tuple[list, list]:
         """Each rank's actions (and their slots when `compact` needs them), one rank at a time."""
         ranks, slots = [], []
         budget = Budget(MAX_ACTIONS, loop_pass_limit(p, m, v, self.backward))
         for r in range(p):
             emitter = RankEmitter(placement, m, r, budget)
+            emitter.names = setting_names(names)
             try:
                 self.rank_body(emitter, {"p": p, "m": m, "v": v, "r": r})
             except KoalaCompileError:
@@ -424,13 +429,13 @@ class Program:
         return ranks, slots
 
     def _compacted(self, placement: Placement, ranks: list[tuple[Action, ...]], slots: list[list],
-                   p: int, m: int, v: int) -> list[tuple[Action, ...]]:
+                   p: int, m: int, v: int, names: dict | None = None) -> list[tuple[Action, ...]]:
         """Each rank's order after `compact greedy` (V-shape, v == 2, split backward only)."""
         where = self.compact_where or self.file or self.name
         params = f"p={p}, m={m}, v={v}"
         vshape = Placement.named("vshape", p, v).stage_ranks == placement.stage_ranks and placement.pipelines == 1
         why = ("it needs backward split" if self.backward != "split" else
-               f"it needs v == 2, got {params}: change -v" if v != 2 else
+               f"it needs v == 2, got {params}: {change_hint('v', names)}" if v != 2 else
                "it needs placement vshape" if not vshape else "")
         if why:
             raise KoalaCompileError(f"{where}: compact {self.compact}: {why}")
@@ -465,7 +470,7 @@ def from_ast(tree: A.ProgramAst, text: str = "") -> Program:
         stmts = tree.ranks.get(env["r"], tree.ranks.get(None))
         if stmts is None:
             raise KoalaCompileError(f"{tree.file}: no block for rank {env['r']} (add 'rank {env['r']}:' "
-                                    f"or a generic 'rank:' block, or change -p)")
+                                    f"or a generic 'rank:' block, or change {emitter.names['p']})")
         _Interpreter(emitter, env, emitter.budget or Budget()).run(stmts)
 
     reqs = tuple(Requirement(r.text, (lambda cond: lambda env: evaluate(cond, global_env(env)))(r.cond), str(r.pos))

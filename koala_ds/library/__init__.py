@@ -12,7 +12,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from ..dsl import Program, parse, parse_program
-from ..ir import KoalaError, Schedule, ScheduleError
+from ..ir import KoalaError, Schedule, ScheduleError, change_hint, setting_names
 from ..validate import validate
 
 LIBRARY_DIR = Path(__file__).resolve().parent
@@ -115,8 +115,8 @@ def _explicit_ranks(text: str, file: str) -> tuple[int, ...]:
     return tuple(sorted(r for r in parse(text, file).ranks if r is not None))
 
 
-def check_rank_blocks(program: Program, p: int) -> None:
-    """A `rank R:` block with R >= p would be silently unused: refuse it, naming -p."""
+def check_rank_blocks(program: Program, p: int, names: dict | None = None) -> None:
+    """A `rank R:` block with R >= p would be silently unused: refuse it, naming -p (or `names["p"]`)."""
     if not program.text:
         return
     extra = [r for r in _explicit_ranks(program.text, program.file or program.name) if r >= p]
@@ -126,26 +126,33 @@ def check_rank_blocks(program: Program, p: int) -> None:
     match = re.search(rf"^[ \t]*rank[ \t]+{r}[ \t]*:", program.text, re.M)
     line = f":{program.text.count(chr(10), 0, match.start()) + 1}" if match else ""
     raise KoalaError(f"{program.file or program.name}{line}: block 'rank {r}:' but p={p} has ranks 0..{p - 1}: "
-                     f"change -p (to at least {r + 1}) or remove the block")
+                     f"{change_hint('p', names)} (to at least {r + 1}) or remove the block")
 
 
-def compile_program(program: Program, p: int, m: int, v: int = 1) -> Schedule:
-    """`program.compile(p, m, v)`, refusing rank blocks that p leaves unused."""
-    check_rank_blocks(program, p)
-    return program.compile(p, m, v)
+def compile_program(program: Program, p: int, m: int, v: int = 1, names: dict | None = None) -> Schedule:
+    """`program.compile(p, m, v)`, refusing rank blocks that p leaves unused. Errors name the
+    settings in `names` ({"p": ..., "m": ..., "v": ...}; default koala's -p, -m, -v)."""
+    check_rank_blocks(program, p, names)
+    return program.compile(p, m, v, names)
 
 
-def load_schedule(name_or_path: str, p: int, m: int, v: int = 1) -> Schedule:
+def load_schedule(name_or_path: str, p: int, m: int, v: int = 1, names: dict | None = None) -> Schedule:
     """Compile a library schedule or a `.koala` file for (p, m, v), or load a fixed `.json` /
-    `.csv` schedule and check that it was made for (p, m, v)."""
+    `.csv` schedule and check that it was made for (p, m, v). Errors say which setting to change
+    in the words of `names` (an engine's settings; default koala's -p, -m, -v)."""
     path = Path(name_or_path)
     if path.suffix in FIXED_SUFFIXES and name_or_path not in _registry():
         schedule = read_schedule_file(path)
-        for key, want in (("p", p), ("m", m), ("v", v)):
-            have = getattr(schedule, key)
-            if have != want:
-                raise ScheduleError(f"{path} was made for {key}={have} but {key}={want} was asked for: "
-                                    f"change -{key} (or the engine's setting) to {have}, or re-export the schedule")
+        check_made_for(schedule, path, p, m, v, names)
         validate(schedule)
         return schedule
-    return compile_program(load_program(name_or_path), p, m, v)
+    return compile_program(load_program(name_or_path), p, m, v, names)
+
+
+def check_made_for(schedule: Schedule, path, p: int, m: int, v: int, names: dict | None = None) -> None:
+    """Refuse a fixed schedule made for another (p, m, v), naming the setting to change."""
+    for key, want in (("p", p), ("m", m), ("v", v)):
+        have = getattr(schedule, key)
+        if have != want:
+            raise ScheduleError(f"{path} was made for {key}={have} but {key}={want} was asked for: "
+                                f"change {setting_names(names)[key]} to {have}, or re-export the schedule")

@@ -4,6 +4,10 @@
     pretrain(..., extra_args_provider=add_arguments)      # Megatron-LM
     install(get_args())                                    # route training to the Koala runtime
 
+`install` checks the schedule against the flags before any process group or model exists and
+raises MegatronScheduleError naming the flag to change; run the script's main through
+`koala_ds.errors.run_main(main)` so that is one line on rank 0 and exit code 2 on every rank.
+
 `install` replaces `get_forward_backward_func` where Megatron looks it up: in
 megatron.core.pipeline_parallel (and its schedules module) and, when Megatron-LM is
 importable, in megatron.training.training, which imported the name at module level.
@@ -16,7 +20,7 @@ import logging
 from dataclasses import dataclass, field
 
 from ..timeout import TimeoutSettingError, check_timeout
-from .resolve import MegatronScheduleError, check_spec, looks_like_path
+from .resolve import MEGATRON_NAMES, MegatronScheduleError, check_spec, looks_like_path, resolve
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +67,25 @@ def schedule_from_args(args) -> str | None:
     return spec
 
 
+def microbatches_from_args(args) -> int | None:
+    """--global-batch-size // (--micro-batch-size x data-parallel size), when the args give all three."""
+    gbs, mbs = getattr(args, "global_batch_size", None), getattr(args, "micro_batch_size", None)
+    dp = getattr(args, "data_parallel_size", None)
+    if gbs and mbs and dp:
+        return gbs // (mbs * dp)
+    return None
+
+
 def _check_sizes(spec: str, args) -> None:
-    """Check p and v against the flags now, before any process group exists."""
+    """Check the schedule against the flags now, before any process group or model exists: the
+    whole schedule (any file or name) when the flags give p, v and the number of microbatches."""
     p = getattr(args, "pipeline_model_parallel_size", None)
     v = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
     if p is None:
+        return
+    m = microbatches_from_args(args)
+    if m is not None:
+        resolve(spec, p, m, v)  # cached: the runtime finds it resolved
         return
     if spec.endswith(".json"):
         import json
@@ -89,12 +107,7 @@ def _check_sizes(spec: str, args) -> None:
         return
     from ..library import get
 
-    m = None
-    gbs, mbs = getattr(args, "global_batch_size", None), getattr(args, "micro_batch_size", None)
-    dp = getattr(args, "data_parallel_size", None)
-    if gbs and mbs and dp:
-        m = gbs // (mbs * dp)
-    reason = get(spec).supports(p, m if m else max(p * v, 1) * 2, v)
+    reason = get(spec).supports(p, max(p * v, 1) * 2, v, MEGATRON_NAMES)
     if reason is not None:
         raise MegatronScheduleError(f"--koala-schedule {spec} with --pipeline-model-parallel-size {p} and "
                                     f"--virtual-pipeline-model-parallel-size {v}: {reason}")
@@ -112,10 +125,11 @@ class InstallReport:
     def __str__(self) -> str:
         if self.schedule is None:
             return "koala: --pipeline-schedule default: megatron-core's own schedule runs (nothing patched)"
-        text = f"koala: schedule {self.schedule!r} routed through {', '.join(self.patched)}"
-        if self.skipped:
-            text += f"; not present: {', '.join(self.skipped)}"
-        return text
+        return f"koala: schedule {self.schedule!r} routed through {', '.join(self.patched)}"
+
+    def details(self) -> str:
+        """str(self) and the modules not patched, with why (megatron-core alone has no megatron.training)."""
+        return str(self) + (f"; not present: {', '.join(self.skipped)}" if self.skipped else "")
 
 
 def install(args) -> InstallReport:
@@ -145,9 +159,18 @@ def install(args) -> InstallReport:
             module = importlib.import_module(module_name)
         except ImportError as exc:
             report.skipped.append(f"{module_name} ({exc.__class__.__name__}: {exc})")
+            _log_skipped(module_name, exc)
             continue
         setattr(module, attr, koala_get_forward_backward_func)
         report.patched.append(f"{module_name}.{attr}")
     report.func = func
     log.info("%s", report)
     return report
+
+
+def _log_skipped(module_name: str, exc: ImportError) -> None:
+    """Debug when the module is simply absent (megatron-core has no megatron.training); a warning
+    when it is there but failed to import, since then its training loop is not routed to Koala."""
+    absent = isinstance(exc, ModuleNotFoundError) and exc.name and (module_name + ".").startswith(exc.name + ".")
+    (log.debug if absent else log.warning)("koala: %s not patched: %s: %s", module_name,
+                                           exc.__class__.__name__, exc)

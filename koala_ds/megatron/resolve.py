@@ -7,10 +7,13 @@ import os
 from dataclasses import dataclass
 
 from ..ir import KoalaError, Schedule
-from ..library import FIXED_SUFFIXES, get, load_schedule, names, read_schedule_file
+from ..library import FIXED_SUFFIXES, did_you_mean, load_schedule, names, read_schedule_file
 from ..validate import validate
 
 FILE_SUFFIXES = (".koala", ".json", ".csv")
+#: How schedule errors name p, m and v on Megatron: its flags.
+MEGATRON_NAMES = {"p": "--pipeline-model-parallel-size", "v": "--virtual-pipeline-model-parallel-size",
+                  "m": "--global-batch-size / --micro-batch-size (the number of microbatches)"}
 
 
 class MegatronScheduleError(KoalaError):
@@ -33,8 +36,8 @@ def check_spec(spec) -> None:
         return
     known = names()
     if spec not in known:
-        raise MegatronScheduleError(f"--koala-schedule {spec}: unknown schedule; known: {', '.join(known)} "
-                                    f"(or give a .koala / .json / .csv file)")
+        raise MegatronScheduleError(f"--koala-schedule {spec}: unknown schedule{did_you_mean(spec, known)}; "
+                                    f"library schedules: {', '.join(known)} (or give a .koala / .json / .csv file)")
 
 
 @dataclass(frozen=True)
@@ -99,10 +102,10 @@ def _resolve(key: _Key) -> Schedule:
 
 
 def _library_load(spec: str, p: int, m: int, v: int) -> Schedule:
-    if not looks_like_path(spec):
-        reason = get(spec).supports(p, m, v)
-        if reason is not None:
-            raise MegatronScheduleError(f"library schedule {spec!r} does not support p={p}, m={m}, v={v}: {reason} "
-                                        f"(check --pipeline-model-parallel-size, "
-                                        f"--virtual-pipeline-model-parallel-size and the number of microbatches)")
-    return load_schedule(spec, p, m, v)
+    """Compile a library name or .koala file; its errors name Megatron's flags."""
+    try:
+        return load_schedule(spec, p, m, v, MEGATRON_NAMES)
+    except MegatronScheduleError:
+        raise
+    except KoalaError as exc:
+        raise MegatronScheduleError(f"--koala-schedule {spec}: {exc}") from None

@@ -1,0 +1,85 @@
+"""One-line user errors for training scripts launched on several ranks.
+
+    from koala_ds.errors import run_main
+    if __name__ == "__main__":
+        run_main(main)
+
+A `KoalaError` (a bad schedule, a config that does not fit it: KoalaConfigError,
+MegatronScheduleError, the library's errors) is the user's to fix, and every rank detects the
+same one before any communication. So instead of a traceback per rank, rank 0 prints
+`error: <message>` on stderr and every rank exits with code 2 (`USER_ERROR_EXIT`). Any other
+exception keeps its traceback. torchrun still prints its own summary of the failed ranks
+(`ChildFailedError`, with the exit code): that part belongs to torchrun.
+
+torchrun (and the deepspeed launcher) stop the other ranks as soon as one exits: were rank 1 to
+exit first, rank 0 could be stopped before it printed the message. So the other ranks wait
+(`OTHER_RANKS_GRACE_S`) before they exit; rank 0 exits at once and the launcher ends them.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Callable, NoReturn
+
+from .ir import KoalaError
+
+#: Exit code of every rank after a user error (argparse's code for bad arguments).
+USER_ERROR_EXIT = 2
+#: How long ranks other than 0 wait before exiting after a user error, so rank 0 prints first.
+OTHER_RANKS_GRACE_S = 5.0
+
+
+def process_rank() -> int:
+    """This process's global rank: torch.distributed's when it is initialised, else $RANK (0)."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    except ImportError:
+        pass
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def one_line(exc: BaseException) -> str:
+    """The message of `exc` on one line (continuation lines joined with ' | ')."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return " | ".join(lines) or exc.__class__.__name__
+
+
+def report_user_error(exc: KoalaError, prog: str | None = None) -> None:
+    """Write `<prog>: error: <message>` to stderr, on rank 0 only."""
+    if process_rank() != 0:
+        return
+    prefix = f"{prog}: " if prog else ""
+    # A program's error output, not a log record: it must reach the user whatever the logging setup.
+    sys.stderr.write(f"{prefix}error: {one_line(exc)}\n")
+    sys.stderr.flush()
+
+
+def run_main(main: Callable[[], object], prog: str | None = None,
+             grace_s: float = OTHER_RANKS_GRACE_S) -> NoReturn:
+    """Run `main()` and exit with its return value (0 for None); a KoalaError becomes one line
+    on rank 0 and exit code USER_ERROR_EXIT on every rank, without a traceback (the other
+    ranks exit `grace_s` later, unless their launcher ends them first)."""
+    try:
+        code = main()
+    except KoalaError as exc:
+        report_user_error(exc, prog)
+        _flush()
+        if process_rank() != 0:
+            time.sleep(grace_s)
+        sys.exit(USER_ERROR_EXIT)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass

@@ -1,0 +1,199 @@
+"""User errors in the engines: one line on rank 0, exit code 2 on every rank, in the engine's
+own words (DeepSpeed's config keys and module arguments, Megatron's flags), with the valid
+values and the closest match for unknown ones."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from koala_ds.errors import USER_ERROR_EXIT, run_main
+from koala_ds.ir import KoalaError
+
+ROOT = Path(__file__).resolve().parents[1]
+P4_ONLY = """schedule p4only
+supports p == 4
+placement linear
+backward full
+rank:
+  F? * m
+  B? * m
+"""
+
+
+def _fails(message: str):
+    def main():
+        raise KoalaError(message)
+    return main
+
+
+def test_run_main_prints_one_line_on_rank_zero_and_exits_2(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as info:
+        run_main(_fails("the schedule is for p=4\nsecond line"), "train.py")
+    assert info.value.code == USER_ERROR_EXIT == 2
+    err = capsys.readouterr().err
+    assert err == "train.py: error: the schedule is for p=4 | second line\n"
+
+
+def test_run_main_other_ranks_exit_2_quietly_after_rank_zero(monkeypatch, capsys):
+    # quietly, and late enough that a launcher which stops all ranks when one exits lets rank 0 print
+    import time
+
+    monkeypatch.setenv("RANK", "1")
+    start = time.monotonic()
+    with pytest.raises(SystemExit) as info:
+        run_main(_fails("bad"), grace_s=0.3)
+    assert time.monotonic() - start >= 0.3
+    assert info.value.code == 2
+    assert capsys.readouterr() == ("", "")
+
+
+def test_run_main_keeps_other_exceptions_and_return_codes(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+
+    def crash():
+        raise RuntimeError("a bug, not a user error")
+    with pytest.raises(RuntimeError, match="a bug"):
+        run_main(crash)
+    with pytest.raises(SystemExit) as info:
+        run_main(lambda: 3)
+    assert info.value.code == 3
+
+
+# -- DeepSpeed ---------------------------------------------------------------------------------
+def _deepspeed():
+    pytest.importorskip("deepspeed")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import importlib
+
+    return (importlib.import_module("koala_ds.deepspeed.engine"), importlib.import_module("koala_ds.deepspeed.install"))
+
+
+def test_unknown_pipeline_schedule_value_is_an_error_with_the_valid_values():
+    engine, install = _deepspeed()
+    with pytest.raises(KoalaError) as info:
+        install.select_engine_class(object(), {"schedule": "koalaa"})
+    text = str(info.value)
+    assert "\"pipeline.schedule\" is 'koalaa' (did you mean 'koala'?)" in text
+    assert "valid values: 'default', 'koala'" in text
+    with pytest.raises(KoalaError, match="DS_PIPELINE_SCHEDULE"):
+        engine.koala_requested({}, env={"DS_PIPELINE_SCHEDULE": "kaola"})
+    assert engine.koala_requested({"schedule": "Koala"}, env={})
+    assert not engine.koala_requested({"schedule": "default"}, env={})
+    assert not engine.koala_requested({}, env={})
+
+
+def test_deepspeed_schedule_errors_name_deepspeeds_settings(tmp_path):
+    engine, _ = _deepspeed()
+    with pytest.raises(KoalaError) as info:
+        engine.resolve_schedule("zb-v", 2, 8, 1)
+    assert "change the KoalaPipelineModule's chunks" in str(info.value) and "change -v" not in str(info.value)
+    (tmp_path / "p4.koala").write_text(P4_ONLY)
+    with pytest.raises(KoalaError) as info:
+        engine.resolve_schedule(str(tmp_path / "p4.koala"), 2, 8, 1)
+    assert "change the PipelineModule's num_stages" in str(info.value) and "change -p" not in str(info.value)
+    with pytest.raises(KoalaError, match='change "gradient_accumulation_steps"'):
+        engine.resolve_schedule("1f1b", 2, 0, 1)
+
+
+# -- Megatron ----------------------------------------------------------------------------------
+def _install(extra: list[str], p: int = 2, v=None, gbs: int = 8, mbs: int = 1, dp: int = 1):
+    pytest.importorskip("megatron.core")
+    from koala_ds.megatron import add_arguments, install
+
+    args = add_arguments(argparse.ArgumentParser()).parse_args(["--pipeline-schedule", "koala", *extra])
+    args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size = p, v
+    args.global_batch_size, args.micro_batch_size, args.data_parallel_size = gbs, mbs, dp
+    return install(args)
+
+
+def test_megatron_install_checks_a_koala_file_against_the_flags_before_the_model(tmp_path):
+    from koala_ds.megatron import MegatronScheduleError
+
+    path = tmp_path / "p4.koala"
+    path.write_text(P4_ONLY)
+    with pytest.raises(MegatronScheduleError) as info:
+        _install(["--koala-schedule", str(path)], p=2)
+    assert "needs p == 4" in str(info.value) and "change --pipeline-model-parallel-size" in str(info.value)
+
+
+def test_megatron_errors_name_megatrons_flags_and_the_closest_name():
+    from koala_ds.megatron import MegatronScheduleError
+
+    with pytest.raises(MegatronScheduleError) as info:
+        _install(["--koala-schedule", "zb-v"], v=None)
+    assert "change --virtual-pipeline-model-parallel-size" in str(info.value)
+    assert "change -v" not in str(info.value)
+    with pytest.raises(MegatronScheduleError) as info:
+        _install(["--koala-schedule", "zb-h3"])
+    assert "(did you mean 'zb-h2'?)" in str(info.value) and "zb-h1" in str(info.value)
+    with pytest.raises(MegatronScheduleError) as info:
+        _install(["--koala-schedule", "1f1b"], gbs=1, mbs=2)  # 0 microbatches
+    assert "--global-batch-size / --micro-batch-size" in str(info.value)
+
+
+def test_megatron_install_says_nothing_alarming_when_megatron_training_is_absent(caplog):
+    pytest.importorskip("megatron.core")
+    try:
+        import megatron.training.training  # noqa: F401
+        pytest.skip("Megatron-LM is installed: megatron.training is patched")
+    except ImportError:
+        pass
+    import megatron.core.pipeline_parallel as mpp
+    from megatron.core.pipeline_parallel import schedules as mcs
+
+    saved = (mpp.get_forward_backward_func, mcs.get_forward_backward_func)
+    try:
+        with caplog.at_level(logging.INFO, logger="koala_ds"):
+            report = _install(["--koala-schedule", "1f1b"])
+    finally:
+        mpp.get_forward_backward_func, mcs.get_forward_backward_func = saved
+    shown = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    assert shown and all("ModuleNotFoundError" not in s and "not present" not in s for s in shown), shown
+    assert "not present" not in str(report) and "megatron.training" in report.details()
+
+
+# -- one multi-process run: the DeepSpeed example with a schedule made for other microbatches ----
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.deepspeed_ext
+@pytest.mark.timeout(300)
+def test_deepspeed_example_user_error_is_one_line_on_one_rank(tmp_path):
+    pytest.importorskip("deepspeed")
+    from koala_ds.deepspeed.testing import extensions_dir
+    from koala_ds.library import load_schedule
+
+    path = tmp_path / "m4.json"
+    path.write_text(load_schedule("1f1b", 2, 4).to_json())
+    port = str(_free_port())
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=port, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
+                   TORCH_EXTENSIONS_DIR=str(extensions_dir()),
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+        cmd = [sys.executable, str(ROOT / "examples/deepspeed_pipe/train.py"), "--schedule", str(path),
+               "--microbatches", "8", "--steps", "1"]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                      cwd=ROOT))
+    results = [proc.communicate(timeout=240) for proc in procs]
+    codes = [proc.returncode for proc in procs]
+    err = "".join(e for _, e in results)
+    errors = [line for line in err.splitlines() if "error" in line.lower()]
+    assert codes == [2, 2], err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert len(errors) == 1, errors
+    assert errors[0].startswith("train.py: error: ") and "gradient_accumulation_steps=4" in errors[0]
+    assert results[1][1].strip() == "" or "error" not in results[1][1].lower()
