@@ -83,6 +83,15 @@ def test_pp2_two_chunks_per_rank_is_exact(pp2):
 
 
 @pytest.mark.timeout(450)
+def test_pp2_loss_scaling_path_is_exact(pp2):
+    """config.grad_scale_func (Megatron's loss scaler): gradients are the reference times the scale,
+    as in megatron-core's own 1F1B, also with the split backward (zb-h1)."""
+    entries = _entries(pp2, "pp2-scaled")
+    _check_step(entries, ["megatron-1f1b", "1f1b", "zb-h1"])
+    assert any("max_diff_vs_megatron" in e for e in entries)
+
+
+@pytest.mark.timeout(450)
 def test_bad_input_fails_before_communication(pp2):
     for rank in pp2:
         bad = rank["bad"]
