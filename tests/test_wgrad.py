@@ -287,3 +287,20 @@ def test_linear_under_autocast_defers_in_the_autocast_dtype():
     for p, r in zip(mod.parameters(), ref.parameters()):
         assert p.grad.dtype == r.grad.dtype == torch.float32
         assert torch.allclose(p.grad, r.grad, rtol=2e-2, atol=2e-2), (p.shape, (p.grad - r.grad).abs().max())
+
+
+def test_megatron_runtime_accepts_gradient_accumulation_fusion_with_a_split_schedule():
+    """It used to refuse it (the graph-level split added main_grad twice); with the layer-level
+    split it is exact (test_megatron_linear_split_keeps_main_grad_semantics), so it is allowed.
+    megatron-core's own embedding wgrad deferral still is not."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("megatron.core")
+    from koala_ds.megatron.resolve import MegatronScheduleError
+    from koala_ds.megatron.runtime import KoalaForwardBackward
+
+    fused = SimpleNamespace(gradient_accumulation_fusion=True, defer_embedding_wgrad_compute=False)
+    KoalaForwardBackward._check_config(fused, split=True, forward_only=False, p=2)
+    deferred = SimpleNamespace(gradient_accumulation_fusion=False, defer_embedding_wgrad_compute=True)
+    with pytest.raises(MegatronScheduleError, match="defer_embedding_wgrad_compute"):
+        KoalaForwardBackward._check_config(deferred, split=True, forward_only=False, p=2)

@@ -278,13 +278,11 @@ class KoalaForwardBackward:
             problems.append("variable_seq_lengths=True (the koala runtime sends fixed shapes): turn it off")
         if getattr(config, "overlap_moe_expert_parallel_comm", False):
             problems.append("overlap_moe_expert_parallel_comm=True: not supported with --pipeline-schedule koala")
-        if split and not forward_only:
-            if getattr(config, "gradient_accumulation_fusion", False):
-                problems.append("the schedule splits backward (I/W) but gradient_accumulation_fusion=True writes "
-                                "weight gradients inside the input-gradient pass: use --no-gradient-accumulation-fusion "
-                                "or a schedule with full backward (B)")
-            if getattr(config, "defer_embedding_wgrad_compute", False):
-                problems.append("the schedule splits backward (I/W): turn off defer_embedding_wgrad_compute")
+        # gradient_accumulation_fusion is exact with a split backward: the deferred weight gradients
+        # (koala_ds.wgrad) add into main_grad in W, once; megatron-core's own deferral is not
+        if split and not forward_only and getattr(config, "defer_embedding_wgrad_compute", False):
+            problems.append("the schedule splits backward (I/W): turn off defer_embedding_wgrad_compute "
+                            "(--defer-embedding-wgrad-compute)")
         if problems:
             raise MegatronScheduleError("koala schedule runtime: " + "; ".join(problems))
 
