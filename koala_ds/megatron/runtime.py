@@ -105,6 +105,49 @@ def _post_plan(actions: tuple, pl, rank: int, plan: CommPlan, lookahead: int) ->
     return tuple(out)
 
 
+def _chunk_iterators(data_iterator, v: int) -> list:
+    """One data iterator per model chunk, as megatron-core's interleaved schedule takes them."""
+    if isinstance(data_iterator, (list, tuple)):
+        if len(data_iterator) != v:
+            raise MegatronScheduleError(f"data_iterator is a list of {len(data_iterator)} but the model has {v} "
+                                        f"chunks: give one data iterator per model chunk")
+        return list(data_iterator)
+    if v == 1:
+        return [data_iterator]
+    raise MegatronScheduleError(f"the model has {v} chunks: data_iterator must be a list of {v} iterators "
+                                f"(one per chunk, as for megatron-core's interleaved schedule)")
+
+
+def _process_groups(pg_collection):
+    """The caller's ProcessGroupCollection, or one built from parallel_state as megatron-core does."""
+    if pg_collection is not None:
+        return pg_collection
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    pgc = ProcessGroupCollection()
+    pgc.tp, pgc.cp = ps.get_tensor_model_parallel_group(), ps.get_context_parallel_group()
+    pgc.pp = ps.get_pipeline_model_parallel_group()
+    pgc.embd = ps.get_embedding_group(check_initialized=False)
+    pgc.pos_embd = ps.get_position_embedding_group(check_initialized=False)
+    pgc.dp_cp = ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=False)
+    return pgc
+
+
+def _message_shape(config, seq_length: int, micro_batch_size: int, cp_size: int, tp_size: int,
+                   adjust_tensor_shapes_fn) -> list:
+    """The shape of the one tensor passed between stages (megatron-core's tensor_shape)."""
+    shape = [seq_length // cp_size, micro_batch_size, config.hidden_size]
+    if config.sequence_parallel:
+        shape[0] //= tp_size
+    if adjust_tensor_shapes_fn is not None:
+        recv_shapes, _ = adjust_tensor_shapes_fn([tuple(shape)], [tuple(shape)])
+        if len(recv_shapes) != 1:
+            raise MegatronScheduleError("adjust_tensor_shapes_fn: the koala runtime sends one tensor per stage")
+        shape = list(recv_shapes[0])
+    return shape
+
+
 class KoalaForwardBackward:
     """Callable with megatron-core's forward_backward_func keyword signature."""
 
@@ -162,7 +205,6 @@ class KoalaForwardBackward:
         pg_collection=None,
         force_all_reduce: Optional[bool] = False,
     ):
-        from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import schedules as mcs
         from megatron.core.utils import get_model_config, get_model_type
 
@@ -170,35 +212,11 @@ class KoalaForwardBackward:
 
         models = list(model) if isinstance(model, (list, tuple)) else [model]
         v = len(models)
-        if isinstance(data_iterator, (list, tuple)):
-            iterators = list(data_iterator)
-            if len(iterators) != v:
-                raise MegatronScheduleError(f"data_iterator is a list of {len(iterators)} but the model has {v} chunks: "
-                                            f"give one data iterator per model chunk")
-        elif v == 1:
-            iterators = [data_iterator]
-        else:
-            raise MegatronScheduleError(f"the model has {v} chunks: data_iterator must be a list of {v} iterators "
-                                        f"(one per chunk, as for megatron-core's interleaved schedule)")
+        iterators = _chunk_iterators(data_iterator, v)
         config = get_model_config(models[0])
         model_type = get_model_type(models[0])
-
-        if pg_collection is not None:
-            pp_group, tp_group, cp_group = pg_collection.pp, pg_collection.tp, pg_collection.cp
-        else:
-            pp_group = parallel_state.get_pipeline_model_parallel_group()
-            tp_group = parallel_state.get_tensor_model_parallel_group()
-            cp_group = parallel_state.get_context_parallel_group()
-            from megatron.core.process_groups_config import ProcessGroupCollection
-
-            pg_collection = ProcessGroupCollection()
-            pg_collection.tp = tp_group
-            pg_collection.cp = cp_group
-            pg_collection.pp = pp_group
-            pg_collection.embd = parallel_state.get_embedding_group(check_initialized=False)
-            pg_collection.pos_embd = parallel_state.get_position_embedding_group(check_initialized=False)
-            pg_collection.dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True,
-                                                                         partial_data_parallel=False)
+        pg_collection = _process_groups(pg_collection)
+        pp_group, tp_group, cp_group = pg_collection.pp, pg_collection.tp, pg_collection.cp
         p, rank = pp_group.size(), pp_group.rank()
 
         # -- everything that can be wrong is checked here, before any communication --
@@ -208,15 +226,8 @@ class KoalaForwardBackward:
         prep = self._prepare(schedule, rank, forward_only)
         self.last_schedule = schedule
 
-        shape = [decoder_seq_length or seq_length, micro_batch_size, config.hidden_size]
-        shape[0] //= cp_group.size()
-        if config.sequence_parallel:
-            shape[0] //= tp_group.size()
-        if adjust_tensor_shapes_fn is not None:
-            recv_shapes, send_shapes = adjust_tensor_shapes_fn([tuple(shape)], [tuple(shape)])
-            if len(recv_shapes) != 1:
-                raise MegatronScheduleError("adjust_tensor_shapes_fn: the koala runtime sends one tensor per stage")
-            shape = list(recv_shapes[0])
+        shape = _message_shape(config, decoder_seq_length or seq_length, micro_batch_size, cp_group.size(),
+                               tp_group.size(), adjust_tensor_shapes_fn)
         dtype = config.pipeline_dtype
         if dtype is None and p > 1:
             raise MegatronScheduleError("config.pipeline_dtype must be set for pipeline parallelism "
