@@ -253,7 +253,7 @@ class P2P:
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
         self._wait(dist.irecv(data, src=src, group=group, tag=1), f"receive the loss values from pipeline rank {src_pp_rank}")
         obj = torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=False)
-        return _to_device(obj, device)
+        return to_device(obj, device)
 
     # -- waiting ---------------------------------------------------------------------------
     def _wait(self, work, what: str) -> None:
@@ -309,11 +309,12 @@ def _to_cpu(obj):
     return obj
 
 
-def _to_device(obj, device):
+def to_device(obj, device):
+    """A tensor, or a dict / list / tuple of them (nested), on `device`."""
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
     if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
+        return {k: to_device(v, device) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(v, device) for v in obj)
+        return type(obj)(to_device(v, device) for v in obj)
     return obj

@@ -6,6 +6,8 @@ import os
 
 import torch
 
+from ..megatron.p2p import to_device
+
 
 # -- megatron-core GPT ------------------------------------------------------------------------
 class GPTStage(torch.nn.Module):
@@ -222,15 +224,6 @@ def pipeline_module_stages(module_or_layers, num_stages: int, partition_method: 
                                            and m not in list(layer.mods)])
         stages.append(layer)
     return stages
-
-
-def to_device(x, device):
-    """A tensor, or a tuple / list of them, on `device`."""
-    if isinstance(x, torch.Tensor):
-        return x.to(device)
-    if isinstance(x, (tuple, list)):
-        return type(x)(to_device(t, device) for t in x)
-    return x
 
 
 def profile_pipeline_module(module_or_layers, sample_input, num_stages: int, partition_method: str = "parameters",
