@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -40,6 +40,14 @@ WgradWork = Callable[[], Optional[list]]
 
 _ACTIVE: "WeightGradQueue | None" = None  # the queue of the I step running now (a global, not a
 # thread-local: autograd runs CUDA backward functions on its own device threads)
+
+
+def storage_bytes(storages: Iterable[tuple[int, int]]) -> int:
+    """Bytes of distinct storages, given (data pointer, size in bytes) pairs (a storage met twice counts once)."""
+    sizes: dict[int, int] = {}
+    for ptr, nbytes in storages:
+        sizes[ptr] = max(sizes.get(ptr, 0), nbytes)
+    return sum(sizes.values())
 
 
 @dataclass
@@ -56,11 +64,7 @@ class WeightGradQueue:
 
     def held_bytes(self) -> int:
         """Bytes of the distinct storages the queue keeps alive until W."""
-        sizes: dict = {}
-        for t in self.held:
-            st = t.untyped_storage()
-            sizes[st.data_ptr()] = max(sizes.get(st.data_ptr(), 0), st.nbytes())
-        return sum(sizes.values())
+        return storage_bytes((t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in self.held)
 
     def run(self) -> None:
         """W: compute the queued weight gradients and accumulate them as autograd would."""

@@ -148,12 +148,9 @@ class SavedTensorTracker:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def saved_bytes(self, alive_only: bool = False) -> int:
-        seen: dict[int, int] = {}
-        for ptr, nbytes, ref in self.records:
-            if alive_only and ref() is None:
-                continue
-            seen[ptr] = max(seen.get(ptr, 0), nbytes)
-        return sum(seen.values())
+        from ..wgrad import storage_bytes
+
+        return storage_bytes((ptr, nbytes) for ptr, nbytes, ref in self.records if not alive_only or ref() is not None)
 
 
 class _Timer:
