@@ -8,8 +8,10 @@ A `KoalaError` (a bad schedule, a config that does not fit it: KoalaConfigError,
 MegatronScheduleError, the library's errors) is the user's to fix, and every rank detects the
 same one before any communication. So instead of a traceback per rank, rank 0 prints
 `error: <message>` on stderr and every rank exits with code 2 (`USER_ERROR_EXIT`). Any other
-exception keeps its traceback. torchrun still prints its own summary of the failed ranks
-(`ChildFailedError`, with the exit code): that part belongs to torchrun.
+exception keeps its traceback. `rank_zero_argument_errors(parser)` does the same for argparse
+errors (the koala flags' `add_arguments` applies it to the parser it extends). torchrun itself
+then prints its summary of the failed ranks (about 40 lines); `koala-run`, which takes
+torchrun's arguments (koala_ds/torchrun.py), leaves a user error at the one line.
 
 torchrun (and the deepspeed launcher) stop the other ranks as soon as one exits: were rank 1 to
 exit first, rank 0 could be stopped before it printed the message. So the other ranks wait
@@ -17,6 +19,7 @@ exit first, rank 0 could be stopped before it printed the message. So the other 
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -70,11 +73,31 @@ def run_main(main: Callable[[], object], prog: str | None = None,
         code = main()
     except KoalaError as exc:
         report_user_error(exc, prog)
-        _flush()
-        if process_rank() != 0:
-            time.sleep(grace_s)
-        sys.exit(USER_ERROR_EXIT)
+        exit_user_error(grace_s)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def exit_user_error(grace_s: float = OTHER_RANKS_GRACE_S) -> NoReturn:
+    """Exit with USER_ERROR_EXIT; ranks other than 0 first wait `grace_s` (rank 0 prints)."""
+    _flush()
+    if process_rank() != 0:
+        time.sleep(grace_s)
+    sys.exit(USER_ERROR_EXIT)
+
+
+def rank_zero_argument_errors(parser: argparse.ArgumentParser,
+                              grace_s: float = OTHER_RANKS_GRACE_S) -> argparse.ArgumentParser:
+    """Make `parser`'s argument errors one line on rank 0 (`prog: error: message (see prog
+    -h)`, no usage block) and exit code USER_ERROR_EXIT on every rank, like a KoalaError under
+    run_main. Every rank parses the same command line, so every rank finds the same error."""
+
+    def error(message: str) -> NoReturn:
+        if process_rank() == 0:
+            sys.stderr.write(f"{parser.prog}: error: {message} (see {parser.prog} -h)\n")
+        exit_user_error(grace_s)
+
+    parser.error = error  # type: ignore[method-assign]
+    return parser
 
 
 def _flush() -> None:

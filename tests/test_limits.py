@@ -98,6 +98,19 @@ def test_python_builder_repetitions_are_bounded():
         prog.compile(2, 4)
 
 
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("call", ["F(0)", "W(optional=True)", "slot(0)"])
+def test_python_builder_loops_around_calls_that_emit_nothing_are_bounded(call):
+    """A Python loop that only calls the builder without emitting ran until killed."""
+    source = (f"def body(b, p, m, v, r):\n    b.F(m)\n    b.B(m)\n"
+              f"    while True:\n        b.{call}\n")
+    scope: dict = {}
+    exec(source, scope)
+    prog = python_program("spin")(scope["body"])
+    with pytest.raises(KoalaCompileError, match=r"a call b\.\w+\(\.\.\.\) goes over the limit of 1,000,000"):
+        prog.compile(2, 4)
+
+
 def test_long_flat_expressions_evaluate():
     terms = " + ".join(["1"] * 2000)
     conj = " and ".join(["m > 0"] * 2000)

@@ -197,3 +197,75 @@ def test_deepspeed_example_user_error_is_one_line_on_one_rank(tmp_path):
     assert len(errors) == 1, errors
     assert errors[0].startswith("train.py: error: ") and "gradient_accumulation_steps=4" in errors[0]
     assert results[1][1].strip() == "" or "error" not in results[1][1].lower()
+
+
+# -- argument errors and the launcher ------------------------------------------------------------
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_argument_errors_are_one_line_on_rank_zero_and_exit_2_everywhere(monkeypatch, capsys, rank):
+    from koala_ds.errors import rank_zero_argument_errors
+
+    monkeypatch.setenv("RANK", rank)
+    parser = rank_zero_argument_errors(argparse.ArgumentParser(prog="train.py"), grace_s=0.0)
+    parser.add_argument("--steps", type=int)
+    with pytest.raises(SystemExit) as info:
+        parser.parse_args(["--steps", "many"])
+    assert info.value.code == USER_ERROR_EXIT
+    err = capsys.readouterr().err
+    if rank == "0":
+        assert err == "train.py: error: argument --steps: invalid int value: 'many' (see train.py -h)\n"
+    else:
+        assert err == ""
+
+
+def test_megatron_koala_flags_make_the_parser_one_line(monkeypatch, capsys):
+    pytest.importorskip("megatron.core")
+    from koala_ds.megatron import add_arguments
+
+    monkeypatch.setenv("RANK", "0")
+    parser = add_arguments(argparse.ArgumentParser(prog="pretrain_gpt.py"))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--pipeline-schedule", "koalaa"])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("pretrain_gpt.py: error: argument --pipeline-schedule")
+
+
+SCRIPT = """import sys
+from koala_ds.errors import run_main
+from koala_ds.ir import KoalaError
+
+def main():
+    if sys.argv[1] == "user":
+        raise KoalaError("set --pipeline-model-parallel-size 4")
+    raise RuntimeError("a bug")
+
+run_main(main, "t.py", grace_s=2.0)
+"""
+
+
+def _koala_run(tmp_path, kind: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "t.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    cmd = [sys.executable, "-m", "koala_ds.torchrun", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+           str(script), kind]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_koala_run_leaves_a_user_error_at_one_line(tmp_path):
+    """torchrun printed about 40 lines after the user's one (SIGTERM notices, its traceback, a table)."""
+    done = _koala_run(tmp_path, "user")
+    assert done.returncode == USER_ERROR_EXIT, done.stderr
+    assert done.stderr == "t.py: error: set --pipeline-model-parallel-size 4\n"
+    assert done.stdout == ""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_koala_run_keeps_torchruns_report_for_a_crash(tmp_path):
+    done = _koala_run(tmp_path, "crash")
+    assert done.returncode == 1
+    assert "RuntimeError: a bug" in done.stderr and "Root Cause" in done.stderr
+    assert "ChildFailedError" not in done.stderr  # the launcher's own traceback is not a finding

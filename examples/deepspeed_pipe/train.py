@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by `deepspeed`
-    args = parser.parse_args()
+    args = rank_zero_argument_errors(parser).parse_args()  # a bad flag: one line on rank 0
 
     deepspeed.init_distributed(dist_backend="gloo" if os.environ.get("DS_ACCELERATOR") == "cpu" else None)
     world = int(os.environ["WORLD_SIZE"])

@@ -64,7 +64,8 @@ class Budget:
             return
         self.passes_left -= n
         if self.passes_left < 0:
-            raise KoalaError(f"{what} of {n:,} passes goes over the limit of {self.max_passes:,} loop passes "
+            amount = f" of {n:,} passes" if n > 1 else ""
+            raise KoalaError(f"{what}{amount} goes over the limit of {self.max_passes:,} loop passes "
                              f"for this p, m, v (LOOP_PASSES_PER_ACTION per action, at least MIN_LOOP_PASSES): "
                              f"bound the loop by p, m or v")
 
@@ -186,13 +187,19 @@ class RankBuilder:
     def _op(self, op: str, times: int, chunk: int | None, mb: int | None, optional: bool) -> None:
         if times < 0:
             raise KoalaError(f"{op}: repetition count {times} < 0")
-        if self._e.budget is not None:
-            self._e.budget.spend_passes(times, f"{op} repeated {times:,} times")
+        # Every call is at least one pass, so a Python loop around calls that emit nothing
+        # (`b.F(0)`, an optional op with nothing left) still ends at the pass limit.
+        self._charge(max(times, 1), f"{op} repeated {times:,} times" if times > 1 else f"a call b.{op}(...)")
         for _ in range(times):
             self._e.emit(op, chunk, mb, optional)
 
+    def _charge(self, n: int, what: str) -> None:
+        if self._e.budget is not None:
+            self._e.budget.spend_passes(n, what)
+
     def slot(self, t: int) -> None:
         """The unit-time slot of the ops that follow (used by `compact="greedy"`)."""
+        self._charge(1, "a call b.slot(...)")
         self._e.slot = int(t)
 
     def F(self, times: int = 1, chunk: int | None = None, mb: int | None = None, optional: bool = False):

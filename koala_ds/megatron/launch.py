@@ -19,6 +19,7 @@ import importlib
 import logging
 from dataclasses import dataclass, field
 
+from ..errors import rank_zero_argument_errors
 from ..timeout import TimeoutSettingError, check_timeout
 from .resolve import MEGATRON_NAMES, MegatronScheduleError, check_spec, looks_like_path, resolve
 
@@ -33,7 +34,9 @@ PATCH_TARGETS = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron extra_args_provider: adds the koala flags (and returns the parser)."""
+    """Megatron extra_args_provider: adds the koala flags (and returns the parser), and makes
+    the parser's argument errors one line on rank 0 (exit code 2 on every rank)."""
+    rank_zero_argument_errors(parser)
     group = parser.add_argument_group(title="koala pipeline schedule")
     group.add_argument("--pipeline-schedule", choices=("default", "koala"), default="default",
                        help="'koala' runs the pipeline with a Koala schedule (default: megatron-core's own)")

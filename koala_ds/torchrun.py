@@ -1,0 +1,56 @@
+"""`koala-run`: torchrun, with a user error left at the one line the failing rank printed.
+
+    koala-run --nproc-per-node 2 examples/megatron_gpt/pretrain_gpt.py ... --koala-schedule zb-h1
+
+It takes exactly torchrun's arguments and runs torchrun's own launcher (`torch.distributed.run`).
+What it changes is the end of a failed run. torchrun stops the other ranks with SIGTERM, logs
+that, and ends in a traceback of its own plus a `ChildFailedError` table (about 40 lines),
+even when the script already said what to fix. Here:
+
+- the root cause exited with `USER_ERROR_EXIT` (2: a `KoalaError` reported by
+  `koala_ds.errors.run_main`, or an argument error): nothing more is printed, exit code 2;
+- any other failure: torchrun's failure table (which ranks, exit codes, error files), without
+  the launcher's own traceback, and the root cause's exit code (1 for a signal).
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+from .errors import USER_ERROR_EXIT
+
+#: torchrun's log lines about ending a failed run, which the exit code and table already say.
+_ENDING_MESSAGES = ("Sending process", "failed (exitcode")
+_ELASTIC_API_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+
+
+class _DropEndingLines(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(_ENDING_MESSAGES)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run torchrun with `argv` (default: the command line); return the exit code."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
+    logging.getLogger(_ELASTIC_API_LOGGER).addFilter(_DropEndingLines())
+    try:
+        torchrun.run(args)
+    except ChildFailedError as exc:
+        return failure_exit_code(exc)
+    return 0
+
+
+def failure_exit_code(exc) -> int:
+    """The exit code for a failed run; prints torchrun's table unless it was a user error."""
+    _, root = exc.get_first_failure()
+    if root.exitcode == USER_ERROR_EXIT:
+        return USER_ERROR_EXIT
+    sys.stderr.write(exc.format_msg() + "\n")
+    return root.exitcode if root.exitcode > 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
