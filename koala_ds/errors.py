@@ -23,7 +23,8 @@ import argparse
 import os
 import sys
 import time
-from typing import Callable, NoReturn
+from contextlib import contextmanager
+from typing import Callable, Iterator, NoReturn
 
 from .ir import KoalaError
 
@@ -69,12 +70,21 @@ def run_main(main: Callable[[], object], prog: str | None = None,
     """Run `main()` and exit with its return value (0 for None); a KoalaError becomes one line
     on rank 0 and exit code USER_ERROR_EXIT on every rank, without a traceback (the other
     ranks exit `grace_s` later, unless their launcher ends them first)."""
-    try:
+    with one_line_user_errors(prog, grace_s):
         code = main()
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+@contextmanager
+def one_line_user_errors(prog: str | None = None, grace_s: float = OTHER_RANKS_GRACE_S) -> Iterator[None]:
+    """A KoalaError raised inside: one line on rank 0 and exit code USER_ERROR_EXIT on every
+    rank (as run_main does), e.g. around `koala_ds.megatron.install(args)` in a script whose
+    main is not run_main's (the Megatron-LM patch)."""
+    try:
+        yield
     except KoalaError as exc:
         report_user_error(exc, prog)
         exit_user_error(grace_s)
-    sys.exit(code if isinstance(code, int) else 0)
 
 
 def exit_user_error(grace_s: float = OTHER_RANKS_GRACE_S) -> NoReturn:

@@ -269,3 +269,16 @@ def test_koala_run_keeps_torchruns_report_for_a_crash(tmp_path):
     assert done.returncode == 1
     assert "RuntimeError: a bug" in done.stderr and "Root Cause" in done.stderr
     assert "ChildFailedError" not in done.stderr  # the launcher's own traceback is not a finding
+
+
+def test_one_line_user_errors_around_a_call(monkeypatch, capsys):
+    from koala_ds.errors import one_line_user_errors
+
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as info:
+        with one_line_user_errors("pretrain_gpt.py"):
+            raise KoalaError("--koala-schedule p4.koala needs p == 4")
+    assert info.value.code == USER_ERROR_EXIT
+    assert capsys.readouterr().err == "pretrain_gpt.py: error: --koala-schedule p4.koala needs p == 4\n"
+    with one_line_user_errors():
+        pass  # nothing raised: nothing happens

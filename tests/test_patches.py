@@ -49,6 +49,8 @@ def test_megatron_lm_patch_applies_to_core_v0_16_1_and_compiles(tmp_path):
     patched = (checkout / "pretrain_gpt.py").read_text(encoding="utf-8")
     assert patched != source.read_text(encoding="utf-8")
     assert "import koala_ds.megatron as koala_megatron" in patched
+    # a schedule that does not fit the flags: one line on rank 0, not a traceback per rank
+    assert re.search(r"with one_line_user_errors\(.*\):\n\s+report = koala_megatron\.install\(", patched)
     launch = patched[patched.rindex("    pretrain(\n"):]
     assert "partial(koala_model_provider, gpt_builder)" in launch
     assert "extra_args_provider=extra_args_provider," in launch
