@@ -22,10 +22,6 @@ COMMAND_MODULES = [
 ]
 
 
-class UserError(KoalaError):
-    """A problem with what the user asked for; printed without a traceback."""
-
-
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
