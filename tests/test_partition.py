@@ -255,3 +255,16 @@ def test_cli_errors_are_one_line_naming_the_option(tmp_path, capsys, argv, messa
     assert main(argv) != 0
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_a_limit_no_predefined_schedule_fits_still_gets_a_searched_split_and_schedule():
+    # at 18000 MB per rank no library schedule fits any split tried (the embedding and the output
+    # layer hold 6.3 GB of static memory each); the split's own bound guides the descents and the
+    # schedule search, which repairs memory, finds one that fits
+    lp = load_layer_profile("gpt-largevocab-32L")
+    res = search_partition(lp, 4, 8, 1, memory_limit=18000.0, time_budget=3.0)
+    assert res.uniform_predefined is None
+    joint = res.joint
+    static = lp.rank_static_mb(joint.partition, joint.schedule.placement)
+    sim = simulate(joint.schedule, lp.stage_profile(joint.partition, 4, joint.schedule.placement))
+    assert all(static[r] + sim.peak_memory_mb[r] <= 18000.0 * (1 + 1e-9) for r in range(4))

@@ -29,7 +29,7 @@ from typing import Callable
 
 from .. import library
 from ..ir import KoalaError, Placement, Schedule
-from ..sim import CostProfile, ProfileError, simulate
+from ..sim import CostProfile, ProfileError, lower_bound, simulate
 from ..sim.layers import LayerProfile, partition_text
 from .partition_bound import JointBound, joint_lower_bound, min_max_partition
 from .problem import SearchError, SearchProblem, default_placements, relative_gap
@@ -86,6 +86,7 @@ class Score:
 
     best: Answer | None
     baseline: Answer | None
+    bound: float                         # the split's lower bound with memory (koala_ds.sim.lower_bound)
     stage_work: tuple[float, ...]        # F + I + W per stage, largest first (the tie-break)
 
 
@@ -166,8 +167,22 @@ class PartitionSearch:
                 baseline = ans
         work = sorted((c.forward + c.backward_input + c.backward_weight
                        for c in map(self.lp.stage_cost, self.lp.stage_layers(partition))), reverse=True)
-        self._scores[partition] = Score(best, baseline, tuple(work))
+        self._scores[partition] = Score(best, baseline, self._bound(partition), tuple(work))
         return self._scores[partition]
+
+    def _bound(self, partition: tuple[int, ...]) -> float:
+        """The split's least lower bound over placements and backward kinds, memory terms included
+        (it guides the descents where no predefined schedule fits)."""
+        out = math.inf
+        for pl in self.placements:
+            prof = self.profile(partition, pl)
+            if prof is None:
+                continue
+            for kind in ("split", "full"):
+                lb = lower_bound(prof, self.p, self.m, self.v, pl, kind, memory_limit=list(prof.memory_limits(self.p)))
+                if lb.feasible:
+                    out = min(out, lb.value)
+        return out
 
     @property
     def scored(self) -> int:
@@ -197,7 +212,7 @@ class PartitionSearch:
         """Best-neighbour descent over moves of one cut point by one or two layers."""
         def rank(part: tuple[int, ...]) -> tuple:
             sc = self.score(part)
-            return key(sc), sc.stage_work
+            return key(sc), sc.bound, sc.stage_work
 
         current, cur_rank = start, rank(start)
         while not deadline():
@@ -281,8 +296,10 @@ def search_partition(lp: LayerProfile, p: int, m: int, v: int = 1, memory_limit:
     for start in starts:
         ps.descend(start, _best_key, deadline)
     base_part = min((ps.descend(s, _baseline_key, deadline) for s in starts), key=lambda x: _baseline_key(ps.score(x)))
-    ranked = sorted((sc.best.makespan, sc.stage_work, part) for part, sc in ps._scores.items() if sc.best is not None)
-    cands = list(dict.fromkeys([r[2] for r in ranked[:top]] + [uniform]))
+    # where no predefined schedule fits, the split's own bound ranks it
+    ranked = sorted((_best_key(sc), sc.bound, sc.stage_work, part) for part, sc in ps._scores.items()
+                    if sc.bound < math.inf)
+    cands = list(dict.fromkeys([r[3] for r in ranked[:top]] + [uniform]))
     answers = [sc.best for sc in ps._scores.values() if sc.best is not None]
     uniform_searched = None
     for i, part in enumerate(cands):
