@@ -13,7 +13,9 @@ from ..ir import KoalaError, Schedule
 from ..outputs import check_output
 from . import dumps_json, positive_float
 from .bounds import NO_FIT, ConfigBound, configuration_bound
+from . import partition
 from .table import format_table
+from ..sim.layers import LayerProfile
 from ..sim import (MODES, CostProfile, SimResult, bundled_profiles, load_profile, simulate,
                    unit_profile)
 
@@ -161,10 +163,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     check_counts(args)
     check_output_flags(args)
-    profile = load_profile(args.profile) if args.profile else None
+    profile = partition.load_model_profile(args)
+    layers = profile if isinstance(profile, LayerProfile) else None
     if Path(args.schedule).suffix not in FIXED_SUFFIXES and args.p is None:
-        args.p = _default_p(profile, args.v or 1)
+        args.p = partition.default_p(layers, args, args.v or 1) if layers else _default_p(profile, args.v or 1)
     schedule = resolve_schedule(args)
+    if layers is not None:  # the stage profile of --partition (default: the uniform split)
+        profile, part = partition.stage_profile(layers, args, schedule.p, schedule.v, [schedule.placement])
+        if not args.json:
+            print(partition.split_line(layers, part, schedule.p, bool(args.partition)))
     if profile is None:
         profile = unit_profile(schedule)
     check_profile_fits(profile, schedule.p, schedule.v, schedule.placement)
@@ -232,8 +239,16 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from .schedules import check_counts
 
     check_counts(args)
-    profile = load_profile(args.profile)
+    profile = partition.load_model_profile(args)
     v = args.v or 1
+    if isinstance(profile, LayerProfile):  # the stage profile of --partition (default: the uniform split)
+        from ..search.problem import default_placements
+
+        layers, p = profile, partition.default_p(profile, args, v)
+        profile, part = partition.stage_profile(layers, args, p, v, default_placements(p, v))
+        args.memory_limit = None  # folded in: the whole memory of a rank, static memory taken off
+        if not args.json:
+            print(partition.split_line(layers, part, p, bool(args.partition)))
     p = args.p if args.p is not None else _default_p(profile, v)
     check_profile_fits(profile, p, v)
     found = configuration_bound(profile, p, args.m, v, args.memory_limit)
@@ -277,6 +292,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="async: non-blocking sends (default); rendezvous: a send waits for its receiver")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--timeline", action="store_true", help="also print (or include in --json) every action's times")
+    partition.add_partition_argument(p)
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("compare", help="simulate every library schedule valid for a configuration")
@@ -290,4 +306,5 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="per-rank activation memory limit (default: the profile's, else 1F1B's peak, as in "
                         "`koala search`)")
     p.add_argument("--json", action="store_true", help="print the table as JSON")
+    partition.add_partition_argument(p)
     p.set_defaults(func=cmd_compare)

@@ -13,9 +13,11 @@ from ..outputs import atomic_write, check_output
 from . import positive_float
 from .bounds import ConfigBound, from_problem
 from .model import GANTT_SUFFIXES
+from . import partition
 from .table import format_table
 from ..search.problem import BACKWARD_CHOICES, PLACEMENT_CHOICES
-from ..sim import bundled_profiles, load_profile, simulate
+from ..sim import bundled_profiles, simulate
+from ..sim.layers import LayerProfile
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +79,8 @@ def _problem(args: argparse.Namespace, profile):
     from ..search import SearchProblem
     from ..search.problem import SearchError
 
+    if isinstance(profile, LayerProfile):  # --partition N,N,... (or the uniform split) of a per-layer profile
+        profile = _layer_problem_profile(args, profile)
     p = args.p
     if p is None:
         if profile.num_stages % args.v:
@@ -84,6 +88,19 @@ def _problem(args: argparse.Namespace, profile):
                               f"give -p")
         p = profile.num_stages // args.v
     return SearchProblem(profile, p, args.m, args.v, args.backward, args.memory_limit, placement=args.placement)
+
+
+def _layer_problem_profile(args: argparse.Namespace, lp: LayerProfile):
+    """The stage profile of one split; --memory-limit (the whole memory of a rank) is folded in."""
+    from ..search.problem import placements_for
+
+    args.p = partition.default_p(lp, args, args.v)
+    prof, part = partition.stage_profile(lp, args, args.p, args.v, placements_for(args.p, args.v, args.placement))
+    args.memory_limit = None  # now the stage profile's per-rank limits, static memory taken off
+    args.layer_split = (lp, part)
+    if not args.quiet:
+        print(partition.split_line(lp, part, args.p, bool(args.partition)))
+    return prof
 
 
 def _table_bound(args: argparse.Namespace, problem) -> ConfigBound | None:
@@ -175,8 +192,14 @@ def cmd_search(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()  # the time budget counts from here
     out = _check_args(args)
-    profile = load_profile(args.profile)
+    profile = partition.load_model_profile(args)
+    if isinstance(profile, LayerProfile) and args.partition == "auto":
+        return partition.cmd_search_auto(args, profile, out)
+    if args.partition == "auto":
+        raise KoalaError(f"--partition auto needs a per-layer profile (field 'layers'); {profile.source} is a "
+                         f"stage profile")
     problem = _problem(args, profile)
+    profile = problem.profile
     if not args.quiet:
         lim = problem.memory_limit_mb
         print(f"searching {profile.source}: p={problem.p} m={args.m} v={args.v} "
@@ -196,6 +219,9 @@ def cmd_search(args: argparse.Namespace) -> int:
         res = simulate(result.schedule, problem.search_profile, timeline=True)
         path = write_gantt(res, args.gantt, result.schedule)
         print(f"wrote Gantt chart {path}")
+    if getattr(args, "layer_split", None):
+        lp, part = args.layer_split
+        partition.print_run_lines(lp, part, problem.p, result.schedule.placement)
     return 130 if result.interrupted else 0
 
 
@@ -211,7 +237,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "B >= I + W, as without the profile's 'backward'); split: backward as I + W "
                         "(zero-bubble style); full: B only")
     p.add_argument("--memory-limit", type=positive_float, default=None, metavar="MB",
-                   help="per-rank activation memory limit (default: the profile's, else 1F1B's peak)")
+                   help="per-rank activation memory limit (default: the profile's, else 1F1B's peak); with a "
+                        "per-layer profile the whole memory of a rank, its parameters and optimizer state included")
     p.add_argument("--placement", choices=PLACEMENT_CHOICES, default="default",
                    help="placements to search: default = the single-copy ones valid for -v (linear for v=1; "
                         "interleaved and vshape for v>=2); bidirectional keeps two copies of the weights "
@@ -230,4 +257,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("-o", "--output", required=True, metavar="best.koala", help="write the result here")
     p.add_argument("--gantt", metavar="best.png", help="also draw a Gantt chart of the result")
+    partition.add_partition_argument(p, auto=True)
     p.set_defaults(func=cmd_search)

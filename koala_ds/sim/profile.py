@@ -204,6 +204,9 @@ def _check(data: Any, source: str) -> None:
     if not isinstance(data, dict):
         raise ProfileError(f"{source}: a cost profile is a JSON object with fields {', '.join(TOP_FIELDS)}, "
                            f"got {type(data).__name__}")
+    if "layers" in data and "stages" not in data:
+        raise ProfileError(f"{source}: a per-layer profile (field 'layers'), not a stage profile: give it to "
+                           f"`koala simulate | compare | search` with --partition (docs/profiling.md)")
     unknown = [k for k in data if k not in TOP_FIELDS and k not in FREE_FIELDS]
     if unknown:
         raise ProfileError(f"{source}: unknown field {unknown[0]!r}; known fields: "
