@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 
 from . import library
-from .ir import KoalaError, Placement, Schedule
+from .ir import CLI_NAMES, KoalaError, Placement, Schedule
 from .validate import validate
 
 #: A schedule file's suffixes: a program to compile, or a fixed schedule taken as written.
@@ -58,9 +58,8 @@ class Settings:
         return {"p": self.p.name, "m": self.m.name, "v": self.v.name}
 
 
-_CLI_GIVEN, _CLI_FIX = "{key}={value} was asked for", "change {name} to {value}"
-CLI = Settings(None, Setting("-p", _CLI_GIVEN, _CLI_FIX), Setting("-m", _CLI_GIVEN, _CLI_FIX),
-               Setting("-v", _CLI_GIVEN, _CLI_FIX), profile="--profile", example=" (e.g. -p 4 -m 8)")
+CLI = Settings(None, *(Setting(CLI_NAMES[key], "{key}={value} was asked for", "change {name} to {value}")
+                       for key in ("p", "m", "v")), profile="--profile", example=" (e.g. -p 4 -m 8)")
 
 DEEPSPEED = Settings(
     '"pipeline.koala.schedule"',
@@ -100,26 +99,27 @@ def _where(spec, settings: Settings) -> str:
     return f"{settings.schedule} {spec}" if settings.schedule else str(spec)
 
 
-def check_spec(spec, settings: Settings) -> None:
+def check_spec(spec, settings: Settings, source: str | None = None) -> None:
     """Fail early on what cannot be a schedule: not a name or path, a missing file, an unknown
-    name (the closest library name is suggested). Nothing is compiled."""
+    name (the closest library name is suggested). Nothing is compiled. `source`: how messages
+    name the schedule (default: the schedule setting and `spec`)."""
     if isinstance(spec, Schedule):
         return
+    label = source or settings.schedule
     if not isinstance(spec, (str, os.PathLike)) or not str(spec):
-        label = settings.schedule or "the schedule"
-        raise ScheduleFitError(f"{label}: expected a schedule name or a file path, got {spec!r}")
+        raise ScheduleFitError(f"{label or 'the schedule'}: expected a schedule name or a file path, got {spec!r}")
     text = str(spec)
     if text in library.names():
         return
     if looks_like_path(text) or os.path.exists(text):
         if not os.path.isfile(text):
             what = " is a directory, not a file" if os.path.isdir(text) else ": no such file"
-            raise ScheduleFitError(f"{_where(text, settings)}{what}")
+            raise ScheduleFitError(f"{source or _where(text, settings)}{what}")
         return
     known = library.names()
-    label = f"{settings.schedule}: " if settings.schedule else ""
-    raise ScheduleFitError(f"{label}unknown schedule {text!r}{library.did_you_mean(text, known)}; library "
-                           f"schedules: {', '.join(known)} (or give a path to a .koala, .json or .csv file)")
+    raise ScheduleFitError(f"{label + ': ' if label else ''}unknown schedule {text!r}"
+                           f"{library.did_you_mean(text, known)}; library schedules: {', '.join(known)} "
+                           f"(or give a path to a .koala, .json or .csv file)")
 
 
 def _user_error(exc: Exception, spec, settings: Settings, source: str | None) -> Exception:
@@ -137,7 +137,7 @@ def load(spec, p: int | None, m: int | None, v: int | None, settings: Settings =
     """The schedule `spec` names: a Schedule as given, a fixed .json / .csv file as written (see
     `check_fit`), a library name or .koala program compiled for (p, m, v) with errors in the
     words of `settings`. p, m or v None: a fixed file's own; a program needs p and m (v: 1)."""
-    check_spec(spec, settings)
+    check_spec(spec, settings, source)
     if isinstance(spec, Schedule):
         return spec
     text = str(spec)

@@ -139,3 +139,13 @@ def test_megatron_launch_checks_a_koala_program_against_p_before_m_is_known(tmp_
         schedule_from_args(args)
     args.pipeline_model_parallel_size = 4
     assert schedule_from_args(args) == str(path)
+
+
+def test_a_given_source_names_the_schedule_in_every_message(tmp_path):
+    # the DeepSpeed engine says where the schedule came from (koala_schedule=, the config, KOALA_SCHEDULE)
+    source = "koala_schedule='x'"
+    for spec, message in ((str(tmp_path / "x.json"), f"^{source}: no such file$"),
+                          ("zb-h3", f"^{source}: unknown schedule 'zb-h3'"),
+                          ("zb-v", f"^{source}: .*change the KoalaPipelineModule's chunks")):
+        with pytest.raises(ScheduleFitError, match=message):
+            resolve(spec, 2, 8, 1, DEEPSPEED, source)

@@ -60,8 +60,6 @@ ENV_KOALA_PROFILE = "KOALA_PROFILE"
 ENV_KOALA_TIMEOUT = ENV_TIMEOUT  # KOALA_TIMEOUT_S (KOALA_P2P_TIMEOUT is read too): see koala_ds.timeout
 #: The values of `"pipeline": {"schedule": ...}` (and DS_PIPELINE_SCHEDULE): DeepSpeed's own engine or Koala's.
 PIPELINE_SCHEDULES = ("default", "koala")
-#: How schedule errors name p, m and v on DeepSpeed: its config keys and the module's arguments.
-DEEPSPEED_NAMES = DEEPSPEED.names
 _META_SIZE = 256
 _KINDS = {"meta": 0, "act": 1, "grad": 2}
 _MAX_TENSORS = 32
