@@ -9,9 +9,13 @@ def test_core_layers_do_not_import_engines():
             "from koala_ds.cli import build_parser\n"
             "build_parser()\n"
             "from koala_ds.library import get\n"
-            "get('zb-v').compile(4, 8, 2)\n"
-            "bad = [m for m in ('torch', 'deepspeed', 'megatron') if m in sys.modules]\n"
-            "print(','.join(bad))\n")
+            "get('zb-v').compile(4, 8, 2)\n")
+    assert_imports_no_engine(code)
+
+
+def assert_imports_no_engine(code: str) -> None:
+    """Run `code` in a fresh interpreter: it must import none of torch, deepspeed, megatron."""
+    code += "\nbad = [m for m in ('torch', 'deepspeed', 'megatron') if m in sys.modules]\nprint(','.join(bad))\n"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "", f"imported: {out.stdout.strip()}"
@@ -26,12 +30,8 @@ def test_the_package_docstring_is_true_about_which_adapters_are_lazy():
             "args = koala_ds.megatron.add_arguments(argparse.ArgumentParser()).parse_args(\n"
             "    ['--pipeline-schedule', 'koala', '--koala-schedule', '1f1b'])\n"
             "args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size = 2, None\n"
-            "koala_ds.megatron.schedule_from_args(args)\n"
-            "bad = [m for m in ('torch', 'deepspeed', 'megatron') if m in sys.modules]\n"
-            "print(','.join(bad))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "", f"imported: {out.stdout.strip()}"
+            "koala_ds.megatron.schedule_from_args(args)\n")
+    assert_imports_no_engine(code)
     import koala_ds
 
     assert "`koala_ds.deepspeed` is not lazy" in koala_ds.__doc__
