@@ -11,8 +11,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+from pathlib import Path
 
-from koala_ds.deepspeed.testing import launch, train_worker
+#: The test and benchmark harness (deepspeed_jobs, engine_runs) lives in tests/, outside the installed package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from deepspeed_jobs import launch, train_worker  # noqa: E402
 
 
 def main() -> None:

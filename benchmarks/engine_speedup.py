@@ -24,7 +24,7 @@ microbatches. Why: at 1 ms ops, 4 to 8 ranks on 2 cores make one step vary by +-
 machine a step's time also depends on the jobs run just before it: in a fixed order two runs of
 the *same* schedule in one launch measured up to 25% apart (1f1b and a searched schedule equal
 to it: 68.7 vs 76.5 ms, 344 vs 447 ms), also with 30 steps; with a new order every round
-(koala_ds.profiler.engine_runs) they agree within a few percent.
+(tests/engine_runs.py) they agree within a few percent.
 
 How a profile meets p (documented choice): an 8-stage profile at p = 4 is run both ways: as
 v = 1 with stages merged pairwise (1f1b and every v = 1 schedule) and as v = 2 (8 virtual
@@ -63,6 +63,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the harness: engine_runs, deepspeed_jobs
 
 from koala_ds.ir import Schedule  # noqa: E402
 from koala_ds.library import get as library_get, load_schedule, names as library_names  # noqa: E402
@@ -265,16 +266,16 @@ def choose_jobs(cfg: dict, calib_steps: list[list[float]]) -> dict:
 
 
 def run_engine(engine: str, p: int, spec: dict, timeout_s: float) -> list:
-    """Per-rank results of the engine's worker (koala_ds.profiler.engine_runs)."""
+    """Per-rank results of the engine's worker (tests/engine_runs.py)."""
     from koala_ds.spawn import spawn
 
     spec = dict(spec, timeout_s=120)
     if engine == "deepspeed":  # DeepSpeed's own CPU set-up (DS_ACCELERATOR=cpu, deepspeed.init_distributed)
-        from koala_ds.deepspeed.testing import launch
+        from deepspeed_jobs import launch
 
-        return [r["value"] for r in launch("koala_ds.profiler.engine_runs:deepspeed_worker", p, spec,
+        return [r["value"] for r in launch("engine_runs:deepspeed_worker", p, spec,
                                            timeout_s=timeout_s, pg_timeout_s=600)]
-    return spawn("koala_ds.profiler.engine_runs:megatron_worker", p, spec, timeout_s=timeout_s, pg_timeout_s=600)
+    return spawn("engine_runs:megatron_worker", p, spec, timeout_s=timeout_s, pg_timeout_s=600)
 
 
 def deepspeed_available() -> str | None:
@@ -344,14 +345,14 @@ def main(argv=None) -> int:
                     "warmup": 2, "steps": args.steps}
             res = run_engine(engine, p, spec, timeout_s=1800)
             say(f"  done in {time.time() - t0:.0f} s")
-            from koala_ds.profiler.engine_runs import step_times_ms
+            from engine_runs import step_times_ms
 
             chooser = res[0]["chooser"]
             measured = step_times_ms(res, 2)
             ncal = len(cal_jobs)
             oh = overheads(calib, one, zero, measured[:ncal])
             c, k = oh["action"], oh["step"]
-            from koala_ds.profiler.engine_runs import cpu_ms_per_step
+            from engine_runs import cpu_ms_per_step
 
             cpu = cpu_ms_per_step(res, 2)[ncal - 1] / calib.num_actions  # the zero-compute run
             say(f"  CPU time of the runtime at zero compute: {cpu:.3f} ms per action (all ranks' processes; "

@@ -15,9 +15,14 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
-from koala_ds.sim import CostProfile
+#: The test and benchmark harness (deepspeed_jobs, engine_runs) lives in tests/, outside the installed package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from koala_ds.sim import CostProfile  # noqa: E402
 
 MODEL = {"num_layers": 8, "hidden_size": 256, "num_attention_heads": 4, "seq_length": 64, "micro_batch_size": 1,
          "vocab_size": 128}
@@ -31,9 +36,9 @@ def _profile(engine: str, p: int) -> dict:
     from koala_ds.spawn import spawn
 
     if engine == "megatron":
-        return spawn("koala_ds.profiler.engine_runs:profile_gpt_worker", 1,
+        return spawn("engine_runs:profile_gpt_worker", 1,
                      dict(MODEL, p=p, v=2, warmup=2, iters=10, p2p=False), timeout_s=600)[0]
-    return spawn("koala_ds.profiler.engine_runs:profile_deepspeed_gpt_worker", 1,
+    return spawn("engine_runs:profile_deepspeed_gpt_worker", 1,
                  {"model": MODEL, "stages": 2 * p, "warmup": 2, "iters": 10}, timeout_s=600)[0]
 
 
@@ -42,10 +47,10 @@ def _run_jobs(engine: str, p: int, jobs: list, steps: int) -> list:
 
     spec = {"jobs": jobs, "model": MODEL, "warmup": 2, "steps": steps}
     if engine == "megatron":
-        return spawn("koala_ds.profiler.engine_runs:megatron_gpt_worker", p, spec, timeout_s=1200, pg_timeout_s=600)
-    from koala_ds.deepspeed.testing import launch
+        return spawn("engine_runs:megatron_gpt_worker", p, spec, timeout_s=1200, pg_timeout_s=600)
+    from deepspeed_jobs import launch
 
-    return [r["value"] for r in launch("koala_ds.profiler.engine_runs:deepspeed_gpt_worker", p, spec,
+    return [r["value"] for r in launch("engine_runs:deepspeed_gpt_worker", p, spec,
                                        timeout_s=1200, pg_timeout_s=600)]
 
 
@@ -53,7 +58,7 @@ def _calibrate(engine: str, p: int, m: int, latency: float, steps: int, E) -> tu
     """The runtime's overhead (emulated 1 ms ops, 1f1b at m and m/2, zero compute) and, per
     action of a two-chunk schedule (interleaved-1f1b at 0.5 ms ops), `oh["action_v"]`."""
     from koala_ds.library import load_schedule
-    from koala_ds.profiler.engine_runs import cpu_ms_per_step, step_times_ms
+    from engine_runs import cpu_ms_per_step, step_times_ms
 
     cal_jobs, calib, one, zero = E.calibration_jobs(p, m, latency)
     two = load_schedule("interleaved-1f1b", p, m, 2)
@@ -87,7 +92,7 @@ def _row(engine, label, sched, model, steps, latency, oh, cpu, base, E) -> dict:
 def run_real(engine: str, p: int, m: int, args, say) -> list:
     """Profile, calibrate, choose (1f1b, best predefined, searched) and run one engine's real GPT."""
     import engine_speedup as E
-    from koala_ds.profiler.engine_runs import step_times_ms
+    from engine_runs import step_times_ms
     from koala_ds.profiler.p2p import measure_p2p_latency
 
     say(f"[{engine}] real GPT {MODEL}, p={p}, m={m}: profiling {2 * p} virtual stages (1 thread per process) ...")

@@ -19,11 +19,13 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+#: The test and benchmark harness (deepspeed_jobs, engine_runs) lives in tests/, outside the installed package.
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 TIMEOUT_S = 3
 
 
 def deepspeed_run(k: int) -> tuple[bool, float, str]:
-    from koala_ds.deepspeed.testing import hang_worker, launch
+    from deepspeed_jobs import hang_worker, launch
 
     mode, where = [("stop", "_aggregate_total_loss"), ("stop", "clip_fp32_gradients"), ("hang", None)][k % 3]
     spec = {"pp": 2, "gas": 4, "mbs": 2, "dim": 8, "schedule": "1f1b", "timeout_s": TIMEOUT_S, "hung_rank": 1,
@@ -37,7 +39,6 @@ def deepspeed_run(k: int) -> tuple[bool, float, str]:
 
 
 def megatron_run(k: int) -> tuple[bool, float, str]:
-    sys.path.insert(0, os.path.join(HERE, "..", "tests"))
     from test_megatron_stopped_peer import run_stopped
 
     stop = ["finalize", "dp-finalize", "p2p"][k % 3]

@@ -1,8 +1,12 @@
 """koala-ds: pipeline schedules as data.
 
-The language (`koala_ds.dsl`, `koala_ds.library`), the model (`koala_ds.sim`) and the search
-(`koala_ds.search`) never import torch; the engine adapters (`koala_ds.deepspeed`,
-`koala_ds.megatron`) import their engines lazily.
+The language (`koala_ds.dsl`, `koala_ds.library`), the model (`koala_ds.sim`), the search
+(`koala_ds.search`) and the resolver every front end shares (`koala_ds.resolve`: a schedule
+name or file and a run's p, m, v -> the schedule that fits) never import torch.
+`koala_ds.megatron` and `koala_ds.profiler` import torch (and their engine) only when a
+function that needs them is called. `koala_ds.deepspeed` is not lazy: importing it imports
+torch and DeepSpeed and registers the Koala engine with `deepspeed.initialize`.
+The test and benchmark harness is not part of the package: it lives in the checkout's tests/.
 """
 from .ir import Action, KoalaError, Op, Placement, Schedule, ScheduleError
 

@@ -20,7 +20,7 @@ _BUILD_ERROR = pytest.StashKey[str]()
 def pytest_collection_finish(session: pytest.Session) -> None:
     if not any(item.get_closest_marker("deepspeed_ext") for item in session.items):
         return
-    from koala_ds.deepspeed.testing import BUILD_TIMEOUT_S, ExtensionBuildError, build_cpu_extension, extensions_dir
+    from deepspeed_jobs import BUILD_TIMEOUT_S, ExtensionBuildError, build_cpu_extension, extensions_dir
 
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     raw = os.environ.get("KOALA_BUILD_TIMEOUT_S")

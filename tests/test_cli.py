@@ -47,7 +47,7 @@ def test_export_formats_round_trip(capsys, tmp_path):
     (["show", "zb-v", "-p", "4", "-m", "4", "-v", "2"], "needs m >= 2 * p - 1"),
     (["show", "nosuch", "-p", "2", "-m", "2"], "unknown schedule 'nosuch'"),
     (["show", "1f1b", "-m", "2"], "-p needed"),
-    (["validate", "missing.koala", "-p", "2", "-m", "2"], "missing.koala does not exist"),
+    (["validate", "missing.koala", "-p", "2", "-m", "2"], "missing.koala: no such file"),
 ])
 def test_errors_are_messages_not_tracebacks(capsys, argv, message):
     code, _, err = run(capsys, *argv)

@@ -20,7 +20,7 @@ pytest.importorskip("deepspeed")
 if not os.path.isdir("/proc"):
     pytest.skip("lock owners are found through /proc (Linux)", allow_module_level=True)
 
-from koala_ds.deepspeed.testing import DEFAULT_EXTENSIONS_DIR, launch  # noqa: E402
+from deepspeed_jobs import DEFAULT_EXTENSIONS_DIR, launch  # noqa: E402
 
 SHM = "deepspeed_shm_comm"
 
@@ -49,7 +49,7 @@ def _running_in(directory) -> list[int]:
 
 
 def test_a_lock_whose_owner_is_gone_is_removed_and_a_held_one_is_kept(tmp_path):
-    from koala_ds.deepspeed.testing import clear_stale_locks, lock_holders
+    from deepspeed_jobs import clear_stale_locks, lock_holders
 
     stale = tmp_path / SHM / "lock"
     stale.parent.mkdir()
@@ -82,13 +82,13 @@ def test_jobs_and_the_build_go_past_a_lock_left_by_a_killed_build(tmp_path, monk
     lock.touch()  # ... but with the lock of a build that was killed
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(ext))
     start = time.monotonic()
-    values = [r["value"] for r in launch("koala_ds.deepspeed.testing:allreduce_worker", 2, {"size": 4},
+    values = [r["value"] for r in launch("deepspeed_jobs:allreduce_worker", 2, {"size": 4},
                                          timeout_s=120)]
     assert values == [2.0, 2.0]
     assert time.monotonic() - start < 120
     assert not lock.exists()
 
-    from koala_ds.deepspeed.testing import build_cpu_extension
+    from deepspeed_jobs import build_cpu_extension
 
     lock.touch()
     build_cpu_extension(ext, timeout_s=200)
@@ -98,7 +98,7 @@ def test_jobs_and_the_build_go_past_a_lock_left_by_a_killed_build(tmp_path, monk
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_build_past_its_deadline_is_killed_and_leaves_no_lock(tmp_path):
-    from koala_ds.deepspeed.testing import ExtensionBuildError, build_cpu_extension
+    from deepspeed_jobs import ExtensionBuildError, build_cpu_extension
 
     ext = tmp_path / "torch_extensions"
     # the build itself takes 1-3 minutes: 25 s ends it after the lock is taken, while compiling
@@ -114,7 +114,7 @@ def test_a_build_past_its_deadline_is_killed_and_leaves_no_lock(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_build_that_waits_on_a_live_lock_ends_at_its_deadline_with_one_line(tmp_path):
-    from koala_ds.deepspeed.testing import ExtensionBuildError, build_cpu_extension
+    from deepspeed_jobs import ExtensionBuildError, build_cpu_extension
 
     ext = tmp_path / "torch_extensions"
     (ext / SHM).mkdir(parents=True)

@@ -30,7 +30,7 @@ torch = pytest.importorskip("torch")
 from koala_ds.deepspeed import (KoalaConfigError, KoalaPipeSchedule, KoalaPipelineConfig,  # noqa: E402
                                 check_schedule, select_engine_class)
 from koala_ds.deepspeed.schedule import BackwardInputPass, BackwardWeightPass, messages_between  # noqa: E402
-from koala_ds.deepspeed.testing import DEFAULT_EXTENSIONS_DIR, hang_worker, launch, train_worker  # noqa: E402
+from deepspeed_jobs import DEFAULT_EXTENSIONS_DIR, hang_worker, launch, train_worker  # noqa: E402
 from koala_ds.ir import Op, Placement  # noqa: E402
 from koala_ds.spawn import remove_deepspeed_shm  # noqa: E402
 from koala_ds.library import load_schedule  # noqa: E402
@@ -206,7 +206,7 @@ def test_launcher_removes_deepspeeds_shared_memory_buffers():
 
     pattern = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_*"
     before = set(glob.glob(pattern))
-    values = [r["value"] for r in launch("koala_ds.deepspeed.testing:allreduce_worker", 2, {"size": 4},
+    values = [r["value"] for r in launch("deepspeed_jobs:allreduce_worker", 2, {"size": 4},
                                          timeout_s=100)]
     assert values == [2.0, 2.0]
     assert set(glob.glob(pattern)) <= before

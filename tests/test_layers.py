@@ -9,9 +9,40 @@ def test_core_layers_do_not_import_engines():
             "from koala_ds.cli import build_parser\n"
             "build_parser()\n"
             "from koala_ds.library import get\n"
-            "get('zb-v').compile(4, 8, 2)\n"
-            "bad = [m for m in ('torch', 'deepspeed', 'megatron') if m in sys.modules]\n"
-            "print(','.join(bad))\n")
+            "get('zb-v').compile(4, 8, 2)\n")
+    assert_imports_no_engine(code)
+
+
+def assert_imports_no_engine(code: str) -> None:
+    """Run `code` in a fresh interpreter: it must import none of torch, deepspeed, megatron."""
+    code += "\nbad = [m for m in ('torch', 'deepspeed', 'megatron') if m in sys.modules]\nprint(','.join(bad))\n"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "", f"imported: {out.stdout.strip()}"
+
+
+def test_the_package_docstring_is_true_about_which_adapters_are_lazy():
+    # koala_ds/__init__.py: the resolver, the Megatron adapter's front (flags, install checks)
+    # and the profiler import no engine; koala_ds.deepspeed does import DeepSpeed
+    code = ("import argparse, sys, koala_ds, koala_ds.resolve, koala_ds.megatron, koala_ds.profiler\n"
+            "from koala_ds.resolve import MEGATRON, resolve\n"
+            "resolve('zb-v', 2, 8, 2, MEGATRON)\n"
+            "args = koala_ds.megatron.add_arguments(argparse.ArgumentParser()).parse_args(\n"
+            "    ['--pipeline-schedule', 'koala', '--koala-schedule', '1f1b'])\n"
+            "args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size = 2, None\n"
+            "koala_ds.megatron.schedule_from_args(args)\n")
+    assert_imports_no_engine(code)
+    import koala_ds
+
+    assert "`koala_ds.deepspeed` is not lazy" in koala_ds.__doc__
+
+
+def test_the_installed_package_holds_no_test_harness_and_writes_nothing_beside_itself():
+    # the DeepSpeed job harness used to build extensions into <install>/../.cache: it is in tests/ now
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[1] / "koala_ds"
+    offenders = [str(path.relative_to(package)) for path in sorted(package.rglob("*.py"))
+                 if any(word in path.read_text(encoding="utf-8") for word in ("TORCH_EXTENSIONS_DIR", '".cache"'))]
+    assert offenders == []
+    assert all((Path(__file__).parent / name).is_file() for name in ("deepspeed_jobs.py", "engine_runs.py"))

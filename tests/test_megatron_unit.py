@@ -54,10 +54,15 @@ def test_flag_errors_are_clear(tmp_path):
     with pytest.raises(MegatronScheduleError, match="no such file"):
         install(parser.parse_args(["--pipeline-schedule", "koala", "--koala-schedule", str(tmp_path / "x.json")]))
     bad = tmp_path / "p4.json"
-    bad.write_text(json.dumps({"p": 4, "v": 1}))
+    bad.write_text(schedule_from_ranks("p4", Placement.named("linear", 4), 1,
+                                       [[Action(Op.F, r, 0), Action(Op.B, r, 0)] for r in range(4)]).to_json())
     args = parser.parse_args(["--pipeline-schedule", "koala", "--koala-schedule", str(bad)])
     args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size = 2, None
     with pytest.raises(MegatronScheduleError, match="p=4 .* --pipeline-model-parallel-size is 2"):
+        install(args)
+    # a file that is not a schedule is named once, after the flag
+    bad.write_text(json.dumps({"p": 4, "v": 1}))
+    with pytest.raises(MegatronScheduleError, match=f"^--koala-schedule {bad}: missing field 'placement'"):
         install(args)
 
 

@@ -172,7 +172,7 @@ def _free_port() -> int:
 @pytest.mark.timeout(300)
 def test_deepspeed_example_user_error_is_one_line_on_one_rank(tmp_path):
     pytest.importorskip("deepspeed")
-    from koala_ds.deepspeed.testing import extensions_dir
+    from deepspeed_jobs import extensions_dir
     from koala_ds.library import load_schedule
 
     path = tmp_path / "m4.json"

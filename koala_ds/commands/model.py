@@ -10,6 +10,7 @@ import logging
 from pathlib import Path
 
 from ..ir import KoalaError, Schedule
+from ..library import FIXED_SUFFIXES
 from ..outputs import check_output
 from . import dumps_json, positive_float
 from .bounds import NO_FIT, ConfigBound, configuration_bound
@@ -20,7 +21,6 @@ from ..sim import (MODES, CostProfile, SimResult, bundled_profiles, load_profile
                    unit_profile)
 
 log = logging.getLogger(__name__)
-FIXED_SUFFIXES = (".json", ".csv")
 BASELINES = ("1f1b", "interleaved-1f1b")
 
 

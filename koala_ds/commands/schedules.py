@@ -4,17 +4,16 @@ from __future__ import annotations
 import argparse
 import logging
 import re
-from pathlib import Path
 
 from .. import library
 from ..dsl import print_schedule
 from ..ir import MAX_ACTIONS, KoalaError, Schedule
 from ..outputs import atomic_write, check_output
+from ..resolve import resolve
 from ..validate import render_grid, validate
 from .table import format_table
 
 log = logging.getLogger(__name__)
-FIXED_SUFFIXES = (".json", ".csv")
 
 
 def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,17 +34,10 @@ def check_counts(args: argparse.Namespace) -> None:
 
 
 def resolve_schedule(args: argparse.Namespace) -> Schedule:
-    """The schedule the arguments name; fixed .json/.csv files carry their own p, m, v."""
+    """The schedule the arguments name (`koala_ds.resolve`); fixed .json/.csv files carry their
+    own p, m, v, so -p, -m and -v are optional for them and checked when given."""
     check_counts(args)
-    target = args.schedule
-    if Path(target).suffix in FIXED_SUFFIXES and target not in library.names():
-        schedule = library.read_schedule_file(target)
-        p, m, v = (getattr(schedule, k) if getattr(args, k) is None else getattr(args, k) for k in ("p", "m", "v"))
-        return library.load_schedule(target, p, m, v)
-    missing = [f"-{k}" for k in ("p", "m") if getattr(args, k) is None]
-    if missing:
-        raise KoalaError(f"{' and '.join(missing)} needed to compile {target!r} (e.g. -p 4 -m 8)")
-    return library.load_schedule(target, args.p, args.m, 1 if args.v is None else args.v)
+    return resolve(args.schedule, args.p, args.m, args.v)
 
 
 def summary(schedule: Schedule) -> str:

@@ -31,7 +31,6 @@ import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -44,7 +43,8 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule
 
 from .. import wgrad
-from ..ir import KoalaError, Placement, Schedule
+from ..ir import Placement, Schedule
+from ..resolve import DEEPSPEED, ScheduleFitError, check_fit, load, load_profile, resolve
 from ..timeout import DEFAULT_TIMEOUT_S, ENV_TIMEOUT, TimeoutSettingError, timeout_setting
 from ..validate import validate
 from ..wgrad import WeightGradQueue
@@ -60,16 +60,14 @@ ENV_KOALA_PROFILE = "KOALA_PROFILE"
 ENV_KOALA_TIMEOUT = ENV_TIMEOUT  # KOALA_TIMEOUT_S (KOALA_P2P_TIMEOUT is read too): see koala_ds.timeout
 #: The values of `"pipeline": {"schedule": ...}` (and DS_PIPELINE_SCHEDULE): DeepSpeed's own engine or Koala's.
 PIPELINE_SCHEDULES = ("default", "koala")
-#: How schedule errors name p, m and v on DeepSpeed: its config keys and the module's arguments.
-DEEPSPEED_NAMES = {"p": "the PipelineModule's num_stages", "m": '"gradient_accumulation_steps"',
-                   "v": "the KoalaPipelineModule's chunks"}
 _META_SIZE = 256
 _KINDS = {"meta": 0, "act": 1, "grad": 2}
 _MAX_TENSORS = 32
 
 
-class KoalaConfigError(KoalaError):
-    """The DeepSpeed setup and the Koala schedule do not fit together; says what to change."""
+#: The DeepSpeed adapter's name for `koala_ds.resolve.ScheduleFitError` (the same class): the
+#: DeepSpeed setup and the Koala schedule do not fit together; the message says what to change.
+KoalaConfigError = ScheduleFitError
 
 
 class PipelineTimeoutError(TimeoutError):
@@ -137,44 +135,17 @@ def module_placement(model: PipelineModule) -> Placement:
 
 
 def resolve_schedule(spec: Any, p: int, m: int, v: int) -> Schedule:
-    """A `Schedule` from a Schedule, a library name, a .koala file or a schedule .json file."""
-    if isinstance(spec, Schedule):
-        return spec
-    if not isinstance(spec, (str, os.PathLike)):
-        raise KoalaConfigError(f'"pipeline.koala.schedule" must be a schedule name or a file path, got {spec!r}')
-    from ..library import FIXED_SUFFIXES, load_schedule, read_schedule_file
-
-    text = str(spec)
-    if text.endswith(FIXED_SUFFIXES) and Path(text).is_file():
-        return read_schedule_file(text)  # as written: check_schedule names the setting to change
-    return load_schedule(text, p, m, v, DEEPSPEED_NAMES)
+    """A `Schedule` from a Schedule, a library name or a .koala file (compiled for p, m, v), or a
+    schedule .json / .csv file (as written: `check_schedule` checks it); errors name DeepSpeed's
+    settings (`koala_ds.resolve.load`)."""
+    return load(spec, p, m, v, DEEPSPEED)
 
 
 def check_schedule(schedule: Schedule, placement: Placement, m: int, source: str) -> None:
-    """Refuse a schedule this engine cannot run, naming the property and what to change."""
-    where = f"Koala schedule {schedule.name!r} (from {source})"
-    if schedule.placement.pipelines != 1:
-        raise KoalaConfigError(f"{where} runs {schedule.placement.pipelines} pipelines (placement "
-                               f"{schedule.placement.describe()}): each rank would hold a second, separately "
-                               f"updated model replica, which DeepSpeed's PipelineEngine cannot host. "
-                               f"Use a single-pipeline schedule (e.g. zb-v or dualpipe-v).")
-    if schedule.p != placement.p:
-        raise KoalaConfigError(f"{where} is for p={schedule.p} pipeline ranks but the PipelineModule has "
-                               f"{placement.p} (num_stages / topology pipe dimension): set the PipelineModule's "
-                               f"num_stages={schedule.p}, or use a schedule for p={placement.p}.")
-    if schedule.m != m:
-        raise KoalaConfigError(f"{where} is for m={schedule.m} microbatches but the DeepSpeed config gives "
-                               f"gradient_accumulation_steps={m}: set gradient_accumulation_steps={schedule.m} "
-                               f"(train_batch_size = micro batch x {schedule.m} x data parallel) or compile the "
-                               f"schedule for m={m}.")
-    if schedule.placement.stage_ranks != placement.stage_ranks:
-        sv = schedule.placement.chunks_per_rank
-        hint = (f"build the model as koala_ds.deepspeed.KoalaPipelineModule(layers, num_stages={schedule.p}, "
-                f"chunks={sv}, placement={schedule.placement.style!r})")
-        raise KoalaConfigError(f"{where} places its {schedule.num_stages} virtual stages as "
-                               f"{schedule.placement.describe()} (stage ranks {list(schedule.placement.stage_ranks)}) "
-                               f"but the model holds {placement.chunks_per_rank} chunk(s) per rank placed "
-                               f"{placement.describe()} (stage ranks {list(placement.stage_ranks)}): {hint}.")
+    """Refuse a schedule this engine cannot run, naming the property and what to change
+    (`koala_ds.resolve.check_fit` against the module's placement, then validation)."""
+    check_fit(schedule, placement.p, m, placement.chunks_per_rank, DEEPSPEED,
+              f"Koala schedule {schedule.name!r} (from {source})", placement)
     validate(schedule)
 
 
@@ -302,13 +273,7 @@ class KoalaPipelineEngine(PipelineEngine):
             source = f'"pipeline.koala.schedule" = {shown!r} (or {ENV_KOALA_SCHEDULE})'
         else:
             source = f"the default schedule {shown!r}"
-        try:
-            schedule = resolve_schedule(spec, placement.p, m, placement.chunks_per_rank)
-            check_schedule(schedule, placement, m, source)
-        except KoalaConfigError:
-            raise
-        except KoalaError as exc:  # the schedule's own errors (unknown name, does not fit p, m, v)
-            raise KoalaConfigError(f"{source}: {exc}") from None
+        schedule = resolve(spec, placement.p, m, placement.chunks_per_rank, DEEPSPEED, source, placement)
         self._check_config(config_class)
         if kcfg.profile is not None:
             self._log_profile(schedule, kcfg.profile)
@@ -362,9 +327,7 @@ class KoalaPipelineEngine(PipelineEngine):
 
     @staticmethod
     def _log_profile(schedule: Schedule, profile: str) -> None:
-        from ..sim.profile import load_profile
-
-        cost = load_profile(profile)  # raises a KoalaError naming the file when it is bad
+        cost = load_profile(profile, DEEPSPEED)  # a KoalaError naming the setting and the file when it is bad
         logger.info("Koala profile %s: %d stage entries for schedule %r", profile, cost.num_stages, schedule.name)
 
     def _check_backend_order(self) -> None:

@@ -12,7 +12,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from ..dsl import Program, parse, parse_program
-from ..ir import KoalaError, Schedule, ScheduleError, change_hint, setting_names
+from ..ir import KoalaError, Schedule, ScheduleError, change_hint
 from ..validate import validate
 
 LIBRARY_DIR = Path(__file__).resolve().parent
@@ -87,7 +87,7 @@ FIXED_SUFFIXES = (".json", ".csv")
 
 def read_schedule_file(path: str | Path) -> Schedule:
     """A fixed schedule from a `.json` (koala export) or torch compute-only `.csv` file, as
-    written: the caller checks that it fits its (p, m, v) and says which setting to change."""
+    written: `koala_ds.resolve.check_fit` checks that it fits a run's (p, m, v)."""
     path = Path(path)
     text = read_text(path)
     if path.suffix == ".json":
@@ -136,23 +136,10 @@ def compile_program(program: Program, p: int, m: int, v: int = 1, names: dict | 
     return program.compile(p, m, v, names)
 
 
-def load_schedule(name_or_path: str, p: int, m: int, v: int = 1, names: dict | None = None) -> Schedule:
+def load_schedule(name_or_path: str, p: int, m: int, v: int = 1) -> Schedule:
     """Compile a library schedule or a `.koala` file for (p, m, v), or load a fixed `.json` /
-    `.csv` schedule and check that it was made for (p, m, v). Errors say which setting to change
-    in the words of `names` (an engine's settings; default koala's -p, -m, -v)."""
-    path = Path(name_or_path)
-    if path.suffix in FIXED_SUFFIXES and name_or_path not in _registry():
-        schedule = read_schedule_file(path)
-        check_made_for(schedule, path, p, m, v, names)
-        validate(schedule)
-        return schedule
-    return compile_program(load_program(name_or_path), p, m, v, names)
+    `.csv` schedule and check that it was made for (p, m, v): `koala_ds.resolve.resolve` with
+    koala's own -p, -m, -v in its messages (an engine passes its settings to `resolve`)."""
+    from ..resolve import resolve
 
-
-def check_made_for(schedule: Schedule, path, p: int, m: int, v: int, names: dict | None = None) -> None:
-    """Refuse a fixed schedule made for another (p, m, v), naming the setting to change."""
-    for key, want in (("p", p), ("m", m), ("v", v)):
-        have = getattr(schedule, key)
-        if have != want:
-            raise ScheduleError(f"{path} was made for {key}={have} but {key}={want} was asked for: "
-                                f"change {setting_names(names)[key]} to {have}, or re-export the schedule")
+    return resolve(name_or_path, p, m, v)

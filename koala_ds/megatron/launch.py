@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 
 from ..errors import rank_zero_argument_errors
 from ..timeout import TimeoutSettingError, check_timeout
-from .resolve import MEGATRON_NAMES, MegatronScheduleError, check_spec, looks_like_path, resolve
+from .. import library
+from ..resolve import FIXED_SUFFIXES, MEGATRON, check_fit, load
+from .resolve import MegatronScheduleError, check_spec, resolve
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +83,8 @@ def microbatches_from_args(args) -> int | None:
 
 def _check_sizes(spec: str, args) -> None:
     """Check the schedule against the flags now, before any process group or model exists: the
-    whole schedule (any file or name) when the flags give p, v and the number of microbatches."""
+    whole schedule when the flags give p, v and the number of microbatches; else p and v (a
+    fixed file's, or whether a program supports them)."""
     p = getattr(args, "pipeline_model_parallel_size", None)
     v = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
     if p is None:
@@ -89,31 +92,13 @@ def _check_sizes(spec: str, args) -> None:
     m = microbatches_from_args(args)
     if m is not None:
         resolve(spec, p, m, v)  # cached: the runtime finds it resolved
-        return
-    if spec.endswith(".json"):
-        import json
-
-        with open(spec, encoding="utf-8") as fh:
-            try:
-                data = json.load(fh)
-            except json.JSONDecodeError as exc:
-                raise MegatronScheduleError(f"--koala-schedule {spec}:{exc.lineno}: not JSON ({exc.msg})") from None
-        sp, sv = data.get("p"), data.get("v", 1)
-        if sp is not None and sp != p:
-            raise MegatronScheduleError(f"--koala-schedule {spec} is for p={sp} pipeline ranks but "
-                                        f"--pipeline-model-parallel-size is {p}")
-        if sv != v:
-            raise MegatronScheduleError(f"--koala-schedule {spec} needs v={sv} model chunks per rank but "
-                                        f"--virtual-pipeline-model-parallel-size is {v if v > 1 else 'not set'}")
-        return
-    if looks_like_path(spec):
-        return
-    from ..library import get
-
-    reason = get(spec).supports(p, max(p * v, 1) * 2, v, MEGATRON_NAMES)
-    if reason is not None:
-        raise MegatronScheduleError(f"--koala-schedule {spec} with --pipeline-model-parallel-size {p} and "
-                                    f"--virtual-pipeline-model-parallel-size {v}: {reason}")
+    elif spec.endswith(FIXED_SUFFIXES) and spec not in library.names():
+        check_fit(load(spec, p, None, v, MEGATRON), p, None, v, MEGATRON)  # m: the file's, checked per step
+    else:  # a program: supports (p, v) with some m (the step's m is checked when it is known)
+        reason = library.load_program(spec).supports(p, max(p * v, 1) * 2, v, MEGATRON.names)
+        if reason is not None:
+            raise MegatronScheduleError(f"--koala-schedule {spec} with --pipeline-model-parallel-size {p} and "
+                                        f"--virtual-pipeline-model-parallel-size {v}: {reason}")
 
 
 @dataclass

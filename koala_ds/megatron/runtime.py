@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from dataclasses import dataclass
 from typing import Callable, Iterator, List, Optional, Union
 
@@ -171,20 +170,10 @@ class KoalaForwardBackward:
 
     @staticmethod
     def _check_profile(profile) -> None:
-        import json
+        """A profile file, bundled name or dict as `koala_ds.sim.load_profile` reads it; errors name --koala-profile."""
+        from ..resolve import MEGATRON, load_profile
 
-        if isinstance(profile, str):
-            if not os.path.isfile(profile):
-                raise MegatronScheduleError(f"--koala-profile {profile}: no such file")
-            with open(profile, encoding="utf-8") as fh:
-                try:
-                    data = json.load(fh)
-                except json.JSONDecodeError as exc:
-                    raise MegatronScheduleError(f"--koala-profile {profile}:{exc.lineno}: not JSON ({exc.msg})") from None
-        else:
-            data = profile
-        if not isinstance(data, dict) or data.get("version") != 1 or not isinstance(data.get("stages"), list):
-            raise MegatronScheduleError("--koala-profile: expected a version 1 cost profile with a 'stages' list")
+        load_profile(profile, MEGATRON)
 
     # ------------------------------------------------------------------------------------
     def __call__(

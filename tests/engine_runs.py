@@ -1,4 +1,5 @@
-"""Emulated-compute runs of the real engines (workers for `koala_ds.spawn.spawn`).
+"""Emulated-compute runs of the real engines (workers for `koala_ds.spawn.spawn`), for the tests
+and benchmarks/engine_speedup*.py: a harness in tests/, not part of the installed package.
 
 `megatron_worker` runs, on every pipeline rank, the jobs of a spec through the real
 `koala_ds.megatron` forward_backward_func (megatron-core's forward_step / backward_step,
@@ -19,7 +20,7 @@ import time
 
 import torch
 
-from .emulate import EmulatedStage, calibrate
+from koala_ds.profiler.emulate import EmulatedStage, calibrate
 
 
 class _MegatronChunk(torch.nn.Module):
@@ -62,8 +63,8 @@ class _MegatronRunner:
     def __init__(self, job: dict, rank: int, hidden: int, seq: int, timeout_s: float):
         from megatron.core.transformer.transformer_config import TransformerConfig
 
-        from ..ir import Schedule
-        from ..megatron import get_forward_backward_func
+        from koala_ds.ir import Schedule
+        from koala_ds.megatron import get_forward_backward_func
 
         schedule = Schedule.from_dict(job["schedule"])
         p, v, m, S = schedule.p, schedule.v, schedule.m, schedule.num_stages
@@ -204,9 +205,9 @@ class _DeepSpeedRunner:
         import deepspeed
 
         from koala_ds.deepspeed import KoalaPipelineModule
-        from koala_ds.deepspeed.testing import ds_config
+        from deepspeed_jobs import ds_config
 
-        from ..ir import Schedule
+        from koala_ds.ir import Schedule
 
         schedule = Schedule.from_dict(job["schedule"])
         p, v, m, S = schedule.p, schedule.v, schedule.m, schedule.num_stages
@@ -229,7 +230,7 @@ class _DeepSpeedRunner:
 def deepspeed_worker(rank: int, world: int, spec: dict):
     """The same jobs through koala_ds.deepspeed's KoalaPipelineEngine (`engine.train_batch`, which
     also reduces gradients and steps the optimizer: a tiny cost here). Launch with
-    `koala_ds.deepspeed.testing.launch` (it sets up DeepSpeed on CPU)."""
+    `deepspeed_jobs.launch` (it sets up DeepSpeed on CPU)."""
     import logging
 
     import koala_ds.deepspeed  # noqa: F401  (registers the engine with deepspeed.initialize)
@@ -242,7 +243,7 @@ def deepspeed_worker(rank: int, world: int, spec: dict):
 # -- the real GPT of examples/megatron_gpt ----------------------------------------------------------
 def profile_gpt_worker(rank: int, world: int, spec: dict) -> dict:
     """`profile_megatron_gpt(**spec)` in a fresh process (one-rank process group); the profile dict."""
-    from .models import profile_megatron_gpt
+    from koala_ds.profiler.models import profile_megatron_gpt
 
     return profile_megatron_gpt(**spec).to_dict()
 
@@ -255,8 +256,8 @@ class _GPTRunner:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.transformer.transformer_config import TransformerConfig
 
-        from ..ir import Schedule
-        from ..megatron import get_forward_backward_func
+        from koala_ds.ir import Schedule
+        from koala_ds.megatron import get_forward_backward_func
 
         schedule = Schedule.from_dict(job["schedule"])
         p, v, m, S = schedule.p, schedule.v, schedule.m, schedule.num_stages
@@ -304,7 +305,7 @@ def megatron_gpt_worker(rank: int, world: int, spec: dict) -> list:
     num_layers, hidden_size, num_attention_heads, seq_length, micro_batch_size, vocab_size."""
     from megatron.core import parallel_state as ps
 
-    from ..megatron.cpu import prepare_cpu
+    from koala_ds.megatron.cpu import prepare_cpu
 
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=world)
@@ -325,7 +326,7 @@ def _lm_loss(logits, labels):
 def profile_deepspeed_gpt_worker(rank: int, world: int, spec: dict) -> dict:
     """The plain-torch GPT (`models.gpt_layer_specs`) profiled as a DeepSpeed layer list would be
     partitioned into spec["stages"] virtual stages (uniform), in a fresh process; the profile dict."""
-    from .models import gpt_layer_specs, profile_pipeline_module
+    from koala_ds.profiler.models import gpt_layer_specs, profile_pipeline_module
 
     cfg = spec["model"]
     specs = gpt_layer_specs(cfg["num_layers"], cfg["hidden_size"], cfg["num_attention_heads"], cfg["seq_length"],
@@ -350,10 +351,10 @@ class _DeepSpeedGPTRunner:
         import deepspeed
 
         from koala_ds.deepspeed import KoalaPipelineModule
-        from koala_ds.deepspeed.testing import ds_config
+        from deepspeed_jobs import ds_config
 
-        from ..ir import Schedule
-        from .models import gpt_layer_specs
+        from koala_ds.ir import Schedule
+        from koala_ds.profiler.models import gpt_layer_specs
 
         schedule = Schedule.from_dict(job["schedule"])
         p, v, m = schedule.p, schedule.v, schedule.m
@@ -381,7 +382,7 @@ class _DeepSpeedGPTRunner:
 
 def deepspeed_gpt_worker(rank: int, world: int, spec: dict) -> list:
     """Jobs (as for `megatron_gpt_worker`) on the plain-torch GPT through koala_ds.deepspeed,
-    round-robin. Launch with `koala_ds.deepspeed.testing.launch`."""
+    round-robin. Launch with `deepspeed_jobs.launch`."""
     import logging
 
     import koala_ds.deepspeed  # noqa: F401  (registers the engine with deepspeed.initialize)

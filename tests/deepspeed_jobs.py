@@ -1,8 +1,10 @@
-"""Small multi-process DeepSpeed jobs on CPU, shared by the tests, the benchmark and the example.
+"""Small multi-process DeepSpeed jobs on CPU, shared by the tests and the benchmarks (a test
+harness: it lives in tests/, not in the installed koala_ds package; benchmarks put tests/ on
+sys.path, and spawned workers find it on the parent's sys.path).
 
 `launch(worker, world_size, spec)` starts `world_size` spawned processes with the environment
 DeepSpeed needs on CPU (DS_ACCELERATOR=cpu, RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-MASTER_PORT, a project-local TORCH_EXTENSIONS_DIR), initialises gloo, runs
+MASTER_PORT, TORCH_EXTENSIONS_DIR in this checkout's .cache), initialises gloo, runs
 `worker(rank, world_size, spec)` in each, and returns the per-rank results. Every launch has
 a deadline; processes still running after it (or after a rank failed) are killed.
 
@@ -29,11 +31,11 @@ from typing import Any, Callable
 
 import torch
 
-from ..spawn import SpawnError, launch as spawn_launch
+from koala_ds.spawn import SpawnError, launch as spawn_launch
 
 logger = logging.getLogger(__name__)
 
-_REPO = Path(__file__).resolve().parents[2]
+_REPO = Path(__file__).resolve().parents[1]  # the checkout (this file is tests/deepspeed_jobs.py)
 DEFAULT_EXTENSIONS_DIR = _REPO / ".cache" / "torch_extensions"
 SHM_COMM = "deepspeed_shm_comm"  # DeepSpeed's CPU shared-memory communication op
 BUILD_TIMEOUT_S = 900.0  # the first build: 1-3 minutes on 2 cores (143 s measured on a busy machine)
@@ -47,8 +49,8 @@ class ExtensionBuildError(RuntimeError):
 
 
 def extensions_dir() -> Path:
-    """Where DeepSpeed's JIT extensions are built: $TORCH_EXTENSIONS_DIR, else the repository's
-    .cache/torch_extensions (never the user's home or the package install)."""
+    """Where DeepSpeed's JIT extensions are built: $TORCH_EXTENSIONS_DIR, else this checkout's
+    .cache/torch_extensions (never the user's home or an installed package's directory)."""
     return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or DEFAULT_EXTENSIONS_DIR)
 
 
@@ -257,7 +259,7 @@ def build_model(pp: int, dim: int, blocks: int, tied: bool, chunks: int = 1, pla
     """A PipelineModule (chunks == 1) or a KoalaPipelineModule over `tiny_layers`."""
     from deepspeed.pipe import PipelineModule
 
-    from .module import KoalaPipelineModule
+    from koala_ds.deepspeed.module import KoalaPipelineModule
 
     layers = tiny_layers(dim, blocks, tied)
     common = dict(num_stages=pp, loss_fn=_mse, partition_method="uniform", seed_layers=True)
@@ -270,7 +272,7 @@ def _engine(model, case: dict, config: dict):
     import deepspeed
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    from .engine import KoalaPipelineEngine
+    from koala_ds.deepspeed.engine import KoalaPipelineEngine
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     if case.get("via") == "direct":
@@ -347,9 +349,9 @@ def hang_worker(rank: int, world: int, spec: dict) -> dict:
     end-of-step loss broadcast `_aggregate_total_loss` or the clipping `clip_fp32_gradients`)."""
     import koala_ds.deepspeed  # noqa: F401
 
-    from .engine import PipelineTimeoutError
+    from koala_ds.deepspeed.engine import PipelineTimeoutError
 
-    from .engine import KoalaConfigError
+    from koala_ds.deepspeed.engine import KoalaConfigError
 
     pp, gas, mbs, dim = spec["pp"], spec["gas"], spec["mbs"], spec["dim"]
     refused = None
