@@ -175,8 +175,9 @@ def test_search_budget_must_be_finite_and_positive(capsys, tmp_path, budget):
     from koala_ds.search import search
     from koala_ds.search.problem import SearchError
 
-    with pytest.raises(SearchError, match="--time-budget must be a finite number of seconds > 0"):
+    with pytest.raises(SearchError, match="`time_budget` must be a finite number of seconds > 0") as exc:
         search(_problem(8), time_budget=float(budget))
+    assert exc.value.parameter == "time_budget"
     err = _argparse_error(capsys, "search", "--profile", "uniform-4", "-m", "8", f"--time-budget={budget}",
                           "-o", str(tmp_path / "x.koala"))
     assert "argument --time-budget: must be a finite number > 0" in err

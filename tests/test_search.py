@@ -58,8 +58,8 @@ def test_search_returns_a_valid_schedule_within_memory_and_no_worse_than_seeds()
     assert fitting, "some library schedule fits 1F1B's memory (1f1b itself)"
     assert result.makespan <= min(fitting) + 1e-9
     for part in problem.parts[:1]:
-        for _, walk in greedy_seeds(part):
-            ev = part.evaluate(walk)
+        for _, orders in greedy_seeds(part):
+            ev = part.evaluate(orders)
             assert result.makespan <= ev.makespan + 1e-9
 
 
@@ -100,12 +100,15 @@ def test_chunks_search_v2():
 
 def test_bad_input_errors():
     profile = CostProfile.uniform(4, activation_mb=10.0)
-    with pytest.raises(SearchError, match="-m"):
+    with pytest.raises(SearchError, match="`m` must be >= 1") as exc:
         SearchProblem(profile, 4, 0, 1)
-    with pytest.raises(SearchError, match="memory-limit"):
+    assert exc.value.parameter == "m"
+    with pytest.raises(SearchError, match="raise `memory_limit`") as exc:
         SearchProblem(profile, 4, 8, 1, "split", memory_limit=5.0)  # below one activation
-    with pytest.raises(SearchError, match="-p"):
+    assert exc.value.parameter == "memory_limit"
+    with pytest.raises(SearchError, match="change `p` / `v`") as exc:
         SearchProblem(profile, 3, 8, 1)
+    assert exc.value.parameters == ("p", "v")
     with pytest.raises(ProfileError, match="no-such-profile"):
         load_profile("no-such-profile")
 
@@ -199,9 +202,10 @@ def test_placements_for(choice, v, expected):
 
 
 @pytest.mark.parametrize("choice,v", [("linear", 2), ("vshape", 1), ("interleaved", 1), ("diagonal", 1)])
-def test_bad_placement_names_the_option(choice, v):
-    with pytest.raises(SearchError, match="--placement"):
+def test_bad_placement_names_the_parameter(choice, v):
+    with pytest.raises(SearchError, match="`placement`") as exc:
         placements_for(4, v, choice)
+    assert exc.value.parameter == "placement"
 
 
 def test_cli_placement_option_and_two_copies_note(tmp_path, capsys):
@@ -226,8 +230,8 @@ def test_timing_agrees_with_the_simulator():
         problem = _problem(p, m, v, backward)
         for part in problem.parts:
             timing = Timing(part)
-            for _, walk in greedy_seeds(part)[:5]:
-                ev = part.evaluate(walk)
+            for _, orders in greedy_seeds(part)[:5]:
+                ev = part.evaluate(orders)
                 if ev.makespan == float("inf"):
                     continue
                 free, starts = timing.run(ev.codes)
@@ -245,9 +249,9 @@ def test_local_search_never_worsens_and_stays_valid():
     problem = SearchProblem(profile, 4, 8, 1, "split", limit)
     part = problem.parts[0]
     ls = LocalSearch(part)
-    for _, walk in greedy_seeds(part)[:4]:
-        start = part.evaluate(walk)
-        res = ls.descend(walk, random.Random(0), lambda: False, max_evals=300)
+    for _, orders in greedy_seeds(part)[:4]:
+        start = part.evaluate(orders)
+        res = ls.descend(orders, random.Random(0), lambda: False, max_evals=300)
         assert res is not None
         ev = part.evaluate(res.tokens)
         assert ev.fits and ev.makespan == pytest.approx(res.makespan)
@@ -274,10 +278,10 @@ def test_release_tail_bound_is_below_every_schedule(p, m, v, backward, tight, st
     bound = jackson_bound(problem.search_profile, part.placement, m, backward, problem.limits).value
     assert bound > 0
     checked = 0
-    walks = [w for _, w in greedy_seeds(part)]
-    walks += [part.tokens_of(random_schedule(part.placement, m, backward, seed=k)) for k in range(20)]
-    for walk in walks:
-        ev = part.evaluate(walk)
+    candidates = [orders for _, orders in greedy_seeds(part)]
+    candidates += [part.orders_of(random_schedule(part.placement, m, backward, seed=k)) for k in range(20)]
+    for orders in candidates:
+        ev = part.evaluate(orders)
         if ev.makespan == float("inf"):
             continue
         checked += 1
@@ -323,28 +327,28 @@ def test_chain_moves_shift_one_microbatch_on_every_stage():
         assert len({d for _, _, d in chain}) == 1                   # ... by the same shift
 
 
-def test_a_walk_that_deadlocks_is_repaired_not_rejected():
+def test_orders_that_deadlock_are_repaired_not_rejected():
     # p = 2: rank 0 alternates F, I after one forward; rank 1 runs two forwards first. Rank 0
     # waits for the gradient of microbatch 0 while rank 1 waits for the forward of microbatch 1.
     profile = CostProfile.uniform(2, p2p_latency=0.1)
     problem = SearchProblem(profile, 2, 4, 1, "full", None)
     part = problem.parts[0]
     F, B = 0, 1
-    walk = [[F, B, F, B, F, B, F, B], [F, F, B, B, F, F, B, B]]
-    codes = [[part.decoder.decode_rank(r, w)[1] for r, w in enumerate(walk)]][0]
+    orders = [[F, B, F, B, F, B, F, B], [F, F, B, B, F, F, B, B]]
+    codes = [part.decoder.decode_rank(r, order)[1] for r, order in enumerate(orders)]
     with pytest.raises(KoalaError, match="deadlock"):
         part.sim.makespan(codes)
-    ev = part.evaluate(walk)
+    ev = part.evaluate(orders)
     assert ev.makespan < float("inf")
     schedule = part.schedule(ev.codes, "repaired")
     validate(schedule)
     assert simulate(schedule, problem.search_profile, timeline=False).makespan == pytest.approx(ev.makespan)
     # each time both ranks wait, the repair moves rank 1's next backward (it needs nothing) in front
-    # of the forward it waits at; rank 0's walk is kept
-    assert ev.tokens == [walk[0], [F, B] * 4]
+    # of the forward it waits at; rank 0's order is kept
+    assert ev.orders == [orders[0], [F, B] * 4]
 
 
-def test_repaired_random_walks_are_valid_schedules():
+def test_repaired_random_orders_are_valid_schedules():
     import random
 
     from koala_ds.search.ga import mutate
@@ -356,11 +360,11 @@ def test_repaired_random_walks_are_valid_schedules():
     rng = random.Random(0)
     repaired = 0
     for part in problem.parts:
-        walk = part.tokens_of(library.get("v-min" if part.placement.describe() == "vshape" else
+        orders = part.orders_of(library.get("v-min" if part.placement.describe() == "vshape" else
                                           "interleaved-1f1b").compile(4, 8, 2)) \
             if part.placement.describe() in ("vshape", "interleaved") else greedy_seeds(part)[0][1]
         for _ in range(40):
-            kicked = mutate(walk, rng, 6.0, part.placement.chunks_per_rank)
+            kicked = mutate(orders, rng, 6.0, part.placement.chunks_per_rank)
             plain = [part.decoder.decode_rank(r, t)[1] for r, t in enumerate(kicked)]
             deadlocks = isinstance(part.sim.try_times(plain), Stall)
             ev = part.evaluate(kicked)
@@ -412,8 +416,9 @@ def test_auto_searches_full_backward_only_where_a_b_is_cheaper_than_i_plus_w():
     assert backward_kinds(_b_profile(2.5)) == ("split",)              # a full backward cannot win
     assert backward_kinds(_b_profile(1.5)) == ("split", "full")
     assert backward_kinds(_b_profile(1.5), "full") == ("full",)
-    with pytest.raises(SearchError, match="--backward must be one of auto, split, full"):
+    with pytest.raises(SearchError, match="`backward` must be one of auto, split, full") as exc:
         SearchProblem(_b_profile(1.5), 4, 8, 1, "half")
+    assert exc.value.parameter == "backward"
     problem = SearchProblem(_b_profile(1.5), 4, 8, 1, placement="any")
     assert problem.backward == "auto"
     assert [(part.placement.pipelines, part.backward) for part in problem.parts] == \
@@ -484,8 +489,8 @@ def test_release_tail_bound_holds_with_a_measured_full_backward(factor, backward
                 if res.fits_memory:
                     checked += 1
                     assert res.makespan >= bound - 1e-9, (kind, prob, k)
-        for _, walk in greedy_seeds(part):
-            ev = part.evaluate(walk)
+        for _, orders in greedy_seeds(part):
+            ev = part.evaluate(orders)
             if ev.makespan != float("inf"):
                 checked += 1
                 assert ev.makespan >= bound - 1e-9
@@ -537,3 +542,84 @@ def test_cli_auto_prints_which_backward_won(tmp_path, capsys):
                  "-o", str(out)]) == 0
     text = capsys.readouterr().out
     assert "backward=auto (split only" in text and "wins" not in text
+
+
+# -- the GA's parts ------------------------------------------------------------------------------
+def test_adaptive_rule_one_fifth_success_try_test_rate_and_restart():
+    from koala_ds.search.ga import Dynamics, GAConfig
+
+    d = Dynamics(GAConfig(trials=4, patience=2, strength_max=24.0))
+    assert not d.after(True) and d.strength == pytest.approx(2.0 / 1.5) and d.trials == 4
+    before = d.strength
+    for _ in range(4):   # four failures after one success: the strength is back where it was
+        assert not d.after(False)
+    d.after(True)
+    assert d.strength == pytest.approx(before / 1.5 * 1.5)
+    restarts, trials = [], []
+    for _ in range(8):
+        restarts.append(d.after(False))
+        trials.append(d.trials)
+    assert trials == [4, 8, 8, 16, 16, 32, 32, 32]        # doubles every `patience`, up to 8x the base
+    assert restarts == [False] * 7 + [True]                # a restart after 4 * patience failures
+    assert d.strength == 2.0                               # ... resets the strength
+    assert not d.after(True) and d.trials == 4 and d.since == 0
+
+
+def test_population_keeps_each_feasible_candidate_once():
+    from koala_ds.search.ga import Individual, Population
+
+    pop = Population(started=0.0)
+    assert pop.consider(Individual(0, [[0, 1]], 5.0, 1.0, "a"))
+    assert not pop.consider(Individual(0, [[0, 1]], 5.0, 1.0, "same orders"))
+    assert not pop.consider(Individual(0, [[1, 0]], float("inf"), 1.0, "deadlocks"))
+    assert not pop.consider(Individual(1, [[1, 0]], 6.0, 1.0, "slower, other part"))
+    assert pop.consider(Individual(1, [[0, 0]], 4.0, 1.0, "faster"))
+    assert [x.origin for x in pop.members] == ["a", "slower, other part", "faster"]
+    assert pop.best.origin == "faster" and [ms for _, ms in pop.history] == [5.0, 4.0]
+    assert {idx: x.origin for idx, x in pop.part_best.items()} == {0: "a", 1: "faster"}
+    pop.rank()
+    pop.cut(2)
+    assert [x.origin for x in pop.members] == ["faster", "a"]
+
+
+# -- errors name the parameter; the CLI names the flag --------------------------------------------
+def test_search_error_words_its_parameters_a_front_ends_way():
+    import pickle
+
+    exc = SearchError("p * v = 4; change `p` / `v`", "p", "v")
+    assert exc.parameter == "p" and exc.parameters == ("p", "v")
+    assert exc.worded({"p": "-p", "v": "-v"}) == "p * v = 4; change -p / -v"
+    assert exc.worded({}) == str(exc)
+    back = pickle.loads(pickle.dumps(exc))
+    assert back.parameters == exc.parameters and str(back) == str(exc)
+    assert SearchError("no parameter").parameter is None
+
+
+@pytest.mark.parametrize("call, parameter, library_text, argv, cli_text", [
+    (lambda: search(_problem(4, 8), time_budget=None, generations=-1), "generations",
+     "`generations` must be >= 0, got -1", ["--generations", "-1"], "--generations must be >= 0, got -1"),
+    (lambda: search(_problem(4, 8), time_budget=None, generations=1, workers=0), "workers",
+     "`workers` must be >= 1, got 0", ["--workers", "0"], "--workers must be >= 1, got 0"),
+    (lambda: search(_problem(4, 8), time_budget=float("nan")), "time_budget",
+     "`time_budget` must be a finite number of seconds > 0", None, None),
+    (lambda: SearchProblem(load_profile("uniform-4"), 4, 8, 1, memory_limit=1.0), "memory_limit",
+     "raise `memory_limit` to at least 100 MB", ["--memory-limit", "1"], "raise --memory-limit to at least 100 MB"),
+    (lambda: SearchProblem(load_profile("uniform-4"), 4, 8, 1, placement="vshape"), "placement",
+     "`placement` vshape needs `v` >= 2", ["--placement", "vshape"], "--placement vshape needs -v >= 2"),
+    (lambda: SearchProblem(load_profile("uniform-4"), 3, 8, 1), "p",
+     "change `p` / `v` to match the profile", ["-p", "3"], "change -p / -v to match the profile"),
+])
+def test_search_errors_name_the_parameter_and_the_cli_the_flag(tmp_path, capsys, call, parameter, library_text,
+                                                               argv, cli_text):
+    with pytest.raises(SearchError) as exc:
+        call()
+    assert exc.value.parameter == parameter and library_text in str(exc.value)
+    if argv is None:   # argparse refuses the value itself (tests/test_limits.py)
+        return
+    out = tmp_path / "best.koala"
+    assert main(["search", "--profile", "uniform-4", "-m", "8", *argv, "--time-budget", "5", "--quiet",
+                 "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("koala search: error: ") and err.count("\n") == 1
+    assert cli_text in err and "`" not in err
+    assert not out.exists()

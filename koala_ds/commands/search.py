@@ -15,11 +15,16 @@ from .bounds import ConfigBound, from_problem
 from .model import GANTT_SUFFIXES
 from . import partition
 from .table import format_table
-from ..search.problem import BACKWARD_CHOICES, PLACEMENT_CHOICES
+from ..search.problem import BACKWARD_CHOICES, PLACEMENT_CHOICES, SearchError
 from ..sim import bundled_profiles, simulate
 from ..sim.layers import LayerProfile
 
 log = logging.getLogger(__name__)
+
+#: The flag of each search parameter a `SearchError` names (`SearchError.worded`).
+FLAGS = {"p": "-p", "m": "-m", "v": "-v", "profile": "--profile", "backward": "--backward",
+         "memory_limit": "--memory-limit", "placement": "--placement", "time_budget": "--time-budget",
+         "generations": "--generations", "workers": "--workers", "exact": "--exact"}
 
 
 def result_table(result, limit: float | None, bound: ConfigBound | None = None) -> str:
@@ -77,7 +82,6 @@ def _check_args(args: argparse.Namespace) -> Path:
 
 def _problem(args: argparse.Namespace, profile):
     from ..search import SearchProblem
-    from ..search.problem import SearchError
 
     if isinstance(profile, LayerProfile):  # --partition N,N,... (or the uniform split) of a per-layer profile
         profile = _layer_problem_profile(args, profile)
@@ -188,6 +192,14 @@ def _report(args, problem, result, out: Path, exact_line: str | None) -> None:
 
 
 def cmd_search(args: argparse.Namespace) -> int:
+    """`koala search`; a search error names the flag to change."""
+    try:
+        return _search(args)
+    except SearchError as exc:
+        raise SearchError(exc.worded(FLAGS), *exc.parameters) from None
+
+
+def _search(args: argparse.Namespace) -> int:
     from ..search import search
 
     started = time.perf_counter()  # the time budget counts from here

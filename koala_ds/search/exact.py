@@ -81,8 +81,8 @@ def _ortools():
     try:
         from ortools.sat.python import cp_model
     except ImportError:
-        raise SearchError("--exact needs the CP-SAT solver from ortools: pip install 'koala-ds[exact]' "
-                          "(or drop --exact)") from None
+        raise SearchError("`exact` needs the CP-SAT solver from ortools: pip install 'koala-ds[exact]' "
+                          "(or drop `exact`)", "exact") from None
     return cp_model
 
 

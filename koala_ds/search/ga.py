@@ -1,21 +1,23 @@
-"""The Dynamic Try-Test genetic algorithm over BTT walks, and the top-level `search()`.
+"""The Dynamic Try-Test genetic algorithm over rank orders, and the top-level `search()`.
 
-Population: every library schedule valid for the configuration, the greedy list scheduler's
-walks (one per tie-break policy), and random walks. Each generation makes `trials` children
-(crossover of two tournament winners, then a mutation of `strength` moves on the BTT choice
-sequence), *try-tests* each on the simulator (the decoder repairs local order and memory; a
-child that still deadlocks is rejected) and keeps the best `size` distinct walks. Each
-generation also polishes the best unpolished walk with the timeline-guided local search
-(`local.py`) and makes one iterated-local-search step (kick + descent) from one of the best four.
+A candidate is one *order* per rank: the rank's sequence of actions as BTT choices (docs/search.md,
+"The encoding"); the decoder turns orders into the simulator's *codes*. Population: every library
+schedule valid for the configuration, the greedy list scheduler's orders (one per tie-break
+policy), and random orders. Each generation makes `trials` children (crossover of two tournament
+winners, then a mutation of `strength` moves on the orders), *try-tests* each on the simulator
+(the decoder repairs local order and memory; a child that still deadlocks is rejected) and keeps
+the best `size` distinct candidates. Each generation also polishes the best unpolished candidate
+with the timeline-guided local search (`local.py`) and makes one iterated-local-search step (kick
++ descent) from the candidate that search last accepted.
 
 The dynamic rule (documented in docs/search.md):
-- strength follows the 1/5 success rule: after a generation that improved the best walk it is
+- strength follows the 1/5 success rule: after a generation that improved the best candidate it is
   divided by 1.5, otherwise multiplied by 1.5 ** (1/4) (so it is steady when one generation in
   five succeeds), and kept in [1, strength_max];
 - trials (the try-test rate, children tested per generation) resets to its base after an
   improvement and doubles (up to 8x) after every `patience` generations without one;
 - after 4 * patience generations without improvement the worse half of the population is
-  replaced by strongly mutated copies of the best walks (a restart), and strength resets.
+  replaced by strongly mutated copies of the best candidates (a restart), and strength resets.
 """
 from __future__ import annotations
 
@@ -32,19 +34,21 @@ from typing import Callable, Iterator, Sequence
 
 from .. import library
 from ..ir import KoalaError, Schedule
-from ..sim import random_schedule, simulate
+from ..sim import SimResult, random_schedule, simulate
 from .encoding import W_K
 from .greedy import greedy_walk, policies
 from .local import LocalSearch
-from .problem import INFEASIBLE, SearchError, SearchProblem, relative_gap, weight_copies
+from .problem import INFEASIBLE, PlacementProblem, SearchError, SearchProblem, relative_gap, weight_copies
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Individual:
+    """One try-tested candidate: its part of the problem, its orders and what they measured."""
+
     part: int                      # index into problem.parts
-    tokens: list[list[int]]
+    orders: list[list[int]]        # one order per rank (BTT choices), as the decoder repaired it
     makespan: float
     peak: float
     origin: str
@@ -52,7 +56,7 @@ class Individual:
 
     def __post_init__(self) -> None:
         if not self.key:
-            self.key = (self.part, tuple(tuple(t) for t in self.tokens))
+            self.key = (self.part, tuple(tuple(order) for order in self.orders))
 
 
 @dataclass
@@ -179,8 +183,9 @@ def _library_row(problem: SearchProblem, name: str, rows: list[LibraryRow]) -> N
 
 
 # -- variation operators ------------------------------------------------------------------
-def _move(tokens: list[int], rng: random.Random, scale: float) -> None:
-    n = len(tokens)
+def _move(order: list[int], rng: random.Random, scale: float) -> None:
+    """Move one choice of `order` by a geometric distance (mean about `scale`)."""
+    n = len(order)
     if n < 2:
         return
     i = rng.randrange(n)
@@ -189,35 +194,38 @@ def _move(tokens: list[int], rng: random.Random, scale: float) -> None:
     j = min(max(j, 0), n - 1)
     if i == j:
         return
-    t = tokens.pop(i)
-    tokens.insert(j, t)
+    choice = order.pop(i)
+    order.insert(j, choice)
 
 
-def _swap(tokens: list[int], rng: random.Random) -> None:
-    n = len(tokens)
+def _swap(order: list[int], rng: random.Random) -> None:
+    """Swap two adjacent different choices of `order` (up to four tries to find them)."""
+    n = len(order)
     if n < 2:
         return
     for _ in range(4):
         i = rng.randrange(n - 1)
-        if tokens[i] != tokens[i + 1]:
-            tokens[i], tokens[i + 1] = tokens[i + 1], tokens[i]
+        if order[i] != order[i + 1]:
+            order[i], order[i + 1] = order[i + 1], order[i]
             return
 
 
-def _shift_w(tokens: list[int], rng: random.Random, chunks: int, scale: float) -> None:
-    ws = [i for i, t in enumerate(tokens) if t // chunks == W_K]
+def _shift_w(order: list[int], rng: random.Random, chunks: int, scale: float) -> None:
+    """Move one W of `order` by a geometric distance (any choice when there is no W)."""
+    ws = [i for i, choice in enumerate(order) if choice // chunks == W_K]
     if not ws:
-        _move(tokens, rng, scale)
+        _move(order, rng, scale)
         return
     i = rng.choice(ws)
     d = max(1, int(rng.expovariate(1.0 / scale)) + 1)
-    j = min(max(i + (d if rng.random() < 0.5 else -d), 0), len(tokens) - 1)
-    t = tokens.pop(i)
-    tokens.insert(j, t)
+    j = min(max(i + (d if rng.random() < 0.5 else -d), 0), len(order) - 1)
+    choice = order.pop(i)
+    order.insert(j, choice)
 
 
-def mutate(tokens: list[list[int]], rng: random.Random, strength: float, chunks: int) -> list[list[int]]:
-    out = [list(t) for t in tokens]
+def mutate(orders: list[list[int]], rng: random.Random, strength: float, chunks: int) -> list[list[int]]:
+    """A copy of `orders` after about `strength` random moves, most of them on one rank."""
+    out = [list(order) for order in orders]
     moves = max(1, int(rng.expovariate(1.0 / strength)) + 1) if strength > 1 else 1
     focus = rng.randrange(len(out))
     for _ in range(moves):
@@ -233,8 +241,8 @@ def mutate(tokens: list[list[int]], rng: random.Random, strength: float, chunks:
 
 
 def crossover(a: list[list[int]], b: list[list[int]], rng: random.Random) -> list[list[int]]:
-    """Per rank: take the walk of a or of b; one rank gets an order crossover (a's prefix, then
-    the rest of its tokens in b's order)."""
+    """Per rank: take the order of a or of b; one rank gets an order crossover (a's prefix, then
+    the rest of its choices in b's order)."""
     child = [list(x) if rng.random() < 0.5 else list(y) for x, y in zip(a, b)]
     r = rng.randrange(len(a))
     x, y = a[r], b[r]
@@ -242,14 +250,14 @@ def crossover(a: list[list[int]], b: list[list[int]], rng: random.Random) -> lis
         cut = rng.randrange(len(x))
         prefix = x[:cut]
         counts: dict[int, int] = {}
-        for t in prefix:
-            counts[t] = counts.get(t, 0) + 1
+        for choice in prefix:
+            counts[choice] = counts.get(choice, 0) + 1
         rest = []
-        for t in y:
-            if counts.get(t, 0):
-                counts[t] -= 1
+        for choice in y:
+            if counts.get(choice, 0):
+                counts[choice] -= 1
             else:
-                rest.append(t)
+                rest.append(choice)
         child[r] = prefix + rest
     return child
 
@@ -292,12 +300,16 @@ def _worker_init(args: tuple, parent: int | None = None) -> None:
 
 
 def _worker_eval(job: tuple[int, list[list[int]]]) -> tuple[float, float, list[list[int]]]:
+    """Try-test one (part index, orders) job in a worker: (makespan, peak, repaired orders)."""
     assert _WORKER is not None
     ev = _WORKER.parts[job[0]].evaluate(job[1])
-    return ev.makespan, ev.peak, ev.tokens
+    return ev.makespan, ev.peak, ev.orders
 
 
 class _Evaluator:
+    """Try-tests (part index, orders) jobs, in this process or in a pool of `workers` processes;
+    counts them and the time they took."""
+
     def __init__(self, problem: SearchProblem, workers: int):
         self.problem = problem
         self.pool = None
@@ -360,9 +372,9 @@ class _Evaluator:
         self.count += len(jobs)
         if self.pool is None or len(jobs) < 4:
             out = []
-            for part, toks in jobs:
-                ev = self.problem.parts[part].evaluate(toks)
-                out.append((ev.makespan, ev.peak, ev.tokens))
+            for part, orders in jobs:
+                ev = self.problem.parts[part].evaluate(orders)
+                out.append((ev.makespan, ev.peak, ev.orders))
             return out
         if not self.started:
             self._start_workers()
@@ -378,18 +390,383 @@ class _Evaluator:
 # -- the search ---------------------------------------------------------------------------
 @dataclass
 class GAConfig:
+    """The GA's settings (docs/search.md, "The Dynamic Try-Test GA")."""
+
     population: int = 24
     trials: int = 4              # base try-test count per generation (plus one polish and one kick)
     strength_max: float = 24.0
     patience: int = 15
     crossover_rate: float = 0.3
-    random_walks: int = 4
+    random_orders: int = 4       # random schedules among the seeds
     greedy: bool = True
-    local_search: bool = True    # timeline-guided descent (koala_ds/search/local.py) on the best walks
+    local_search: bool = True    # timeline-guided descent (koala_ds/search/local.py) on the best candidates
     local_seeds: int = 2         # seeds polished per placement before the first generation
     local_evals: int = 4000      # evaluation cap of one descent
     kick_strengths: tuple[float, ...] = (1.5, 3.0, 6.0)  # an iterated-local-search kick's mutation strength:
                                                           # one of these, at random (small and large kicks)
+
+
+class Population:
+    """The candidates kept (`members`, at most `GAConfig.population` after each generation) and
+    what every candidate tried so far taught: the keys seen (each candidate is kept once), the
+    best overall and of each part, and when the best improved."""
+
+    def __init__(self, started: float):
+        self.started = started
+        self.members: list[Individual] = []
+        self.seen: set[tuple] = set()
+        self.best: Individual | None = None
+        self.part_best: dict[int, Individual] = {}
+        self.history: list[tuple[float, float]] = []   # (seconds, best makespan)
+
+    def consider(self, ind: Individual) -> bool:
+        """Keep `ind` when it is new and feasible; whether it is a new best."""
+        if ind.key in self.seen or ind.makespan == INFEASIBLE:
+            return False
+        self.seen.add(ind.key)
+        self.members.append(ind)
+        top = self.part_best.get(ind.part)
+        if top is None or ind.makespan < top.makespan:
+            self.part_best[ind.part] = ind
+        if self.best is None or ind.makespan < self.best.makespan - 1e-12:
+            self.best = ind
+            self.history.append((time.perf_counter() - self.started, ind.makespan))
+            return True
+        return False
+
+    def rank(self) -> None:
+        """Sort the members, fastest first (stable: equal makespans keep their order)."""
+        self.members.sort(key=lambda x: x.makespan)
+
+    def cut(self, size: int) -> None:
+        """Keep the first `size` members."""
+        del self.members[size:]
+
+
+class Clock:
+    """The wall-clock budget, from `started` (None: no time budget)."""
+
+    def __init__(self, problem: SearchProblem, time_budget: float | None, started: float, evaluator: _Evaluator):
+        self.problem = problem
+        self.budget = time_budget
+        self.started = started
+        self.evaluator = evaluator
+        self.row_seconds = 0.0   # the mean time of one library schedule (compile and simulate)
+
+    def out_of_time(self, next_step: float = 0.0) -> bool:
+        """True when the budget cannot take `next_step` more seconds and the closing work: the
+        result's and each placement's best built as a schedule again, each about as long as a
+        library schedule took to compile and simulate (at most a quarter of the budget)."""
+        if self.budget is None:
+            return False
+        closing = min(self.budget / 4, (len(self.problem.parts) + 1) * self.row_seconds
+                      + 2 * self.evaluator.mean_seconds)
+        return time.perf_counter() - self.started + next_step + closing >= self.budget
+
+    def half_spent(self) -> bool:
+        """True once half of the budget is gone (never without a time budget)."""
+        return self.budget is not None and time.perf_counter() - self.started >= self.budget / 2
+
+
+class Polisher:
+    """The local search (`local.py`) on candidates: a descent from one (`polish`), and the
+    iterated local search's step (`kick_step`): a random kick of its current candidate, then a
+    descent. The current candidate moves to each result no worse than it (so it drifts across
+    plateaus of equal makespan) and back to the best candidate when that is better."""
+
+    def __init__(self, problem: SearchProblem, cfg: GAConfig, rng: random.Random, evaluator: _Evaluator,
+                 population: Population):
+        self.problem = problem
+        self.cfg = cfg
+        self.rng = rng
+        self.evaluator = evaluator
+        self.population = population
+        self.searchers: dict[int, LocalSearch] = {}   # one per part
+        self.polished: set[tuple] = set()             # keys of the candidates descended from or to
+        self.current: Individual | None = None        # the iterated local search's candidate
+
+    def done(self, ind: Individual) -> bool:
+        """Whether a descent started or ended at `ind` already."""
+        return ind.key in self.polished
+
+    def polish(self, ind: Individual, origin: str, deadline: Callable[[], bool], kick: bool = False
+               ) -> tuple[bool, Individual | None]:
+        """A descent from `ind` (after a random kick when `kick`): (whether it found a new best,
+        the candidate it ended at)."""
+        self.polished.add(ind.key)
+        part = self.problem.parts[ind.part]
+        ls = self.searchers.get(ind.part)
+        if ls is None:
+            ls = self.searchers[ind.part] = LocalSearch(part)
+        orders = self._kicked(part, ind.orders) if kick else ind.orders
+        if orders is None:
+            return False, None
+        before = ls.evaluations
+        res = ls.descend(orders, self.rng, deadline, self.cfg.local_evals)
+        self.evaluator.count += ls.evaluations - before
+        if res is None:
+            return False, None
+        ev = part.evaluate(res.tokens)
+        new = Individual(ind.part, ev.orders, ev.makespan, ev.peak, origin)
+        self.polished.add(new.key)
+        return self.population.consider(new), new
+
+    def _kicked(self, part: PlacementProblem, orders: list[list[int]]) -> list[list[int]] | None:
+        """`orders` after a kick of a strength drawn from `kick_strengths`, through the decoder
+        (which repairs a kick that deadlocks); None when it still does not run."""
+        strength = self.rng.choice(self.cfg.kick_strengths)
+        ev = part.evaluate(mutate(orders, self.rng, strength, part.placement.chunks_per_rank))
+        self.evaluator.count += 1
+        return None if ev.makespan == INFEASIBLE else ev.orders
+
+    def kick_step(self, origin: str, deadline: Callable[[], bool]) -> bool:
+        """One iterated-local-search step; whether it found a new best."""
+        best = self.population.best
+        assert best is not None
+        if self.current is None or self.current.makespan > best.makespan + 1e-12:
+            self.current = best
+        if deadline():
+            return False
+        found, new = self.polish(self.current, origin, deadline, kick=True)
+        if new is not None and new.makespan <= self.current.makespan + 1e-12:
+            self.current = new
+        return found
+
+
+class Dynamics:
+    """The adaptive rule (module docstring): mutation strength and try-test rate."""
+
+    def __init__(self, cfg: GAConfig):
+        self.cfg = cfg
+        self.strength = 2.0
+        self.trials = cfg.trials   # children per generation
+        self.since = 0             # generations since the last improvement
+
+    def after(self, improved: bool) -> bool:
+        """Update after a generation; whether a restart is due (the strength then resets)."""
+        if improved:
+            self.strength = max(1.0, self.strength / 1.5)
+            self.trials = self.cfg.trials
+            self.since = 0
+            return False
+        self.strength = min(self.cfg.strength_max, self.strength * 1.5 ** 0.25)
+        self.since += 1
+        if self.since % self.cfg.patience == 0:
+            self.trials = min(self.cfg.trials * 8, self.trials * 2)
+        if self.since % (4 * self.cfg.patience) == 0:
+            self.strength = 2.0
+            return True
+        return False
+
+
+class Progress:
+    """The progress bar (tqdm, on a terminal only) and the `on_generation` callback."""
+
+    def __init__(self, show: bool, generations: int | None, lower_bound: float,
+                 on_generation: Callable[[int, float], None] | None):
+        self.show = show
+        self.generations = generations
+        self.lower_bound = lower_bound
+        self.on_generation = on_generation
+        self.bar = None
+
+    def start(self) -> None:
+        if not self.show:
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:  # pragma: no cover
+            return
+        self.bar = tqdm(total=self.generations, desc="koala search", unit="gen", file=sys.stderr, leave=False,
+                        dynamic_ncols=True, disable=None)  # None: off when stderr is not a terminal
+
+    def update(self, gen: int, best: float) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            lb = self.lower_bound
+            self.bar.set_postfix_str(f"best {best:.6g} ms, gap {best / lb - 1:+.2%}" if lb > 0
+                                     else f"best {best:.6g} ms")
+        if self.on_generation is not None:
+            self.on_generation(gen, best)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+Job = tuple[int, list[list[int]], str]   # (part index, orders, origin)
+
+
+class _Run:
+    """One search: its phases (library, seeds, first polish, generations) and its state."""
+
+    def __init__(self, problem: SearchProblem, cfg: GAConfig, seed: int, workers: int,
+                 time_budget: float | None, started: float):
+        self.problem = problem
+        self.cfg = cfg
+        self.workers = workers
+        self.rng = random.Random(seed)
+        self.evaluator = _Evaluator(problem, workers)
+        self.clock = Clock(problem, time_budget, started, self.evaluator)
+        self.population = Population(started)
+        self.polisher = Polisher(problem, cfg, self.rng, self.evaluator, self.population)
+        self.stop_at = problem.lower_bound * (1 + 1e-9)
+        self.library: list[LibraryRow] = []
+        self.library_skipped: list[str] = []
+        self.library_seeds: list[LibraryRow] = []   # rows whose placement is searched
+        self.gen = 0
+        self.stopped = "generations"   # lower-bound | time | generations | interrupted
+        self.interrupted = False
+
+    @property
+    def best(self) -> Individual:
+        assert self.population.best is not None
+        return self.population.best
+
+    def run(self, generations: int | None, progress: Progress) -> None:
+        """Every phase; Ctrl-C ends it with the best so far (once there is one)."""
+        try:
+            self.simulate_library()
+            self.seed()
+            self.polish_seeds()
+            progress.start()
+            self.evolve(generations, progress)
+        except KeyboardInterrupt:
+            self.interrupted = True
+            self.stopped = "interrupted"
+            if self.population.best is None:
+                raise
+        finally:
+            self.evaluator.close()
+            progress.close()
+
+    def try_test(self, jobs: list[Job], out_of_time: Callable[[], bool] | None = None) -> bool:
+        """Try-test `jobs` (a prefix of them with `out_of_time`) and keep what runs; whether the
+        best improved."""
+        results = self.evaluator([(idx, orders) for idx, orders, _ in jobs], out_of_time)
+        improved = False
+        for (idx, _, origin), (ms, pk, orders) in zip(jobs, results):
+            improved = self.population.consider(Individual(idx, orders, ms, pk, origin)) or improved
+        return improved
+
+    def simulate_library(self) -> None:
+        """The library rows; those of searched placements seed the search."""
+        phase = time.perf_counter()
+        self.library += library_rows(self.problem, self.clock.out_of_time, self.library_skipped)
+        self.clock.row_seconds = (time.perf_counter() - phase) / max(1, len(self.library))
+        self.library_seeds += [row for row in self.library
+                               if row.schedule is not None and self.problem.allows(row.schedule.placement)]
+
+    def seed(self) -> None:
+        """Seeds (library, greedy, random orders), made and try-tested in turn while time is left."""
+        seeding, made = time.perf_counter(), 0
+        size = 2 * self.workers if self.workers > 1 else 1
+        for batch in _seed_batches(self.problem, self.library_seeds, self.cfg, self.rng, size):
+            self.try_test(batch)
+            made += 1
+            if self.population.best is not None and self.clock.out_of_time((time.perf_counter() - seeding) / made):
+                break
+        if self.population.best is None:
+            raise SearchError("no seed schedule fits the memory limit and runs without deadlock; "
+                              "raise `memory_limit`", "memory_limit")
+
+    def polish_seeds(self) -> None:
+        """Polish the best seeds of each placement (within half of the time budget)."""
+        pop = self.population
+        pop.rank()
+        if self.cfg.local_search and self.best.makespan > self.stop_at:
+            firsts: list[Individual] = []
+            for idx in range(len(self.problem.parts)):
+                firsts += [x for x in pop.members if x.part == idx][:self.cfg.local_seeds]
+            firsts.sort(key=lambda x: x.makespan)
+            for ind in firsts:
+                if self.clock.half_spent() or self.best.makespan <= self.stop_at:
+                    break
+                self.polisher.polish(ind, f"{ind.origin} + local search", self.clock.half_spent)
+            pop.rank()
+        pop.cut(self.cfg.population)
+
+    def stop_reason(self, generations: int | None) -> str | None:
+        if self.best.makespan <= self.stop_at:
+            return "lower-bound"
+        if generations is not None and self.gen >= generations:
+            return "generations"
+        if self.clock.out_of_time():
+            return "time"
+        return None
+
+    def evolve(self, generations: int | None, progress: Progress) -> None:
+        """Generations until a budget ends or the best reaches the lower bound."""
+        dynamics = Dynamics(self.cfg)
+        out_of_time = self.clock.out_of_time
+        while True:
+            stopped = self.stop_reason(generations)
+            if stopped is not None:
+                self.stopped = stopped
+                return
+            self.gen += 1
+            improved = self.try_test(self.children(dynamics), out_of_time)
+            if self.cfg.local_search:
+                improved = self.local_steps() or improved
+            self.population.rank()
+            self.population.cut(self.cfg.population)
+            if dynamics.after(improved):
+                self.restart()
+            progress.update(self.gen, self.best.makespan)
+
+    def children(self, dynamics: Dynamics) -> list[Job]:
+        """`trials` children: tournament winners, some crossed over, all mutated; a quarter of
+        those of the best candidate's part are one-move neighbours of the best."""
+        pop, rng, best = self.population.members, self.rng, self.best
+        out: list[Job] = []
+        for _ in range(dynamics.trials):
+            a = _tournament(pop, rng)
+            orders = a.orders
+            if rng.random() < self.cfg.crossover_rate:
+                mates = [x for x in pop if x.part == a.part and x is not a]
+                if mates:
+                    orders = crossover(a.orders, _tournament(mates, rng).orders, rng)
+            chunks = self.problem.parts[a.part].placement.chunks_per_rank
+            if rng.random() < 0.25 and a.part == best.part:
+                orders = mutate(best.orders, rng, 1.0, chunks)
+            else:
+                orders = mutate(orders, rng, dynamics.strength, chunks)
+            out.append((a.part, orders, f"generation {self.gen}"))
+        return out
+
+    def local_steps(self) -> bool:
+        """Polish the best candidate of the top three not polished yet, then one iterated local
+        search step; whether either found a new best."""
+        pop = self.population
+        pop.rank()
+        improved = False
+        fresh_top = [x for x in pop.members[:3] if not self.polisher.done(x)]
+        out_of_time = self.clock.out_of_time
+        if fresh_top and self.polisher.polish(fresh_top[0], f"generation {self.gen} + local search", out_of_time)[0]:
+            improved = True
+        found = self.polisher.kick_step(f"generation {self.gen} kick + local search", out_of_time)
+        return improved or found
+
+    def restart(self) -> None:
+        """Replace the worse half of the population by strongly mutated copies of the best four."""
+        pop = self.population
+        keep = pop.members[: max(2, len(pop.members) // 2)]
+        fresh: list[Job] = []
+        for _ in range(len(pop.members) - len(keep)):
+            a = self.rng.choice(keep[:4])
+            chunks = self.problem.parts[a.part].placement.chunks_per_rank
+            fresh.append((a.part, mutate(a.orders, self.rng, self.cfg.strength_max, chunks), f"restart {self.gen}"))
+        pop.members[:] = keep
+        self.try_test(fresh, self.clock.out_of_time)
+
+
+def _check_budgets(time_budget: float | None, generations: int | None, workers: int) -> None:
+    if time_budget is not None and not (0 < time_budget < math.inf):
+        raise SearchError(f"`time_budget` must be a finite number of seconds > 0, got {time_budget}", "time_budget")
+    if generations is not None and generations < 0:
+        raise SearchError(f"`generations` must be >= 0, got {generations}", "generations")
+    if workers < 1:
+        raise SearchError(f"`workers` must be >= 1, got {workers}", "workers")
 
 
 def search(problem: SearchProblem, *, time_budget: float | None = 10.0, generations: int | None = None,
@@ -403,258 +780,71 @@ def search(problem: SearchProblem, *, time_budget: float | None = 10.0, generati
     Ctrl-C (KeyboardInterrupt) ends the search and returns the best schedule so far.
 
     The time budget counts from `started` (a `time.perf_counter()` value; default: now) and
-    binds every phase: the library schedules, the seeds (library, greedy, random walks: each
+    binds every phase: the library schedules, the seeds (library, greedy, random orders: each
     is made and try-tested only while time is left, once one seed is in), the polish and the
-    generations."""
-    if time_budget is not None and not (0 < time_budget < math.inf):
-        raise SearchError(f"--time-budget must be a finite number of seconds > 0, got {time_budget}")
-    if generations is not None and generations < 0:
-        raise SearchError(f"--generations must be >= 0, got {generations}")
-    if workers < 1:
-        raise SearchError(f"--workers must be >= 1, got {workers}")
-    cfg = config or GAConfig()
-    t0 = time.perf_counter() if started is None else started
-    rng = random.Random(seed)
-    lib: list[LibraryRow] = []
-    lib_skipped: list[str] = []
-    seeds_lib: list[LibraryRow] = []
-    lb = problem.lower_bound
-    row_seconds = 0.0  # the mean time of one library schedule (compile and simulate)
-    stop_at = lb * (1 + 1e-9)
-    evaluator = _Evaluator(problem, workers)
-    pop: list[Individual] = []
-    seen: dict[tuple, float] = {}
-    history: list[tuple[float, float]] = []
-    best: Individual | None = None
-    interrupted = False
-    stopped = "generations"
-    gen = 0
-    bar = None
+    generations. Bad budgets raise `SearchError` naming the parameter (`.parameter`)."""
+    _check_budgets(time_budget, generations, workers)
+    run = _Run(problem, config or GAConfig(), seed, workers, time_budget,
+               time.perf_counter() if started is None else started)
+    run.run(generations, Progress(progress, generations, problem.lower_bound, on_generation))
+    return _result(run)
 
-    part_best: dict[int, Individual] = {}
 
-    def consider(ind: Individual) -> bool:
-        nonlocal best
-        if ind.key in seen or ind.makespan == INFEASIBLE:
-            return False
-        seen[ind.key] = ind.makespan
-        pop.append(ind)
-        if ind.part not in part_best or ind.makespan < part_best[ind.part].makespan:
-            part_best[ind.part] = ind
-        if best is None or ind.makespan < best.makespan - 1e-12:
-            best = ind
-            history.append((time.perf_counter() - t0, ind.makespan))
-            return True
-        return False
-
-    def out_of_time(next_step: float = 0.0) -> bool:
-        """True when the budget cannot take `next_step` more seconds and the closing work: the
-        result's and each placement's best built as a schedule again, each about as long as a
-        library schedule took to compile and simulate (at most a quarter of the budget)."""
-        if time_budget is None:
-            return False
-        closing = min(time_budget / 4, (len(problem.parts) + 1) * row_seconds + 2 * evaluator.mean_seconds)
-        return time.perf_counter() - t0 + next_step + closing >= time_budget
-
-    searchers: dict[int, LocalSearch] = {}
-    polished: set[tuple] = set()
-
-    def polish(ind: Individual, origin: str, kick: bool = False,
-               deadline: Callable[[], bool] = out_of_time) -> tuple[bool, Individual | None]:
-        """Local search from `ind` (after a random kick when `kick`): (whether it found a new
-        best, the walk it ended at)."""
-        polished.add(ind.key)
-        part = problem.parts[ind.part]
-        ls = searchers.get(ind.part)
-        if ls is None:
-            ls = searchers[ind.part] = LocalSearch(part)
-        toks = ind.tokens
-        if kick:
-            # through the decoder, which repairs a kick that deadlocks
-            strength = rng.choice(cfg.kick_strengths)
-            ev = part.evaluate(mutate(toks, rng, strength, part.placement.chunks_per_rank))
-            evaluator.count += 1
-            if ev.makespan == INFEASIBLE:
-                return False, None
-            toks = ev.tokens
-        before = ls.evaluations
-        res = ls.descend(toks, rng, deadline, cfg.local_evals)
-        evaluator.count += ls.evaluations - before
-        if res is None:
-            return False, None
-        ev = part.evaluate(res.tokens)
-        new = Individual(ind.part, ev.tokens, ev.makespan, ev.peak, origin)
-        polished.add(new.key)
-        return consider(new), new
-
-    try:
-        phase = time.perf_counter()
-        lib += library_rows(problem, out_of_time, lib_skipped)
-        row_seconds = (time.perf_counter() - phase) / max(1, len(lib))
-        # library schedules seed the search when their placement is one the problem searches
-        seeds_lib += [row for row in lib if row.schedule is not None and problem.allows(row.schedule.placement)]
-        # seeds: library, greedy, random walks; made and try-tested in turn while time is left
-        seeding, made = time.perf_counter(), 0
-        for batch in _seed_batches(problem, seeds_lib, cfg, rng, 2 * workers if workers > 1 else 1):
-            for (idx, _, origin), (ms, pk, toks) in zip(batch, evaluator([(i, w) for i, w, _ in batch])):
-                consider(Individual(idx, toks, ms, pk, origin))
-            made += 1
-            if best is not None and out_of_time((time.perf_counter() - seeding) / made):
-                break
-        if best is None:
-            raise SearchError("no seed schedule fits the memory limit and runs without deadlock; "
-                              "raise --memory-limit")
-        pop.sort(key=lambda x: x.makespan)
-        if cfg.local_search and best.makespan > stop_at:
-            # polish the best seeds of each placement (at most half of the wall-clock budget)
-            half = (lambda: time.perf_counter() - t0 >= time_budget / 2) if time_budget is not None \
-                else (lambda: False)
-            firsts = []
-            for idx in range(len(problem.parts)):
-                firsts += [x for x in pop if x.part == idx][:cfg.local_seeds]
-            firsts.sort(key=lambda x: x.makespan)
-            for ind in firsts:
-                if half() or best.makespan <= stop_at:
-                    break
-                polish(ind, f"{ind.origin} + local search", deadline=half)
-            pop.sort(key=lambda x: x.makespan)
-        del pop[cfg.population:]
-        if progress:
-            try:
-                from tqdm import tqdm
-                bar = tqdm(total=generations, desc="koala search", unit="gen", file=sys.stderr, leave=False,
-                           dynamic_ncols=True, disable=None)  # None: off when stderr is not a terminal
-            except ImportError:  # pragma: no cover
-                bar = None
-        strength = 2.0
-        trials = cfg.trials
-        since = 0
-        walker: Individual | None = None
-        while True:
-            if best.makespan <= stop_at:
-                stopped = "lower-bound"
-                break
-            if generations is not None and gen >= generations:
-                stopped = "generations"
-                break
-            if out_of_time():
-                stopped = "time"
-                break
-            gen += 1
-            children = []
-            for _ in range(trials):
-                a = _tournament(pop, rng)
-                toks = a.tokens
-                if rng.random() < cfg.crossover_rate:
-                    mates = [x for x in pop if x.part == a.part and x is not a]
-                    if mates:
-                        b = _tournament(mates, rng)
-                        toks = crossover(a.tokens, b.tokens, rng)
-                chunks = problem.parts[a.part].placement.chunks_per_rank
-                # exploit: a share of the children are one-move neighbours of the best walk
-                if rng.random() < 0.25 and a.part == best.part:
-                    toks = mutate(best.tokens, rng, 1.0, chunks)
-                else:
-                    toks = mutate(toks, rng, strength, chunks)
-                children.append((a.part, toks))
-            improved = False
-            for (idx, _), (ms, pk, toks) in zip(children, evaluator(children, out_of_time)):
-                if consider(Individual(idx, toks, ms, pk, f"generation {gen}")):
-                    improved = True
-            if cfg.local_search:
-                pop.sort(key=lambda x: x.makespan)
-                # polish the best walk not yet polished, then one iterated-local-search kick
-                fresh_top = [x for x in pop[:3] if x.key not in polished]
-                if fresh_top and polish(fresh_top[0], f"generation {gen} + local search")[0]:
-                    improved = True
-                # the iterated local search walks on: it kicks the walk it last accepted, and
-                # accepts a result no worse than it (so it drifts across plateaus)
-                if walker is None or walker.makespan > best.makespan + 1e-12:
-                    walker = best
-                if not out_of_time():
-                    found, new = polish(walker, f"generation {gen} kick + local search", kick=True)
-                    improved = improved or found
-                    if new is not None and new.makespan <= walker.makespan + 1e-12:
-                        walker = new
-            pop.sort(key=lambda x: x.makespan)
-            del pop[cfg.population:]
-            if improved:
-                strength = max(1.0, strength / 1.5)
-                trials = cfg.trials
-                since = 0
-            else:
-                strength = min(cfg.strength_max, strength * 1.5 ** 0.25)
-                since += 1
-                if since % cfg.patience == 0:
-                    trials = min(cfg.trials * 8, trials * 2)
-                if since % (4 * cfg.patience) == 0:
-                    keep = pop[: max(2, len(pop) // 2)]
-                    fresh = []
-                    for _ in range(len(pop) - len(keep)):
-                        a = rng.choice(keep[:4])
-                        fresh.append((a.part, mutate(a.tokens, rng, cfg.strength_max,
-                                                     problem.parts[a.part].placement.chunks_per_rank)))
-                    pop[:] = keep
-                    for (idx, _), (ms, pk, toks) in zip(fresh, evaluator(fresh, out_of_time)):
-                        consider(Individual(idx, toks, ms, pk, f"restart {gen}"))
-                    strength = 2.0
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix_str(f"best {best.makespan:.6g} ms, gap {best.makespan / lb - 1:+.2%}"
-                                    if lb > 0 else f"best {best.makespan:.6g} ms")
-            if on_generation is not None:
-                on_generation(gen, best.makespan)
-    except KeyboardInterrupt:
-        interrupted = True
-        stopped = "interrupted"
-        if best is None:
-            raise
-    finally:
-        evaluator.close()
-        if bar is not None:
-            bar.close()
-    assert best is not None
+def _answer(run: _Run) -> tuple[Schedule, Schedule, SimResult, str]:
+    """(the answer, the best candidate's own schedule, the answer simulated, where it came from):
+    the best candidate, or the fastest fitting library seed when that is no slower (the decoder
+    takes microbatches in order, so a library order that does not may still win; and on a tie
+    the known schedule is the better answer: nothing faster was found)."""
+    problem, best = run.problem, run.best
     part = problem.parts[best.part]
-    # the repaired walk's own codes
-    ev = part.evaluate(best.tokens)
-    schedule = own = part.schedule(ev.codes, "searched")
-    res = part.sim.run(schedule.ranks, timeline=False)
-    chosen_makespan, origin = res.makespan, best.origin
-    fit_lib = sorted((row for row in seeds_lib if row.fits), key=lambda r: (r.makespan, r.name))
-    if fit_lib and fit_lib[0].makespan <= chosen_makespan + 1e-9 and fit_lib[0].schedule is not None:
-        # the decoder takes microbatches in order, so a library order that does not may still
-        # win; and on a tie the known schedule is the better answer (nothing faster was found)
+    own = part.schedule(part.evaluate(best.orders).codes, "searched")   # the repaired orders' codes
+    schedule, res, origin = own, part.sim.run(own.ranks, timeline=False), best.origin
+    fit_lib = sorted((row for row in run.library_seeds if row.fits), key=lambda r: (r.makespan, r.name))
+    if fit_lib and fit_lib[0].makespan <= res.makespan + 1e-9 and fit_lib[0].schedule is not None:
         schedule = fit_lib[0].schedule
         res = simulate(schedule, problem.search_profile, timeline=False)
-        chosen_makespan, origin = res.makespan, f"library {fit_lib[0].name}"
+        origin = f"library {fit_lib[0].name}"
+    return schedule, own, res, origin
+
+
+def _per_placement(run: _Run, own: Schedule) -> list[tuple[Schedule, float]]:
+    """The best schedule of each part that has one (the best candidate's is `own`)."""
+    out = []
+    for idx, part in enumerate(run.problem.parts):
+        top = run.population.part_best.get(idx)
+        if top is None:
+            continue
+        if top is run.best:
+            out.append((own, top.makespan))
+        else:
+            out.append((part.schedule(part.evaluate(top.orders).codes, "searched"), top.makespan))
+    return out
+
+
+def _result(run: _Run) -> SearchResult:
+    problem, lb = run.problem, run.problem.lower_bound
+    schedule, own, res, origin = _answer(run)
     schedule = schedule.with_name("searched")
-    schedule.meta["description"] = (f"found by koala search: makespan {chosen_makespan:.6g} ms under "
+    schedule.meta["description"] = (f"found by koala search: makespan {res.makespan:.6g} ms under "
                                     f"{problem.profile.source}, lower bound {lb:.6g} ms")
-    per_placement = []
-    for idx, part_i in enumerate(problem.parts):
-        if idx not in part_best:
-            continue
-        top = part_best[idx]
-        if top is best:
-            per_placement.append((own, top.makespan))
-            continue
-        ev_i = part_i.evaluate(top.tokens)
-        per_placement.append((part_i.schedule(ev_i.codes, "searched"), top.makespan))
-    wall = time.perf_counter() - t0
+    per_placement = _per_placement(run, own)
+    wall = time.perf_counter() - run.clock.started
+    evaluations = run.evaluator.count
     log.info("search: best %.6g ms (%s) after %d generations, %d evaluations, %.2f s; stopped: %s",
-             chosen_makespan, origin, gen, evaluator.count, wall, stopped)
-    return SearchResult(schedule, chosen_makespan, res.peak_memory_max, res.bubble_ratio, res.fits_memory,
-                        origin, lb, problem.memory_limit_mb, problem.memory_limit_source, lib, gen,
-                        evaluator.count, wall, stopped, interrupted, history, per_placement, problem.kinds,
-                        {kind: problem.lower_bound_of(kind) for kind in problem.kinds}, lib_skipped)
+             res.makespan, origin, run.gen, evaluations, wall, run.stopped)
+    return SearchResult(schedule, res.makespan, res.peak_memory_max, res.bubble_ratio, res.fits_memory,
+                        origin, lb, problem.memory_limit_mb, problem.memory_limit_source, run.library, run.gen,
+                        evaluations, wall, run.stopped, run.interrupted, run.population.history, per_placement,
+                        problem.kinds, {kind: problem.lower_bound_of(kind) for kind in problem.kinds},
+                        run.library_skipped)
 
 
 def _seed_batches(problem: SearchProblem, seeds_lib: Sequence[LibraryRow], cfg: GAConfig, rng: random.Random,
-                  size: int) -> Iterator[list[tuple[int, list[list[int]], str]]]:
-    """The seed walks (part index, walk, origin) in batches of `size`, each made only when the
-    one before was asked for: library schedules, greedy walks, random walks."""
-    batch: list[tuple[int, list[list[int]], str]] = []
-    for job in _seed_walks(problem, seeds_lib, cfg, rng):
+                  size: int) -> Iterator[list[Job]]:
+    """The seeds (part index, orders, origin) in batches of `size`, each made only when the one
+    before was asked for: library schedules, greedy orders, random orders."""
+    batch: list[Job] = []
+    for job in _seeds(problem, seeds_lib, cfg, rng):
         batch.append(job)
         if len(batch) == size:
             yield batch
@@ -663,25 +853,24 @@ def _seed_batches(problem: SearchProblem, seeds_lib: Sequence[LibraryRow], cfg: 
         yield batch
 
 
-def _seed_walks(problem: SearchProblem, seeds_lib: Sequence[LibraryRow], cfg: GAConfig, rng: random.Random
-                ) -> Iterator[tuple[int, list[list[int]], str]]:
-    yield from _library_jobs(problem, seeds_lib)
+def _seeds(problem: SearchProblem, seeds_lib: Sequence[LibraryRow], cfg: GAConfig, rng: random.Random
+           ) -> Iterator[Job]:
+    yield from _library_seeds(problem, seeds_lib)
     if cfg.greedy:
         for idx, part in enumerate(problem.searched_parts):
             for pol in policies(part.placement.p, part.placement.chunks_per_rank, part.sim.backward):
-                walk = greedy_walk(part, pol)
-                if walk is not None:
-                    yield idx, walk, pol.label() + f" {part.placement.describe()}"
-    for k in range(cfg.random_walks):
+                orders = greedy_walk(part, pol)
+                if orders is not None:
+                    yield idx, orders, pol.label() + f" {part.placement.describe()}"
+    for k in range(cfg.random_orders):
         idx = k % len(problem.parts)
         part = problem.parts[idx]
         sched = random_schedule(part.placement, problem.m, part.backward, seed=rng.randrange(2 ** 31))
-        yield idx, part.tokens_of(sched), "random walk"
+        yield idx, part.orders_of(sched), "random order"
 
 
-def _library_jobs(problem: SearchProblem, rows: Sequence[LibraryRow]
-                  ) -> Iterator[tuple[int, list[list[int]], str]]:
-    """Seed walks from library schedules: each seeds every part of its placement that admits it (a
+def _library_seeds(problem: SearchProblem, rows: Sequence[LibraryRow]) -> Iterator[Job]:
+    """Seeds from library schedules: each seeds every part of its placement that admits it (a
     full-backward schedule seeds the split part too, as I + W)."""
     for row in rows:
         sched = row.schedule
@@ -689,10 +878,11 @@ def _library_jobs(problem: SearchProblem, rows: Sequence[LibraryRow]
         problem.part_for(sched.placement)  # adds its parts when its placement is not searched
         for idx, part in enumerate(problem.parts):
             if part.admits(sched):
-                yield idx, part.tokens_of(sched), f"library {row.name}"
+                yield idx, part.orders_of(sched), f"library {row.name}"
 
 
 def _tournament(pop: Sequence[Individual], rng: random.Random, k: int = 3) -> Individual:
+    """The fastest of `k` members drawn at random (with replacement)."""
     best = None
     for _ in range(k):
         x = pop[rng.randrange(len(pop))]

@@ -1,5 +1,7 @@
 """A search problem: one configuration (profile, p, m, v, backward, memory limit) and the
-machinery to evaluate candidate walks on the simulator.
+machinery to evaluate candidates on the simulator. A candidate is one *order* per rank: the
+rank's sequence of actions, held as BTT choices (docs/search.md, "The encoding"); the decoder
+turns an order into the simulator's *codes* (one integer per action).
 
 `backward` is split (I + W), full (B) or auto: the search then explores both kinds, one
 `PlacementProblem` per (placement, kind), and answers with the faster schedule (`backward_kinds`
@@ -9,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from ..ir import KoalaError, Placement, Schedule
 from ..sim import CostProfile, Simulator, lower_bound
@@ -24,7 +26,31 @@ INFEASIBLE = float("inf")
 
 
 class SearchError(KoalaError):
-    """Bad input to the search (configuration, memory limit, budgets)."""
+    """Bad input to the search (configuration, memory limit, budgets).
+
+    `parameters` names the arguments (of `SearchProblem`, `search`, ...) the message asks to
+    change, the one at fault first (`parameter`); the message writes each in backquotes, as
+    `memory_limit`, and `worded` spells them a front end's way (the CLI: as its flags)."""
+
+    def __init__(self, message: str, *parameters: str):
+        super().__init__(message)
+        self.parameters = parameters
+
+    def __reduce__(self):
+        return type(self), (str(self), *self.parameters)
+
+    @property
+    def parameter(self) -> str | None:
+        """The parameter at fault (None: not one of the search's parameters)."""
+        return self.parameters[0] if self.parameters else None
+
+    def worded(self, names: Mapping[str, str]) -> str:
+        """The message with each parameter written as `names` spells it (as is when absent)."""
+        text = str(self)
+        for name in self.parameters:
+            if name in names:
+                text = text.replace(f"`{name}`", names[name])
+        return text
 
 
 def relative_gap(value: float, bound: float) -> float:
@@ -43,8 +69,7 @@ def one_f_one_b_peak(profile: CostProfile, p: int, m: int, v: int = 1) -> float:
     min(p - r, m) microbatches in flight, as 1F1B does."""
     S = p * v
     if profile.num_stages != S:
-        raise SearchError(f"{profile.source} has {profile.num_stages} stages but p * v = {p} * {v} = {S}; "
-                          f"change -p / -v to match the profile (one profile entry per virtual stage)")
+        raise _stages_error(profile, p, v)
     peak = 0.0
     for r in range(p):
         act = sum(profile.stages[s].activation_mb for s in range(r * v, (r + 1) * v))
@@ -56,8 +81,13 @@ def one_f_one_b_peak(profile: CostProfile, p: int, m: int, v: int = 1) -> float:
 BACKWARD_CHOICES = ("auto", "split", "full")
 
 
+def _stages_error(profile: CostProfile, p: int, v: int) -> SearchError:
+    return SearchError(f"{profile.source} has {profile.num_stages} stages but p * v = {p} * {v} = {p * v}; "
+                       f"change `p` / `v` to match the profile (one profile entry per virtual stage)", "p", "v")
+
+
 def backward_kinds(profile: CostProfile, backward: str = "auto") -> tuple[str, ...]:
-    """The backward kinds a search explores for `--backward backward`.
+    """The backward kinds a search explores for `backward`.
 
     auto: split, and full too unless every stage's B >= I + W (always so without the profile's
     `backward`). Then full cannot win: replacing each B by its I and, right after it, its W
@@ -65,7 +95,7 @@ def backward_kinds(profile: CostProfile, backward: str = "auto") -> tuple[str, .
     no later, and the peak memory is the same: nothing is allocated between the I and the W),
     so the best split schedule is at least as fast as the best full one."""
     if backward not in BACKWARD_CHOICES:
-        raise SearchError(f"--backward must be one of {', '.join(BACKWARD_CHOICES)}, got {backward!r}")
+        raise SearchError(f"`backward` must be one of {', '.join(BACKWARD_CHOICES)}, got {backward!r}", "backward")
     if backward != "auto":
         return (backward,)
     if all(c.backward >= c.split_backward for c in profile.stages):
@@ -91,8 +121,8 @@ def default_placements(p: int, v: int) -> list[Placement]:
     return uniq
 
 
-def placements_for(p: int, v: int, choice: str = "default") -> list[Placement]:
-    """The placements a search explores for `--placement choice`.
+def placements_for(p: int, v: int, placement: str = "default") -> list[Placement]:
+    """The placements a search explores for `placement` (one of PLACEMENT_CHOICES).
 
     default: the single-copy placements valid for v (`default_placements`); linear,
     interleaved, vshape: that one (linear needs v = 1; interleaved and vshape need v >= 2, with
@@ -100,18 +130,20 @@ def placements_for(p: int, v: int, choice: str = "default") -> list[Placement]:
     TWO copies of the weights (the profile's memory figures leave weights out, so the model does
     not charge for them, and the DeepSpeed and Megatron adapters cannot run it); any: the
     default ones and the bidirectional one."""
-    if choice not in PLACEMENT_CHOICES:
-        raise SearchError(f"--placement must be one of {', '.join(PLACEMENT_CHOICES)}, got {choice!r}")
-    if choice == "default":
+    if placement not in PLACEMENT_CHOICES:
+        raise SearchError(f"`placement` must be one of {', '.join(PLACEMENT_CHOICES)}, got {placement!r}",
+                          "placement")
+    if placement == "default":
         return default_placements(p, v)
-    if choice == "any":
+    if placement == "any":
         return default_placements(p, v) + [Placement.named("bidirectional", p, v)]
-    if choice == "linear" and v != 1:
-        raise SearchError(f"--placement linear needs -v 1 (got -v {v}); use --placement interleaved or vshape")
-    if choice in ("interleaved", "vshape") and v == 1:
-        raise SearchError(f"--placement {choice} needs -v >= 2 (with one chunk per rank it is the linear "
-                          f"placement); use --placement linear or raise -v")
-    return [Placement.named(choice, p, v)]
+    if placement == "linear" and v != 1:
+        raise SearchError(f"`placement` linear needs `v` = 1 (got {v}); use `placement` interleaved or vshape",
+                          "placement", "v")
+    if placement in ("interleaved", "vshape") and v == 1:
+        raise SearchError(f"`placement` {placement} needs `v` >= 2 (with one chunk per rank it is the linear "
+                          f"placement); use `placement` linear or raise `v`", "placement", "v")
+    return [Placement.named(placement, p, v)]
 
 
 def weight_copies(placement: Placement) -> int:
@@ -126,8 +158,8 @@ class Evaluation:
     makespan: float            # inf when it deadlocks or does not fit
     peak: float                # the worst rank's peak memory (MB)
     fits: bool
-    tokens: list[list[int]]    # the repaired walk
-    codes: list[list[int]]
+    orders: list[list[int]]    # the repaired orders (BTT choices)
+    codes: list[list[int]]     # the same orders as the simulator's codes
 
 
 def _runnable(order: list[int], i0: int, avail: list[float], dep: list[int], S: int, m: int
@@ -168,13 +200,14 @@ class PlacementProblem:
     sim: Simulator
     decoder: GenomeDecoder
     lower_bound: float
-    lower_bound_binding: str
+    lower_bound_binding: str   # which bound gives `lower_bound` (shown by `koala compare` and `koala search`)
 
-    def evaluate(self, tokens: Sequence[Sequence[int]], memory_repair: bool = True) -> Evaluation:
+    def evaluate(self, orders: Sequence[Sequence[int]]) -> Evaluation:
+        """Try-test `orders` (one per rank): decode and repair them, then simulate."""
         rep, codes, peaks = [], [], []
         for r in range(self.placement.p):
-            t, c, pk = self.decoder.decode_rank(r, tokens[r], memory_repair)
-            rep.append(t)
+            order, c, pk = self.decoder.decode_rank(r, orders[r])
+            rep.append(order)
             codes.append(c)
             peaks.append(pk)
         fits = all(pk <= lim for pk, lim in zip(peaks, self.decoder.limits))
@@ -182,32 +215,31 @@ class PlacementProblem:
             return Evaluation(INFEASIBLE, max(peaks), False, rep, codes)
         res = self.sim.try_times(codes, record=False)
         if isinstance(res, Stall):  # deadlock: move a step that can run to where its rank is stuck
-            res = self.unblock(rep, codes, peaks, res, memory_repair)
+            res = self.unblock(rep, codes, peaks, res)
             if res is None:
                 return Evaluation(INFEASIBLE, max(peaks), True, rep, codes)
         return Evaluation(max(res[0]), max(peaks), True, rep, codes)
 
-    def unblock(self, tokens: list[list[int]], codes: list[list[int]], peaks: list[float], stall: Stall,
-                memory_repair: bool = True, rounds: int | None = None
+    def unblock(self, orders: list[list[int]], codes: list[list[int]], peaks: list[float], stall: Stall
                 ) -> tuple[list[float], list[list[float]]] | None:
-        """Repair a deadlocked walk in place: where every rank waits (`stall`), move a step of a
+        """Repair deadlocked orders in place: where every rank waits (`stall`), move a step of a
         stuck rank that can run (its input is there; a backward before a forward, a W last) to
-        the place its rank is stuck at, re-decode that rank, and repeat. The walk's timing
-        (`Simulator.try_times`) when it then runs within the memory limit; None when no such
-        step is left or after `rounds` moves."""
+        the place its rank is stuck at, re-decode that rank, and repeat. The orders' timing
+        (`Simulator.try_times`) when they then run within the memory limit; None when no such
+        step is left or after 3p moves."""
         sim, m, S = self.sim, self.sim.m, self.sim.num_stages
         inputs = sim.inputs
-        for _ in range(rounds if rounds is not None else 3 * self.placement.p):
+        for _ in range(3 * self.placement.p):
             pos, avail = stall
             found = [(cls, r, j) for r in range(self.placement.p) if pos[r] < len(codes[r])
                      for cls, j in [_runnable(codes[r], pos[r], avail, inputs, S, m)] if j is not None]
             if not found:
                 return None
             _, r, j = min(found)  # a backward first (see _runnable), then the lowest rank
-            toks = list(tokens[r])  # the decoder caches what it returned: never edit in place
-            toks.insert(pos[r], toks.pop(j))
-            t, c, pk = self.decoder.decode_rank(r, toks, memory_repair)
-            tokens[r], codes[r], peaks[r] = list(t), list(c), pk
+            order = list(orders[r])  # the decoder caches what it returned: never edit in place
+            order.insert(pos[r], order.pop(j))
+            new, c, pk = self.decoder.decode_rank(r, order)
+            orders[r], codes[r], peaks[r] = list(new), list(c), pk
             if pk > self.decoder.limits[r]:
                 return None
             res = sim.try_times(codes, record=False)
@@ -217,7 +249,8 @@ class PlacementProblem:
         return None
 
     def schedule(self, codes: Sequence[Sequence[int]], name: str) -> Schedule:
-        ranks = tuple(tuple(self.sim.decode(c) for c in order) for order in codes)
+        """The schedule of each rank's codes."""
+        ranks = tuple(tuple(self.sim.decode(c) for c in rank_codes) for rank_codes in codes)
         v = self.placement.chunks_per_rank // self.placement.pipelines
         return Schedule(self.placement.p, self.sim.m, v, self.placement, ranks, self.sim.backward, name)
 
@@ -232,21 +265,21 @@ class PlacementProblem:
         return (pl.stage_ranks == self.placement.stage_ranks and pl.pipelines == self.placement.pipelines
                 and (schedule.backward == "full" or self.backward == "split"))
 
-    def tokens_of(self, schedule: Schedule) -> list[list[int]]:
-        """Plain token lists of a schedule (microbatch exceptions dropped; the decoder then takes
-        microbatches in order)."""
+    def orders_of(self, schedule: Schedule) -> list[list[int]]:
+        """The orders of a schedule as this part's BTT choices (microbatch exceptions dropped: the
+        decoder then takes microbatches in order; a B is I + W in a split part)."""
         enc = encode(schedule)
         C = self.placement.chunks_per_rank
         out = []
-        for walk in enc.walks:
-            toks = []
-            for t in walk.tokens:
-                kind, c = divmod(t, C)
+        for walk in enc.walks:   # the encoding's name for one rank's order
+            order = []
+            for choice in walk.tokens:
+                kind, c = divmod(choice, C)
                 if self.sim.backward == "split" and kind == B_K:
-                    toks += [I_K * C + c, W_K * C + c]
+                    order += [I_K * C + c, W_K * C + c]
                 else:
-                    toks.append(t)
-            out.append(toks)
+                    order.append(choice)
+            out.append(order)
         return out
 
 
@@ -268,21 +301,15 @@ class SearchProblem:
     parts: list[PlacementProblem] = field(default_factory=list, init=False)  # placement-major, then kind
 
     def __post_init__(self) -> None:
-        if self.p < 1:
-            raise SearchError(f"-p must be >= 1, got p={self.p}")
-        if self.m < 1:
-            raise SearchError(f"-m must be >= 1, got m={self.m}")
-        if self.v < 1:
-            raise SearchError(f"-v must be >= 1, got v={self.v}")
+        for name in ("p", "m", "v"):
+            if getattr(self, name) < 1:
+                raise SearchError(f"`{name}` must be >= 1, got {getattr(self, name)}", name)
         self.kinds = backward_kinds(self.profile, self.backward)
-        S = self.p * self.v
-        if self.profile.num_stages != S:
-            raise SearchError(f"{self.profile.source} has {self.profile.num_stages} stages but p * v = "
-                              f"{self.p} * {self.v} = {S}; change -p / -v to match the profile (one entry per "
-                              f"virtual stage)")
+        if self.profile.num_stages != self.p * self.v:
+            raise _stages_error(self.profile, self.p, self.v)
         if self.memory_limit is not None:
             if not self.memory_limit > 0:
-                raise SearchError(f"--memory-limit must be positive, got {self.memory_limit}")
+                raise SearchError(f"`memory_limit` must be positive, got {self.memory_limit}", "memory_limit")
             limit: float | tuple | None = float(self.memory_limit)
             self.memory_limit_source = "--memory-limit"
         elif self.profile.memory_limit_mb is not None:
@@ -295,7 +322,7 @@ class SearchProblem:
             profile = dataclasses.replace(self.profile, memory_limit_mb=limit)
             self.limits = profile.memory_limits(self.p)
         except ProfileError as exc:
-            raise SearchError(str(exc)) from None
+            raise SearchError(str(exc), "profile") from None
         self.search_profile = profile
         if self.placements is None:
             self.placements = placements_for(self.p, self.v, self.placement)
@@ -322,7 +349,8 @@ class SearchProblem:
                 if need > lim * (1 + 1e-9) + 1e-9:
                     raise SearchError(f"memory limit {lim:g} MB on rank {r} is below what any schedule needs "
                                       f"there ({need:g} MB: one activation of each of its stages, placement "
-                                      f"{pl.describe()}); raise --memory-limit to at least {need:g} MB")
+                                      f"{pl.describe()}); raise `memory_limit` to at least {need:g} MB",
+                                      "memory_limit")
 
     def _part(self, placement: Placement, kind: str) -> PlacementProblem:
         sim = Simulator(self.search_profile, placement, self.m, kind)
