@@ -47,6 +47,7 @@ class StageMeasurement:
     output_shape: tuple = ()
     output_dtype: str = ""
     output_numel: int = 0
+    output_bytes: int = 0
     input_grad: bool = True
 
     def median(self, name: str) -> float:
@@ -245,6 +246,7 @@ def measure_stage(module, make_input: Callable[[], Any], *, is_last: bool, loss_
     if not is_last:
         meas.output_shape, meas.output_dtype = tuple(out.shape), str(out.dtype).replace("torch.", "")
         meas.output_numel = out.numel()
+        meas.output_bytes = out.numel() * out.element_size()
     meas.input_grad = len(args) == 1 and isinstance(args[0], torch.Tensor) and args[0].requires_grad
     meas.activation_bytes = tracker.saved_bytes()
     queue = backward_input(out, grad)
