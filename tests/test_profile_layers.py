@@ -174,3 +174,15 @@ def test_per_layer_ignores_the_stage_divisibility_check_and_bad_flags_are_one_li
     assert main(["profile", "megatron-gpt", "--per-layer", "--num-layers", "0", "-p", "2",
                  "-o", str(tmp_path / "x.json")]) != 0
     assert not (tmp_path / "x.json").exists()
+
+
+def test_a_layer_that_passes_on_a_tuple_is_named():
+    """Was an AttributeError ('tuple' object has no attribute 'shape') from inside the measurement."""
+    from koala_ds.profiler.core import profile_stages
+
+    class Pair(torch.nn.Module):
+        def forward(self, x):
+            return x, x
+
+    with pytest.raises(ValueError, match=r"^stage 1 returns tuple: stages must pass one tensor on$"):
+        profile_stages([torch.nn.Linear(4, 4), Pair(), torch.nn.Linear(4, 4)], torch.randn(2, 4), warmup=0, iters=1)

@@ -114,6 +114,10 @@ class ProfileResult:
         atomic_write(path, self.to_json() + "\n", flag)
 
 
+class NotOneTensor(TypeError):
+    """A stage (not the last) passed on something else than one tensor (its type name)."""
+
+
 class _Saved:
     """A tensor saved for backward, boxed so that we can tell when autograd lets go of it."""
 
@@ -208,7 +212,11 @@ def measure_stage(module, make_input: Callable[[], Any], *, is_last: bool, loss_
         return args, out, ms
 
     def output_grad(out):
-        return None if is_last else torch.randn(out.shape, generator=gen).to(out.device, out.dtype)
+        if is_last:
+            return None
+        if not isinstance(out, torch.Tensor):
+            raise NotOneTensor(type(out).__name__)
+        return torch.randn(out.shape, generator=gen).to(out.device, out.dtype)
 
     def backward_input(out, grad):
         with deferral.input_step() as queue:
@@ -293,8 +301,11 @@ def profile_stages(stage_modules: Sequence, sample_input, *, loss_fn: Callable |
 
             def make_input(base=base):
                 return base.clone().requires_grad_(base.is_floating_point())
-        meas = measure_stage(module, make_input, is_last=is_last, loss_fn=loss_fn, warmup=warmup, iters=iters,
-                             device=device, full_backward=full_backward, seed=s)
+        try:
+            meas = measure_stage(module, make_input, is_last=is_last, loss_fn=loss_fn, warmup=warmup, iters=iters,
+                                 device=device, full_backward=full_backward, seed=s)
+        except NotOneTensor as exc:
+            raise ValueError(f"stage {s} returns {exc}: stages must pass one tensor on") from None
         results.append(meas)
         if not is_last:
             with torch.no_grad():
