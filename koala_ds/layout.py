@@ -18,11 +18,20 @@ from .ir import KoalaError, Placement
 MEGATRON_CHARS = {"embedding": "E", "transformer": "t", "output": "L"}
 
 
+def check_counts(partition: Sequence[int], num_layers: int) -> list[int]:
+    """The partition as ints; every virtual stage >= 1 layer and the counts sum to `num_layers`."""
+    counts = [int(c) for c in partition]
+    if not counts or any(c < 1 for c in counts) or sum(counts) != num_layers:
+        raise KoalaError(f"partition {counts}: every virtual stage needs >= 1 layer and the counts must sum to "
+                         f"the {num_layers} layers of the profile")
+    return counts
+
+
 def deepspeed_parts(partition: Sequence[int]) -> list[int]:
     """Layer boundaries: [0, c0, c0 + c1, ..., number of layers]."""
     out = [0]
-    for count in partition:
-        out.append(out[-1] + int(count))
+    for count in check_counts(partition, sum(int(c) for c in partition)):
+        out.append(out[-1] + count)
     return out
 
 
@@ -51,13 +60,12 @@ def megatron_layout(kinds: Sequence[str], partition: Sequence[int], p: int, plac
                          f"Megatron runtime builds such chunks itself: docs/megatron.md)")
     other = [i for i, k in enumerate(kinds) if k not in MEGATRON_CHARS]
     if other:
-        raise KoalaError(f"layer {other[0]} is of kind {kinds[other[0]]!r}; Megatron's layout knows only embedding "
-                         f"(E), transformer (t) and output (L) layers")
+        raise KoalaError(f"layer {other[0]} is of kind {kinds[other[0]]!r}, which has no megatron-core layout letter "
+                         f"(embedding E, transformer t and output L have)")
     if kinds.count("embedding") != 1 or kinds[0] != "embedding" or kinds.count("output") != 1 \
             or kinds[-1] != "output":
-        raise KoalaError("Megatron's layout needs exactly one embedding layer, first, and one output layer, last")
-    if sum(partition) != len(kinds):
-        raise KoalaError(f"the partition places {sum(partition)} layers but the profile has {len(kinds)}")
+        raise KoalaError("a megatron-core layout needs exactly one embedding layer first and one output layer last")
+    check_counts(partition, len(kinds))
     bounds = deepspeed_parts(partition)
     return "|".join(_stage_text(kinds[bounds[s]:bounds[s + 1]]) for s in range(S))
 

@@ -255,17 +255,19 @@ def _mse(outputs, labels):
     return torch.nn.functional.mse_loss(outputs, labels)
 
 
-def build_model(pp: int, dim: int, blocks: int, tied: bool, chunks: int = 1, placement: str = "linear"):
-    """A PipelineModule (chunks == 1) or a KoalaPipelineModule over `tiny_layers`."""
+def build_model(pp: int, dim: int, blocks: int, tied: bool, chunks: int = 1, placement: str = "linear",
+                parts: list | None = None, config: dict | None = None):
+    """A PipelineModule (chunks == 1, no parts, no config) or a KoalaPipelineModule over `tiny_layers`
+    (`parts`: a given cut; `config`: the DeepSpeed config whose pipeline.koala.parts gives it)."""
     from deepspeed.pipe import PipelineModule
 
     from koala_ds.deepspeed.module import KoalaPipelineModule
 
     layers = tiny_layers(dim, blocks, tied)
     common = dict(num_stages=pp, loss_fn=_mse, partition_method="uniform", seed_layers=True)
-    if chunks == 1 and placement == "linear":
+    if chunks == 1 and placement == "linear" and parts is None and config is None:
         return PipelineModule(layers, **common)
-    return KoalaPipelineModule(layers, chunks=chunks, placement=placement, **common)
+    return KoalaPipelineModule(layers, chunks=chunks, placement=placement, parts=parts, config=config, **common)
 
 
 def _engine(model, case: dict, config: dict):
@@ -289,7 +291,8 @@ def train_worker(rank: int, world: int, spec: dict) -> dict:
 
     A case: {"label", "schedule" (None = DeepSpeed's stock TrainSchedule), "chunks", "placement",
     "tied", "via" ("config" | "direct"), "koala": extra pipeline.koala keys, "clip": gradient_clipping
-    (absent: DeepSpeed's default)}. Returns per case the
+    (absent: DeepSpeed's default), "parts": the module's cut (KoalaPipelineModule(parts=...)),
+    "module_config": build the module with config= (its pipeline.koala.parts)}. Returns per case the
     step losses, an eval_batch loss, the final parameters and the step times (seconds).
     spec["target_scale"] scales the targets (see `tiny_batches`)."""
     import koala_ds.deepspeed  # noqa: F401  (registers the engine with deepspeed.initialize)
@@ -298,15 +301,16 @@ def train_worker(rank: int, world: int, spec: dict) -> dict:
     gas, mbs, dim, steps = spec["gas"], spec["mbs"], spec["dim"], spec["steps"]
     out: dict[str, Any] = {"cases": {}}
     for case in spec["cases"]:
-        model = build_model(pp, dim, spec["blocks"], case.get("tied", False), case.get("chunks", 1),
-                            case.get("placement", "linear"))
-        dp_rank = model._grid.data_parallel_id
-        out["dp"], out["pipe"] = dp_rank, model._grid.get_stage_id()
         koala = None
         if case.get("schedule") is not None and case.get("via", "config") == "config":
             koala = {"schedule": case["schedule"], **case.get("koala", {})}
         config = ds_config(gas, mbs, dp, koala=koala, schedule="koala" if koala is not None else None,
                            gradient_clipping=case.get("clip"))
+        model = build_model(pp, dim, spec["blocks"], case.get("tied", False), case.get("chunks", 1),
+                            case.get("placement", "linear"), case.get("parts"),
+                            config if case.get("module_config") else None)
+        dp_rank = model._grid.data_parallel_id
+        out["dp"], out["pipe"] = dp_rank, model._grid.get_stage_id()
         engine = _engine(model, case, config)
         data = tiny_batches(steps + 1, gas, mbs, dim, dp_rank, target_scale=spec.get("target_scale", 1.0))
         losses, times = [], []

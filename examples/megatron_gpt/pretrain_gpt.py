@@ -43,6 +43,10 @@ def parse_args(argv=None):
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
+    g.add_argument("--pipeline-model-parallel-layout", default=None, metavar="LAYOUT",
+                   help='megatron-core\'s layout of the p*v virtual stages, e.g. "Et*3|t*2|t*2|tL" (E embedding, '
+                        't transformer layer, L output + loss; | between stages, pipeline order); sets the '
+                        'virtual pipeline size. Default: num-layers / (p*v) per stage')
     g.add_argument("--num-layers", type=int, default=4)
     g.add_argument("--hidden-size", type=int, default=64)
     g.add_argument("--num-attention-heads", type=int, default=4)
@@ -90,33 +94,42 @@ class MarkovCorpus:
 
 
 # -- model --------------------------------------------------------------------------------------
-def build_model(args, config, schedule_stages, S, device):
+def build_model(args, config, schedule_stages, layout, device):
+    """The model chunks of this rank: chunk c holds virtual stage schedule_stages[c], with the
+    layers the layout gives that stage (koala_ds.megatron.layout.stage_layers: pipeline order,
+    whichever rank the schedule's placement puts the stage on)."""
+    import dataclasses
+
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    from koala_ds.megatron.layout import stage_layers
+
     tp_rank, tp = ps.get_tensor_model_parallel_rank(), args.tensor_model_parallel_size
-    lps = args.num_layers // S
-    v = len(schedule_stages)
     chunks = []
-    for c, stage in enumerate(schedule_stages):
-        chunk = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=args.vocab_size,
-                         max_sequence_length=args.max_position_embeddings, pre_process=stage == 0,
-                         post_process=stage == S - 1, share_embeddings_and_output_weights=False,
-                         vp_stage=c if v > 1 else None)
+    for stage in schedule_stages:
+        mine = stage_layers(layout, stage)
+        # the chunk's own config: its transformer layers, no pipeline split left to make
+        chunk_config = dataclasses.replace(config, num_layers=mine.num_layers, pipeline_model_parallel_layout=None,
+                                           pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None)
+        chunk = GPTModel(chunk_config, get_gpt_layer_local_spec(), vocab_size=args.vocab_size,
+                         max_sequence_length=args.max_position_embeddings, pre_process=mine.pre_process,
+                         post_process=mine.post_process, share_embeddings_and_output_weights=False)
         with torch.no_grad():
             for name, prm in chunk.named_parameters():
-                prm.copy_(init_value(name, stage, lps, prm, args.seed, tp_rank, tp))
+                prm.copy_(init_value(name, mine.offset, prm, args.seed, tp_rank, tp))
         chunks.append(chunk.to(device))
     return chunks
 
 
-def init_value(local_name: str, stage: int, lps: int, prm, seed: int, tp_rank: int, tp: int) -> torch.Tensor:
-    """The initial value of a parameter, from its global name (layout-independent)."""
+def init_value(local_name: str, offset: int, prm, seed: int, tp_rank: int, tp: int) -> torch.Tensor:
+    """The initial value of a parameter, from its global name (layout-independent); `offset` is
+    the global index of the chunk's first transformer layer."""
     name = local_name
     if name.startswith("decoder.layers."):
         idx, tail = name[len("decoder.layers."):].split(".", 1)
-        name = f"decoder.layers.{stage * lps + int(idx)}.{tail}"
+        name = f"decoder.layers.{offset + int(idx)}.{tail}"
     sharded = tp > 1 and getattr(prm, "tensor_model_parallel", False)
     shape = list(prm.shape)
     if sharded:
@@ -149,6 +162,27 @@ def forward_step_func(seq_length, data_iterator, model):
     return out, loss_func
 
 
+def pipeline_layout(args, pp: int):
+    """megatron-core's layout of the virtual stages, checked by megatron-core: the one
+    --pipeline-model-parallel-layout gives (it sets the virtual pipeline size, as in Megatron-LM),
+    else num-layers / (PP x VP) transformer layers per stage."""
+    from koala_ds.ir import KoalaError
+    from koala_ds.megatron.layout import check_layout, uniform_layout
+
+    v = args.virtual_pipeline_model_parallel_size or 1
+    if args.pipeline_model_parallel_layout is None:
+        if args.num_layers % (pp * v):
+            raise SystemExit(f"--num-layers {args.num_layers} must be a multiple of PP x VP = {pp * v}")
+        return check_layout(uniform_layout(args.num_layers, pp * v), pp, args.num_layers)
+    layout = check_layout(args.pipeline_model_parallel_layout, pp, args.num_layers)
+    lv = layout.virtual_pipeline_model_parallel_size
+    if args.virtual_pipeline_model_parallel_size is not None and args.virtual_pipeline_model_parallel_size != lv:
+        raise KoalaError(f"--virtual-pipeline-model-parallel-size {args.virtual_pipeline_model_parallel_size} but "
+                         f"--pipeline-model-parallel-layout has {pp * lv} stages = {lv} per rank: drop one of them")
+    args.virtual_pipeline_model_parallel_size = lv if lv > 1 else None
+    return layout
+
+
 # -- main ---------------------------------------------------------------------------------------
 def main(argv=None) -> int:
     args = parse_args(argv)
@@ -161,7 +195,6 @@ def main(argv=None) -> int:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(world, 1)))
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=300))
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    v = args.virtual_pipeline_model_parallel_size or 1
     if world % (tp * pp):
         raise SystemExit(f"world size {world} is not a multiple of TP x PP = {tp * pp}")
     dp = world // (tp * pp)
@@ -169,8 +202,8 @@ def main(argv=None) -> int:
     m = args.global_batch_size // (args.micro_batch_size * dp)
     if m * args.micro_batch_size * dp != args.global_batch_size:
         raise SystemExit("--global-batch-size must be a multiple of --micro-batch-size x data-parallel size")
-    if args.num_layers % (pp * v):
-        raise SystemExit(f"--num-layers {args.num_layers} must be a multiple of PP x VP = {pp * v}")
+    layout = pipeline_layout(args, pp)
+    v = layout.virtual_pipeline_model_parallel_size
 
     report = install(args)  # routes megatron's get_forward_backward_func to the Koala runtime
     if rank == 0:
@@ -194,20 +227,21 @@ def main(argv=None) -> int:
     if report.schedule is not None:
         schedule = resolve(report.schedule, pp, m, v)
         stages = list(schedule.placement.stages_of(pp_rank))
-    else:  # megatron's own layout: chunk c of rank r is stage c * pp + r
+    else:  # megatron's own placement: chunk c of rank r is stage c * pp + r
         stages = [c * pp + pp_rank for c in range(v)]
-    config = TransformerConfig(
+    config = TransformerConfig(pipeline_model_parallel_layout=args.pipeline_model_parallel_layout,
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         use_cpu_initialization=True, pipeline_dtype=torch.float32, params_dtype=torch.float32,
         hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=v if v > 1 else None, bias_dropout_fusion=False,
         gradient_accumulation_fusion=False, deallocate_pipeline_outputs=True)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    chunks = build_model(args, config, stages, pp * v, device)
+    chunks = build_model(args, config, stages, layout, device)
     dp_group = ps.get_data_parallel_group()
 
     # data-parallel gradient reduction with plain all-reduce (Megatron's DDP needs CUDA)
-    config.finalize_model_grads_func = data_parallel_finalize(dp_group, dp)
+    for chunk in chunks:  # the runtime reads the first chunk's config
+        chunk.config.finalize_model_grads_func = data_parallel_finalize(dp_group, dp)
     params = [q for c in chunks for q in c.parameters()]
     optimizer = torch.optim.Adam(params, lr=args.lr)
     corpus = MarkovCorpus(args.vocab_size, args.seed)

@@ -28,6 +28,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: one pipeline rank per process and core)")
+    p.add_argument("--per-layer", action="store_true",
+                   help="measure every layer on its own and write a per-layer profile (for the partition "
+                        "search); -p then only decides whether the p2p latency is measured (p > 1)")
+    p.add_argument("--optimizer-bytes-per-param-byte", type=nonnegative_float, default=None, metavar="X",
+                   help="per-layer profile: gradient + optimizer bytes per parameter byte (fp32 Adam with "
+                        "fp32 gradients: 3). Default: 3 for megatron-gpt (the example's optimizer); for deepspeed "
+                        "not written (the format's default, 0)")
 
 
 def _check_args(args) -> None:
@@ -52,9 +59,9 @@ def _setup(args):
     return device, p2p
 
 
-def _progress(device: str):
+def _progress(device: str, what: str = "stage"):
     def say(stage: int, stages: int) -> None:
-        print(f"profiling stage {stage + 1}/{stages} on {device} ...", file=sys.stderr, flush=True)
+        print(f"profiling {what} {stage + 1}/{stages} on {device} ...", file=sys.stderr, flush=True)
 
     return say
 
@@ -78,6 +85,25 @@ def _finish(args, result) -> int:
     return 0
 
 
+def _finish_layers(args, result) -> int:
+    from ..profiler.layers import stage_shaped
+    from ..sim import CostProfile
+
+    data = result.to_dict()
+    CostProfile.from_dict(stage_shaped(data), source=args.output)  # every entry carries valid stage fields
+    atomic_write(args.output, dumps_json(data, indent=1) + "\n", "-o")
+    print(f"{'layer':<14} {'kind':<11} {'F ms':>9}  {'I ms':>9}  {'W ms':>9}  {'B ms':>9}  {'act MiB':>9}  "
+          f"{'out MiB':>9}  {'param MiB':>9}")
+    for st in data["layers"]:
+        b = st.get("backward", float("nan"))
+        print(f"{st['name']:<14} {st['kind']:<11} {st['forward']:>9.4g}  {st['backward_input']:>9.4g}  "
+              f"{st['backward_weight']:>9.4g}  {b:>9.4g}  {st['activation_mb']:>9.4g}  {st['output_mb']:>9.4g}  "
+              f"{st['param_mb']:>9.4g}")
+    print(f"p2p latency {data['p2p_latency']:.4g} ms ({data['meta']['p2p_latency']}); timer: {data['meta']['timer']}")
+    print(f"wrote {args.output} ({len(data['layers'])} layers, per-layer profile)")
+    return 0
+
+
 def _check_gpt(args) -> None:
     stages = args.p * args.v
     for flag, value in (("--num-layers", args.num_layers), ("--hidden-size", args.hidden_size),
@@ -85,7 +111,7 @@ def _check_gpt(args) -> None:
                         ("--micro-batch-size", args.micro_batch_size), ("--vocab-size", args.vocab_size)):
         if value < 1:
             raise KoalaError(f"{flag} must be >= 1, got {value}")
-    if stages >= 1 and args.num_layers % stages:
+    if stages >= 1 and args.num_layers % stages and not args.per_layer:
         raise KoalaError(f"--num-layers {args.num_layers} is not a multiple of the p x v = {args.p} x {args.v} = "
                          f"{stages} stages: change --num-layers, -p or -v")
     if args.hidden_size % args.num_attention_heads:
@@ -96,6 +122,17 @@ def _check_gpt(args) -> None:
 def cmd_megatron_gpt(args) -> int:
     _check_gpt(args)
     device, p2p = _setup(args)
+    if args.per_layer:
+        from ..profiler.models import profile_megatron_gpt_layers
+
+        opt = 3.0 if args.optimizer_bytes_per_param_byte is None else args.optimizer_bytes_per_param_byte
+        result = profile_megatron_gpt_layers(
+            num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+            seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, vocab_size=args.vocab_size, p=args.p,
+            seed=args.seed, device=device, warmup=args.warmup, iters=args.iters, p2p=p2p,
+            p2p_timeout_s=args.p2p_timeout, memory_limit_mb=args.memory_limit, optimizer_bytes_per_param_byte=opt,
+            progress=_progress(device, "layer"))
+        return _finish_layers(args, result)
     from ..profiler.models import profile_megatron_gpt
 
     result = profile_megatron_gpt(num_layers=args.num_layers, hidden_size=args.hidden_size,
@@ -142,6 +179,16 @@ def cmd_deepspeed(args) -> int:
 
     layers = _call(layers_fn, args.layers, "--layers")
     sample = _call(input_fn, args.input, "--input")
+    if args.per_layer:
+        from ..profiler.models import profile_pipeline_module_layers
+
+        result = _call(lambda: profile_pipeline_module_layers(
+            layers, sample, device=device, warmup=args.warmup, iters=args.iters, p2p=p2p,
+            p2p_timeout_s=args.p2p_timeout, memory_limit_mb=args.memory_limit,
+            optimizer_bytes_per_param_byte=args.optimizer_bytes_per_param_byte,
+            progress=_progress(device, "layer")), args.layers, "profiling --layers")
+        result.extra_meta.update({"p": args.p})
+        return _finish_layers(args, result)
     result = profile_pipeline_module(layers, sample, args.p * args.v, partition_method=args.partition_method,
                                      device=device, warmup=args.warmup, iters=args.iters, p2p=p2p,
                                      p2p_timeout_s=args.p2p_timeout, memory_limit_mb=args.memory_limit,

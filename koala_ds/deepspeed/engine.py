@@ -48,6 +48,7 @@ from ..resolve import DEEPSPEED, ScheduleFitError, check_fit, load, load_profile
 from ..timeout import DEFAULT_TIMEOUT_S, ENV_TIMEOUT, TimeoutSettingError, timeout_setting
 from ..validate import validate
 from ..wgrad import WeightGradQueue
+from .module import check_model_parts
 from .schedule import (BackwardInputPass, BackwardWeightPass, KoalaInferenceSchedule, KoalaPipeSchedule, WaitSends,
                        messages_between)
 
@@ -83,6 +84,7 @@ class KoalaPipelineConfig:
     profile: str | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S
     timeout_source: str = "the default"  # the setting timeout_s came from, for messages
+    parts: Any = None  # the model's layer boundaries (checked against the module; see module.py)
 
     @classmethod
     def from_pipeline_section(cls, section: dict | None, env: dict | None = None) -> "KoalaPipelineConfig":
@@ -90,16 +92,16 @@ class KoalaPipelineConfig:
         koala = (section or {}).get("koala") or {}
         if not isinstance(koala, dict):
             raise KoalaConfigError(f'DeepSpeed config "pipeline.koala" must be an object, got {koala!r}')
-        unknown = set(koala) - {"schedule", "profile", "timeout_s"}
+        unknown = set(koala) - {"schedule", "profile", "timeout_s", "parts"}
         if unknown:
             raise KoalaConfigError(f'DeepSpeed config "pipeline.koala": unknown keys {sorted(unknown)} '
-                                   f'(known: schedule, profile, timeout_s)')
+                                   f'(known: schedule, profile, timeout_s, parts)')
         try:
             timeout, source = timeout_setting(koala.get("timeout_s"), '"pipeline.koala.timeout_s"', env)
         except TimeoutSettingError as exc:
             raise KoalaConfigError(str(exc)) from None
         return cls(koala.get("schedule") or env.get(ENV_KOALA_SCHEDULE) or None,
-                   koala.get("profile") or env.get(ENV_KOALA_PROFILE) or None, timeout, source)
+                   koala.get("profile") or env.get(ENV_KOALA_PROFILE) or None, timeout, source, koala.get("parts"))
 
 
 def koala_requested(pipeline_section: dict | None, env: dict | None = None) -> bool:
@@ -275,6 +277,11 @@ class KoalaPipelineEngine(PipelineEngine):
             source = f"the default schedule {shown!r}"
         schedule = resolve(spec, placement.p, m, placement.chunks_per_rank, DEEPSPEED, source, placement)
         self._check_config(config_class)
+        if kcfg.parts is not None:
+            try:
+                check_model_parts(model, kcfg.parts, placement.p, placement.chunks_per_rank)
+            except KoalaError as exc:
+                raise KoalaConfigError(str(exc)) from None
         if kcfg.profile is not None:
             self._log_profile(schedule, kcfg.profile)
 

@@ -10,6 +10,12 @@ Layer indices (and so parameter names and per-layer checkpoint files) stay globa
 
 With chunks=1 and placement "linear" it behaves exactly as a `PipelineModule`.
 
+A given cut (a searched partition, docs/deepspeed.md "Running a searched split"): `parts=[0, a,
+b, ..., n]`, DeepSpeed's own boundary list (`PipelineModule.parts`): virtual stage s holds layers
+`parts[s]:parts[s+1]`, p*v+1 entries for p ranks x v chunks, in pipeline order. Or
+`config=<the DeepSpeed config, dict or JSON path>`, whose `"pipeline": {"koala": {"parts": [...]}}`
+is read; the engine checks that the module it gets was cut as that key says.
+
 Gradient clipping: DeepSpeed's fp32 path (`clip_grad_norm_` in deepspeed/runtime/utils.py,
 0.19.8) measures the gradient norm on model-parallel rank 0 only, which for a PipelineModule is
 pipeline rank 0: the norm is that of the layers the stock engine places on the first rank.
@@ -34,14 +40,21 @@ class KoalaPipelineModule(PipelineModule):
         chunks: virtual stages per rank (v).
         placement: "interleaved" (stage s on rank s % p) or "vshape" (zig-zag: rank 0 holds
             the first and the last stage), or a `koala_ds.Placement` with p*v stages.
+        parts: the layer boundaries of the p*v virtual stages ([0, ..., len(layers)], pipeline
+            order) in place of `partition_method`'s cut.
+        config: a DeepSpeed config (dict or JSON file) whose "pipeline.koala.parts" gives `parts`.
     """
 
     def __init__(self, layers, num_stages=None, topology=None, chunks: int = 1,
-                 placement: str | Placement = "interleaved", **kwargs):
+                 placement: str | Placement = "interleaved", parts=None, config=None, **kwargs):
         if chunks < 1:
             raise KoalaError(f"KoalaPipelineModule: chunks must be >= 1, got {chunks}")
+        source = "KoalaPipelineModule(parts=...)"
+        if parts is None and config is not None:
+            parts, source = parts_from_config(config), PARTS_KEY
         object.__setattr__(self, "koala_chunks", int(chunks))
         object.__setattr__(self, "_koala_placement_arg", placement)
+        object.__setattr__(self, "_koala_parts_arg", (parts, source))
         super().__init__(layers, num_stages=num_stages, topology=topology, **kwargs)
 
     # -- partitioning -------------------------------------------------------------------
@@ -66,7 +79,11 @@ class KoalaPipelineModule(PipelineModule):
         self.num_ranks = p
         self.koala_stock_parts = self._layer_parts(method, p)  # the stock engine's cut into p stages
         self.num_stages = p * v  # virtual stages, as DualPipeVModule does
-        super()._partition_layers(method)
+        parts, source = self._koala_parts_arg
+        if parts is None:
+            super()._partition_layers(method)
+        else:
+            self.parts = check_parts(parts, p, v, len(self._layer_specs), source)
         rank = self._topo.get_coord(self.global_rank).pipe
         self.koala_stages = placement.stages_of(rank)
         self.chunk_bounds = [(self.parts[s], self.parts[s + 1]) for s in self.koala_stages]
@@ -151,3 +168,50 @@ class KoalaPipelineModule(PipelineModule):
             self.activate_chunk(chunk)
             super().load_state_dir(*args, **kwargs)
         self.activate_chunk(0)
+
+
+# -- a given cut ----------------------------------------------------------------------------
+PARTS_KEY = 'DeepSpeed config "pipeline.koala.parts"'
+
+
+def check_parts(parts, p: int, v: int, num_layers: int, source: str) -> list:
+    """`parts` as a list of layer boundaries for p x v virtual stages, or KoalaError naming `source`."""
+    stages = p * v
+    shape = f"{stages + 1} layer boundaries [0, ..., {num_layers}] for num_stages={p} x chunks={v} virtual stages"
+    if not isinstance(parts, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in parts):
+        raise KoalaError(f"{source}: expected a list of {shape}, got {parts!r}")
+    parts = list(parts)
+    if len(parts) != stages + 1:
+        raise KoalaError(f"{source} = {parts} has {len(parts)} entries; expected {shape}")
+    if parts[0] != 0 or parts[-1] != num_layers:
+        raise KoalaError(f"{source} = {parts} must start at 0 and end at {num_layers} (the number of layers)")
+    empty = [s for s in range(stages) if parts[s + 1] <= parts[s]]
+    if empty:
+        raise KoalaError(f"{source} = {parts}: virtual stage {empty[0]} gets no layer (parts[{empty[0]}] = "
+                         f"{parts[empty[0]]} >= parts[{empty[0] + 1}] = {parts[empty[0] + 1]}); the boundaries "
+                         f"must increase")
+    return parts
+
+
+def parts_from_config(config):
+    """The "pipeline.koala.parts" of a DeepSpeed config (a dict or a JSON file), or None."""
+    import json
+
+    if not isinstance(config, dict):
+        try:
+            with open(config) as fh:
+                config = json.load(fh)
+        except (OSError, ValueError) as exc:
+            raise KoalaError(f"KoalaPipelineModule(config={config!r}): cannot read the DeepSpeed config ({exc})") \
+                from None
+    koala = (config.get("pipeline") or {}).get("koala") or {}
+    return koala.get("parts") if isinstance(koala, dict) else None
+
+
+def check_model_parts(model, parts, p: int, v: int) -> None:
+    """The engine's check: a config that gives "pipeline.koala.parts" gets a model cut that way."""
+    parts = check_parts(parts, p, v, len(model._layer_specs), PARTS_KEY)
+    if list(model.parts) != parts:
+        raise KoalaError(f"{PARTS_KEY} is {parts} but the model was cut at {list(model.parts)}: build it as "
+                         f"koala_ds.deepspeed.KoalaPipelineModule(layers, num_stages={p}, chunks={v}, "
+                         f"parts={parts}) or with config=<this config>")

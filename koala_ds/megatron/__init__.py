@@ -14,7 +14,7 @@ from .launch import add_arguments, install, schedule_from_args
 from .resolve import MegatronScheduleError
 
 __all__ = ["get_forward_backward_func", "add_arguments", "install", "schedule_from_args", "MegatronScheduleError",
-           "P2PTimeoutError", "chunk_stages"]
+           "P2PTimeoutError", "chunk_stages", "stage_layers", "check_layout"]
 
 
 def get_forward_backward_func(schedule="1f1b", profile=None, *, timeout_s=None, per_direction_groups=None,
@@ -37,4 +37,8 @@ def __getattr__(name):
         from .p2p import P2PTimeoutError
 
         return P2PTimeoutError
+    if name in ("stage_layers", "check_layout"):  # --pipeline-model-parallel-layout: koala_ds/megatron/layout.py
+        from . import layout
+
+        return getattr(layout, name)
     raise AttributeError(name)

@@ -81,14 +81,24 @@ def microbatches_from_args(args) -> int | None:
     return None
 
 
+def _layout_chunks(args) -> int | None:
+    from ..ir import KoalaError
+    from .layout import layout_chunks  # --pipeline-model-parallel-layout sets v (megatron-core counts it)
+
+    try:
+        return layout_chunks(args)
+    except KoalaError as exc:
+        raise MegatronScheduleError(str(exc)) from None
+
+
 def _check_sizes(spec: str, args) -> None:
     """Check the schedule against the flags now, before any process group or model exists: the
     whole schedule when the flags give p, v and the number of microbatches; else p and v (a
     fixed file's, or whether a program supports them)."""
     p = getattr(args, "pipeline_model_parallel_size", None)
-    v = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
     if p is None:
         return
+    v = getattr(args, "virtual_pipeline_model_parallel_size", None) or _layout_chunks(args) or 1
     m = microbatches_from_args(args)
     if m is not None:
         resolve(spec, p, m, v)  # cached: the runtime finds it resolved

@@ -47,6 +47,7 @@ class StageMeasurement:
     output_shape: tuple = ()
     output_dtype: str = ""
     output_numel: int = 0
+    output_bytes: int = 0
     input_grad: bool = True
 
     def median(self, name: str) -> float:
@@ -111,6 +112,10 @@ class ProfileResult:
         from ..outputs import atomic_write
 
         atomic_write(path, self.to_json() + "\n", flag)
+
+
+class NotOneTensor(TypeError):
+    """A stage (not the last) passed on something else than one tensor (its type name)."""
 
 
 class _Saved:
@@ -207,7 +212,11 @@ def measure_stage(module, make_input: Callable[[], Any], *, is_last: bool, loss_
         return args, out, ms
 
     def output_grad(out):
-        return None if is_last else torch.randn(out.shape, generator=gen).to(out.device, out.dtype)
+        if is_last:
+            return None
+        if not isinstance(out, torch.Tensor):
+            raise NotOneTensor(type(out).__name__)
+        return torch.randn(out.shape, generator=gen).to(out.device, out.dtype)
 
     def backward_input(out, grad):
         with deferral.input_step() as queue:
@@ -245,6 +254,7 @@ def measure_stage(module, make_input: Callable[[], Any], *, is_last: bool, loss_
     if not is_last:
         meas.output_shape, meas.output_dtype = tuple(out.shape), str(out.dtype).replace("torch.", "")
         meas.output_numel = out.numel()
+        meas.output_bytes = out.numel() * out.element_size()
     meas.input_grad = len(args) == 1 and isinstance(args[0], torch.Tensor) and args[0].requires_grad
     meas.activation_bytes = tracker.saved_bytes()
     queue = backward_input(out, grad)
@@ -291,8 +301,11 @@ def profile_stages(stage_modules: Sequence, sample_input, *, loss_fn: Callable |
 
             def make_input(base=base):
                 return base.clone().requires_grad_(base.is_floating_point())
-        meas = measure_stage(module, make_input, is_last=is_last, loss_fn=loss_fn, warmup=warmup, iters=iters,
-                             device=device, full_backward=full_backward, seed=s)
+        try:
+            meas = measure_stage(module, make_input, is_last=is_last, loss_fn=loss_fn, warmup=warmup, iters=iters,
+                                 device=device, full_backward=full_backward, seed=s)
+        except NotOneTensor as exc:
+            raise ValueError(f"stage {s} returns {exc}: stages must pass one tensor on") from None
         results.append(meas)
         if not is_last:
             with torch.no_grad():

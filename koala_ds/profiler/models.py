@@ -105,6 +105,86 @@ def profile_megatron_gpt(num_layers: int = 8, hidden_size: int = 64, num_attenti
     return result
 
 
+# -- megatron-core GPT, layer by layer -------------------------------------------------------------
+class _GPTEmbedding(torch.nn.Module):
+    """The GPT's embedding (token + position): token ids -> [seq, batch, hidden]."""
+
+    def __init__(self, model, position_ids):
+        super().__init__()
+        self.embedding = model.embedding
+        self.register_buffer("position_ids", position_ids, persistent=False)
+
+    def forward(self, tokens):
+        return self.embedding(input_ids=tokens, position_ids=self.position_ids)
+
+
+class _GPTLayer(torch.nn.Module):
+    """One megatron-core TransformerLayer, called as its TransformerBlock calls it."""
+
+    def __init__(self, layer, mask):
+        super().__init__()
+        self.layer = layer
+        self.register_buffer("mask", mask, persistent=False)
+
+    def forward(self, hidden):
+        out, _ = self.layer(hidden_states=hidden, attention_mask=self.mask)
+        return out
+
+
+class _GPTOutput(torch.nn.Module):
+    """The final layer norm, the output layer and the per-token loss (as GPTModel's post-process)."""
+
+    def __init__(self, model, labels):
+        super().__init__()
+        self.norm, self.output_layer = model.decoder.final_layernorm, model.output_layer
+        self._loss = [model.compute_language_model_loss]  # a method of the model: not a submodule
+        self.labels = labels
+
+    def forward(self, hidden):
+        logits, _ = self.output_layer(self.norm(hidden))
+        return self._loss[0](self.labels, logits)
+
+
+def megatron_gpt_layers(num_layers: int, hidden_size: int, num_attention_heads: int, seq_length: int,
+                        micro_batch_size: int, vocab_size: int, seed: int = 1234, device=None):
+    """The GPT of examples/megatron_gpt as one module per layer (embedding, each transformer
+    layer, output layer + loss), cut out of one megatron-core GPTModel built in this process;
+    returns (modules, LayerInfos, sample token ids)."""
+    from .layers import LayerInfo, param_bytes
+
+    stages, tokens = megatron_gpt_stages(num_layers, hidden_size, num_attention_heads, seq_length,
+                                         micro_batch_size, vocab_size, 1, seed, device)
+    whole = stages[0]
+    model = whole.chunk
+    modules = [_GPTEmbedding(model, whole.position_ids)]
+    modules += [_GPTLayer(layer, whole.mask) for layer in model.decoder.layers]
+    modules.append(_GPTOutput(model, whole.labels))
+    infos = [LayerInfo("embedding", "embedding")] + [LayerInfo(f"layer.{i}", "transformer")
+                                                     for i in range(num_layers)] + [LayerInfo("output", "output")]
+    infos = [LayerInfo(i.name, i.kind, param_bytes(m)) for i, m in zip(infos, modules)]
+    return modules, infos, tokens
+
+
+def profile_megatron_gpt_layers(num_layers: int = 8, hidden_size: int = 64, num_attention_heads: int = 4,
+                                seq_length: int = 32, micro_batch_size: int = 2, vocab_size: int = 128, p: int = 4,
+                                seed: int = 1234, device=None, **kwargs):
+    """Per-layer profile of the example GPT; `p` is recorded (the p2p latency is measured only
+    when p > 1, as for the stage profile); kwargs go to `profile_layers`."""
+    from .layers import profile_layers
+
+    modules, infos, tokens = megatron_gpt_layers(num_layers, hidden_size, num_attention_heads, seq_length,
+                                                 micro_batch_size, vocab_size, seed, device)
+    kwargs.setdefault("name", f"megatron-gpt-L{num_layers}-H{hidden_size}-layers")
+    kwargs.setdefault("description", f"megatron-core GPTModel (local spec), {num_layers} layers, hidden {hidden_size}, "
+                                     f"{num_attention_heads} heads, seq {seq_length}, micro-batch {micro_batch_size}, "
+                                     f"vocab {vocab_size}; per layer")
+    result = profile_layers(modules, infos, tokens, device=device, loss_fn=lambda out: out.float().mean(), **kwargs)
+    result.extra_meta.update({"model": "megatron-gpt", "p": p, "num_layers": num_layers,
+                              "layout_letters": "E (embedding), t (transformer layer), L (output + loss): "
+                                                "--pipeline-model-parallel-layout"})
+    return result
+
+
 # -- a plain-torch GPT (DeepSpeed layer lists, benchmarks) -------------------------------------------
 class GPTBlock(torch.nn.Module):
     """A pre-norm GPT block of plain torch layers."""
@@ -226,14 +306,8 @@ def pipeline_module_stages(module_or_layers, num_stages: int, partition_method: 
     return stages
 
 
-def profile_pipeline_module(module_or_layers, sample_input, num_stages: int, partition_method: str = "parameters",
-                            loss_fn=None, **kwargs):
-    """Profile a DeepSpeed pipeline model (a `PipelineModule` or its layer list) split into
-    `num_stages` virtual stages; `loss_fn(output)` (default: the module's `loss_fn` applied to
-    `(output, labels)` is not known here, so the mean of the output)."""
-    from .core import profile_stages
-
-    stages = pipeline_module_stages(module_or_layers, num_stages, partition_method)
+def _on_device(module_or_layers, stages, sample_input, loss_fn, kwargs):
+    """Move the stages and the input to kwargs' device; the module's loss_fn with `labels`."""
     device = kwargs.get("device")
     if device is not None:  # the layers are built where their code puts them (the CPU): move them
         stages = [stage.to(device) for stage in stages]
@@ -242,7 +316,67 @@ def profile_pipeline_module(module_or_layers, sample_input, num_stages: int, par
         labels = to_device(kwargs.pop("labels"), device) if device is not None else kwargs.pop("labels")
         module_loss = module_or_layers.loss_fn
         loss_fn = lambda out: module_loss(out, labels)  # noqa: E731
+    return stages, sample_input, loss_fn
+
+
+def profile_pipeline_module(module_or_layers, sample_input, num_stages: int, partition_method: str = "parameters",
+                            loss_fn=None, **kwargs):
+    """Profile a DeepSpeed pipeline model (a `PipelineModule` or its layer list) split into
+    `num_stages` virtual stages; `loss_fn(output)` (default: the module's `loss_fn` applied to
+    `(output, labels)` is not known here, so the mean of the output)."""
+    from .core import profile_stages
+
+    stages = pipeline_module_stages(module_or_layers, num_stages, partition_method)
+    stages, sample_input, loss_fn = _on_device(module_or_layers, stages, sample_input, loss_fn, kwargs)
     kwargs.setdefault("name", f"deepspeed-pipeline-S{num_stages}")
     result = profile_stages(stages, sample_input, loss_fn=loss_fn, **kwargs)
     result.extra_meta.update({"model": "deepspeed PipelineModule", "partition_method": partition_method})
+    return result
+
+
+def _layer_name(spec) -> str:
+    from deepspeed.runtime.pipe.module import LayerSpec
+
+    if isinstance(spec, LayerSpec):
+        return spec.typename.__name__
+    if isinstance(spec, torch.nn.Module):
+        return spec.__class__.__name__
+    return getattr(spec, "__name__", type(spec).__name__)
+
+
+def pipeline_module_layer_infos(module_or_layers, stages) -> list:
+    """Names and kinds of a layer list's layers: the first is the `embedding` entry, the last the
+    `output` entry (with the loss), the others `transformer` when they have parameters, else
+    `other`. Names are `<index>.<class>` (the index is DeepSpeed's layer index)."""
+    from ..wgrad import storage_bytes
+    from .layers import LayerInfo
+
+    specs = list(getattr(module_or_layers, "_layer_specs", module_or_layers))
+    infos, seen = [], set()
+    for i, (spec, stage) in enumerate(zip(specs, stages)):
+        storages = {q.untyped_storage().data_ptr(): q.untyped_storage().nbytes()
+                    for q in stage.parameters() if q.requires_grad}
+        nbytes = storage_bytes((ptr, n) for ptr, n in storages.items() if ptr not in seen)
+        seen.update(storages)
+        kind = "embedding" if i == 0 else "output" if i == len(specs) - 1 else "transformer" if nbytes else "other"
+        infos.append(LayerInfo(f"{i}.{_layer_name(spec)}", kind, nbytes))
+    return infos
+
+
+def profile_pipeline_module_layers(module_or_layers, sample_input, loss_fn=None, **kwargs):
+    """Per-layer profile of a DeepSpeed pipeline model: one entry per entry of its layer list
+    (DeepSpeed's layer indices, so a partition maps to `KoalaPipelineModule(parts=...)`).
+    A tied layer's parameters count where the tied module is built first."""
+    from .layers import profile_layers
+
+    specs = list(getattr(module_or_layers, "_layer_specs", module_or_layers))
+    if len(specs) < 2:
+        raise ValueError(f"a per-layer profile needs at least 2 layers; the layer list has {len(specs)}")
+    stages = pipeline_module_stages(module_or_layers, len(specs), "uniform")
+    infos = pipeline_module_layer_infos(module_or_layers, stages)
+    stages, sample_input, loss_fn = _on_device(module_or_layers, stages, sample_input, loss_fn, kwargs)
+    kwargs.setdefault("name", f"deepspeed-pipeline-{len(specs)}-layers")
+    result = profile_layers(stages, infos, sample_input, loss_fn=loss_fn, **kwargs)
+    result.extra_meta.update({"model": "deepspeed PipelineModule",
+                              "partition": "KoalaPipelineModule(parts=...) or pipeline.koala.parts"})
     return result
