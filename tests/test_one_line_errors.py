@@ -282,3 +282,19 @@ def test_one_line_user_errors_around_a_call(monkeypatch, capsys):
     assert capsys.readouterr().err == "pretrain_gpt.py: error: --koala-schedule p4.koala needs p == 4\n"
     with one_line_user_errors():
         pass  # nothing raised: nothing happens
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("example", ["examples/deepspeed_pipe/train.py", "examples/megatron_gpt/pretrain_gpt.py"])
+def test_examples_bad_flag_through_koala_run_is_one_line(tmp_path, example):
+    """An argparse error printed a usage block on every rank, then torchrun's summary."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    cmd = [sys.executable, "-m", "koala_ds.torchrun", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+           str(ROOT / example), "--train-iters" if "megatron" in example else "--steps", "x"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180, cwd=tmp_path)
+    assert done.returncode == USER_ERROR_EXIT, done.stderr[-3000:]
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr[-3000:]
+    assert lines[0].startswith(f"{Path(example).name}: error: argument ") and "invalid int value: 'x'" in lines[0]

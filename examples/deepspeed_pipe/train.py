@@ -24,6 +24,8 @@ import deepspeed
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule
 
+from koala_ds.errors import rank_zero_argument_errors, run_main
+
 
 class Block(torch.nn.Module):
     def __init__(self, dim: int) -> None:
@@ -95,6 +97,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from koala_ds.errors import run_main
-
     run_main(main, "train.py")  # a KoalaError: one line on rank 0, exit code 2 on every rank
