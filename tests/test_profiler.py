@@ -77,7 +77,7 @@ def test_emulated_stage_measures_its_sleep_times():
     stage = EmulatedStage(f, i, w)
     meas = measure_stage(stage, lambda: torch.randn(2, 1, 8, requires_grad=True), is_last=False, warmup=2, iters=7)
     for name, want in (("forward", f), ("backward_input", i), ("backward_weight", w), ("backward_full", i + w)):
-        got = meas.median(name)
+        got = min(getattr(meas, name))  # a sleep never ends early: the fastest sample is the least disturbed
         assert _near(got, want), f"{name}: measured {got:.3f} ms for a {want} ms sleep"
     # through the profiler: an emulated model profiles back to its own costs, stage 0 (input = data,
     # no input gradient) too: its I still backpropagates to its weights, as on the runtimes
