@@ -23,8 +23,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-test-fast: $(STAMP)  # everything but the multi-process tests (marked slow)
-	$(PY) -m pytest -q -m "not slow"
+test-fast: $(STAMP)  # everything but the multi-process tests (marked slow), on every core (pytest-xdist)
+	$(PY) -m pytest -q -m "not slow" -n auto
 
 clean:
 	rm -rf $(VENV) .cache
