@@ -32,7 +32,8 @@ from .ir import OP_INDEX, OPS, Action, OpIndex, Placement, Schedule, ScheduleErr
 if TYPE_CHECKING:  # the profile lives in koala_ds.sim, which imports this module
     from .sim.profile import CostProfile, StageCost
 
-F, B, I, W = OpIndex.F, OpIndex.B, OpIndex.I, OpIndex.W  # noqa: E741
+#: The op indices as plain ints, for the loops that compare them often (an IntEnum compares slower).
+F, B, I, W = (int(k) for k in (OpIndex.F, OpIndex.B, OpIndex.I, OpIndex.W))  # noqa: E741
 BACKWARDS = ("full", "split")
 
 
