@@ -259,7 +259,7 @@ class OrderDecoder:
         for ch in choices:
             k = kinds[ch]
             c = chunks_[ch]
-            if k == 0:
+            if k == F:
                 i = nF[c]
                 if i >= total[c]:
                     return None
@@ -270,7 +270,7 @@ class OrderDecoder:
                     peak = mem
                 nF[c] = i + 1
                 append(bases[ch] + mbs[c][i])
-            elif k == 3:
+            elif k == W:
                 if not split:
                     return None
                 i = nW[c]
@@ -281,14 +281,14 @@ class OrderDecoder:
                 mem += deltas[ch]
                 append(bases[ch] + q[i])
             else:
-                if (k == 2) != split:
+                if (k == I) != split:
                     return None
                 i = nB[c]
                 if i >= nF[c]:
                     return None
                 mb = mbs[c][i]
                 nB[c] = i + 1
-                if k == 2:
+                if k == I:
                     wq[c].append(mb)
                 mem += deltas[ch]
                 append(bases[ch] + mb)

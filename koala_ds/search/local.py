@@ -31,7 +31,7 @@ import random
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from ..lowered import W, Stall, split_code
+from ..lowered import W, Stall, action_code, split_code
 from .problem import PlacementProblem
 
 log = logging.getLogger(__name__)
@@ -163,7 +163,7 @@ class LocalSearch:
             seen.add((kind, mb, d))
             chain = []
             for st in range(S):
-                loc = where.get((kind * S + st) * m + mb)
+                loc = where.get(action_code(kind, st, mb, S, m))
                 if loc is not None:
                     chain.append((loc[0], loc[1], d))
             if len(chain) > 1:

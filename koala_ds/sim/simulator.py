@@ -38,7 +38,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from ..ir import Action, Placement, Schedule, ScheduleError
-from ..lowered import I, Lowered, Stall, W  # noqa: F401 (Stall: the search imports it from here)
+from ..lowered import B, F, I, Lowered, Stall, W  # noqa: F401 (Stall: the search imports it from here)
 from .profile import CostProfile, ProfileError
 
 log = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ class Simulator:
         counts = np.bincount(flat, minlength=4 * S * m).reshape(4, S, m)
         if counts.max(initial=0) > 1:
             raise ScheduleError(f"{self.decode(int(np.argmax(counts.ravel())))} appears more than once")
-        cf, cb, ci, cw = counts
+        cf, cb, ci, cw = counts[F], counts[B], counts[I], counts[W]
         passes = self.lowered.passes
         if self.backward == "full" and ci.any() | cw.any():
             op = I if ci.any() else W
@@ -172,13 +172,13 @@ class Simulator:
         pos = np.full(4 * S * m, -1, dtype=np.int64)
         pos[flat] = np.arange(flat.size)
         pos = pos.reshape(4, S, m)
-        bwd = np.where(cb > 0, pos[1], pos[2])
-        late = np.argwhere(passes & (bwd < pos[0]))
+        bwd = np.where(cb > 0, pos[B], pos[I])
+        late = np.argwhere(passes & (bwd < pos[F]))
         if late.size:
             s, mb = (int(x) for x in late[0])
             op = "B" if cb[s, mb] else "I"
             raise ScheduleError(f"{s}{op}{mb} runs before its forward {s}F{mb} on rank {self.placement.rank_of(s)}")
-        late = np.argwhere((ci > 0) & (pos[3] < pos[2]))
+        late = np.argwhere((ci > 0) & (pos[W] < pos[I]))
         if late.size:
             s, mb = (int(x) for x in late[0])
             raise ScheduleError(f"{s}W{mb} runs before its input-gradient step {s}I{mb} "
