@@ -128,9 +128,6 @@ class _Tokens:
     def cur(self) -> Tok:
         return self.toks[self.i]
 
-    def peek(self, k: int = 1) -> Tok:
-        return self.toks[min(self.i + k, len(self.toks) - 1)]
-
     def next(self) -> Tok:
         tok = self.toks[self.i]
         self.i = min(self.i + 1, len(self.toks) - 1)
