@@ -187,7 +187,7 @@ class Simulator:
     # -- evaluation ---------------------------------------------------------------------
     def makespan(self, ranks: Sequence[Sequence[Action | int]], mode: str = "async", check: bool = True) -> float:
         """Makespan only: the fastest call (no timeline, no memory)."""
-        codes = self.encode(ranks)
+        codes = self.lowered.encode(ranks)
         if check:
             self.check(codes)
         free, _ = self._times(codes, mode, record=False)
@@ -200,7 +200,7 @@ class Simulator:
     def run(self, ranks: Sequence[Sequence[Action | int]], mode: str = "async", timeline: bool = False,
             check: bool = True, name: str = "candidate", v: int | None = None) -> SimResult:
         """Everything: makespan, busy/idle, bubble, memory, and optionally the timeline."""
-        codes = self.encode(ranks)
+        codes = self.lowered.encode(ranks)
         if check:
             self.check(codes)
         free, starts = self._times(codes, mode, record=timeline)
@@ -227,7 +227,10 @@ class Simulator:
 
     def _times(self, codes: list[list[int]], mode: str, record: bool) -> tuple[list[float], list[list[float]]]:
         if mode == "async":
-            return self._run_async(codes, record)
+            free, starts, pos, _ = self.lowered.run_async(codes, record)
+            if any(pos[r] < len(codes[r]) for r in range(self.p)):
+                self._deadlock(codes, pos, [-1] * self.p, "async")
+            return free, starts
         if mode == "rendezvous":
             return self._run_rendezvous(codes)
         raise ScheduleError(f"unknown simulation mode {mode!r}; use one of {', '.join(MODES)}")
@@ -243,12 +246,6 @@ class Simulator:
     def inputs(self) -> list[int]:
         """Per action code, the slot (another stage's output) it waits for; -1 if none."""
         return self.lowered.dep
-
-    def _run_async(self, codes: list[list[int]], record: bool) -> tuple[list[float], list[list[float]]]:
-        free, starts, pos, _ = self.lowered.run_async(codes, record)
-        if any(pos[r] < len(codes[r]) for r in range(self.p)):
-            self._deadlock(codes, pos, [-1] * self.p, "async")
-        return free, starts
 
     def _run_rendezvous(self, codes: list[list[int]]) -> tuple[list[float], list[list[float]]]:
         low = self.lowered
