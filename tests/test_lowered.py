@@ -8,7 +8,7 @@ import pytest
 
 from koala_ds.dsl import parser
 from koala_ds.ir import OP_INDEX, OP_NAMES, OPS, Action, Op, OpIndex, Placement, Schedule, ScheduleError
-from koala_ds.lowered import Lowered, Stall, action_code, split_code
+from koala_ds.lowered import Lowered, Stall, action_code, lower, split_code
 from koala_ds.sim import CostProfile, StageCost, random_schedule
 from koala_ds.validate import validate
 
@@ -33,6 +33,10 @@ def test_one_op_table():
     assert [split_code(c, S, m) for c in codes] == [(k, s, mb) for k in OpIndex for s in range(S) for mb in range(m)]
     low = Lowered(Placement.named("vshape", 2, 2), 3, "split")
     assert all(low.code(low.decode(c)) == c for c in range(low.ncodes))
+    schedule = random_schedule(Placement.named("vshape", 2, 2), 3, "split", seed=0)
+    lowered, codes = lower(schedule)
+    assert (lowered.p, lowered.m, lowered.v) == (2, 3, 2)
+    assert [[lowered.decode(c) for c in order] for order in codes] == [list(order) for order in schedule.ranks]
     with pytest.raises(ScheduleError, match="out of range"):
         low.code(Action(Op.F, 4, 0))
 
