@@ -408,10 +408,12 @@ class _RankRun:
         self.codes.append(self.bases[ch] + mb)
 
 
-def GenomeDecoder(placement: Placement, m: int, backward: str, sim_code_base: tuple[int, int],  # noqa: N802
-                  stage_mem: Sequence[tuple[float, float, float]], limits: Sequence[float | None]) -> OrderDecoder:
+class GenomeDecoder(OrderDecoder):
     """The older constructor of `OrderDecoder`: per stage (activation, I frees, W frees) in MB
-    instead of a `Lowered`. `sim_code_base` (S, m) is implied by the placement and m."""
-    del sim_code_base  # (S, m): implied by the placement and m
-    costs = tuple(StageCost(1.0, 1.0, 1.0, act, w_hold) for act, _, w_hold in stage_mem)
-    return OrderDecoder(Lowered(placement, m, backward, CostProfile(costs, 0.0)), limits)
+    instead of a `Lowered` (`sim_code_base`, (S, m), is implied by the placement and m)."""
+
+    def __init__(self, placement: Placement, m: int, backward: str, sim_code_base: tuple[int, int],
+                 stage_mem: Sequence[tuple[float, float, float]], limits: Sequence[float | None]):
+        del sim_code_base
+        costs = tuple(StageCost(1.0, 1.0, 1.0, act, w_hold) for act, _, w_hold in stage_mem)
+        super().__init__(Lowered(placement, m, backward, CostProfile(costs, 0.0)), limits)
