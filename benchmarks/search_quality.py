@@ -9,6 +9,8 @@ search's wall time. The gap column uses the exact optimum where proven, else the
     python benchmarks/search_quality.py --quick    # shorter budgets
     python benchmarks/search_quality.py --only 13 14 --relax-time 200   # some rows, longer relaxations
     python benchmarks/search_quality.py --only 13 14 --exact-time 200 --save benchmarks/results/optima
+    python benchmarks/search_quality.py --only 1 4 12 --generations 3 --exact-max-actions 0 --relax-time 0
+                                                       # deterministic makespans (before/after a change)
 
 Where CP-SAT does not prove the optimum, relaxations that keep one-action-at-a-time on some
 ranks only (koala_ds.search.exact.relaxed_bound) give a proven bound (column 'relaxed'); the gap
@@ -107,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="placements searched (default: the single-copy ones); 'any' adds bidirectional")
     ap.add_argument("--only", type=int, nargs="*", help="row numbers to run")
     ap.add_argument("--budget", type=float, help="the search's time budget for every row (default 10 s, 60 s at p=16)")
+    ap.add_argument("--generations", type=int, metavar="N",
+                    help="stop each row's search after N generations instead of a time budget: with --seed, the "
+                         "same makespans on every run (for before/after comparisons)")
     ap.add_argument("--save", metavar="DIR", help="write CP-SAT's best schedule of each row it ran on "
                     "(rowN.koala) and the row's profile (rowN.profile.json) to DIR")
     ap.add_argument("--verbose", action="store_true", help="log the exact solver's and the relaxations' steps")
@@ -125,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         limit = 0.6 * one_f_one_b_peak(cfg.profile, cfg.p, cfg.m, cfg.v) if cfg.tight else None
         problem = SearchProblem(cfg.profile, cfg.p, cfg.m, cfg.v, "split", limit, placement=args.placement)
         t0 = time.perf_counter()
-        res = search(problem, time_budget=args.budget or budget(cfg, args.quick), seed=args.seed)
+        if args.generations is not None:
+            res = search(problem, time_budget=None, generations=args.generations, seed=args.seed)
+        else:
+            res = search(problem, time_budget=args.budget or budget(cfg, args.quick), seed=args.seed)
         wall = time.perf_counter() - t0
         pred = best_predefined(res.library)
         base = next((r.makespan for r in res.library if r.name == "1f1b"), None)

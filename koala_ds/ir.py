@@ -76,6 +76,23 @@ class Op(str, enum.Enum):
         return self.value
 
 
+class OpIndex(enum.IntEnum):
+    """The one op table: each op's index in integer action codes (`koala_ds.lowered.action_code`)
+    and in the search's choices (op index * chunks + chunk)."""
+
+    F = 0
+    B = 1
+    I = 2  # noqa: E741
+    W = 3
+
+
+#: The ops by index (`OPS[OpIndex.I] is Op.I`) and the index of each op.
+OPS = (Op.F, Op.B, Op.I, Op.W)
+OP_INDEX = {op: OpIndex(k) for k, op in enumerate(OPS)}
+#: The ops' names as the Koala language writes them.
+OP_NAMES = tuple(op.value for op in OPS)
+
+
 _ACTION_RE = re.compile(r"^\s*(\d+)\s*([FIWB])\s*(\d+)\s*$")
 
 

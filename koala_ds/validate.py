@@ -5,29 +5,13 @@ marked, so that a user sees where the schedule goes wrong.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
-from .ir import MAX_ACTIONS, Action, Op, Schedule, ScheduleError
+from .ir import MAX_ACTIONS, Action, Op, Placement, Schedule, ScheduleError
+from .lowered import Lowered
 
 BACKWARD_INPUT_OPS = (Op.I, Op.B)
-
-
-def cross_dependencies(schedule: Schedule, action: Action, bwd_op: dict[tuple[int, int], Op]) -> list[Action]:
-    """Actions that must finish before `action` may start (data dependencies).
-
-    `bwd_op[(stage, mb)]` says whether that pair's input gradient comes from I or B."""
-    placement = schedule.placement
-    s, mb = action.stage, action.microbatch
-    if action.op is Op.F:
-        prev = placement.prev_stage(s)
-        return [] if prev is None else [Action(Op.F, prev, mb)]
-    if action.op is Op.W:
-        return [Action(Op.I, s, mb)]
-    deps = [Action(Op.F, s, mb)]
-    nxt = placement.next_stage(s)
-    if nxt is not None:
-        deps.append(Action(bwd_op.get((nxt, mb), Op.B), nxt, mb))
-    return deps
 
 
 def render_grid(schedule: Schedule, mark: Action | None = None, mark_rank: int | None = None,
@@ -74,110 +58,36 @@ class DryRun:
     steps: list[list[int]]  # start step of each action, per rank
     makespan: int
     peak_in_flight: list[int]  # per rank, activations held (F done, input grad not yet)
-    peak_pending_w: list[int]  # per rank, weight-gradient steps waiting
 
 
-def _dependency_keys(schedule: Schedule) -> list[list[tuple[tuple[int, ...], int]]]:
-    """Per rank and action, (its data dependencies, its own key), as keys into the end-time
-    table: 2k = forward of (stage, mb) key k = stage * m + mb, 2k + 1 = its input gradient
-    (I or B); W needs its I and has no key of its own (-1)."""
-    spp, m = schedule.placement.stages_per_pipeline, schedule.m
-    out = []
-    for actions in schedule.ranks:
-        row = []
-        for a in actions:
-            s, k = a.stage, a.stage * m + a.microbatch
-            if a.op is Op.F:
-                row.append((() if s % spp == 0 else (2 * (k - m),), 2 * k))
-            elif a.op is Op.W:
-                row.append(((2 * k + 1,), -1))
-            else:
-                row.append(((2 * k,) if (s + 1) % spp == 0 else (2 * k, 2 * (k + m) + 1), 2 * k + 1))
-        out.append(row)
-    return out
-
-
-def _key_text(schedule: Schedule, key: int, bwd: dict[int, Op]) -> str:
-    k, kind = divmod(key, 2)
-    stage, mb = divmod(k, schedule.m)
-    op = Op.F if kind == 0 else bwd.get(k, Op.B)
-    return str(Action(op, stage, mb))
-
-
-def _run_ranks(schedule: Schedule, deps: list) -> tuple[list[list[int]], list[int], list[int]]:
-    """Unit-time execution; a rank waits on the first missing key of its next action and is
-    woken when that key completes, so every action is looked at O(1) times."""
-    p = schedule.p
-    end = [-1] * (2 * schedule.num_stages * schedule.m)
-    free, ptr = [0] * p, [0] * p
-    steps: list[list[int]] = [[] for _ in range(p)]
-    waiters: dict[int, list[int]] = {}
-    ready = list(range(p - 1, -1, -1))
-    while ready:
-        r = ready.pop()
-        dl_row, t, row = deps[r], free[r], steps[r]
-        i, n = ptr[r], len(dl_row)
-        while i < n:
-            dl, key = dl_row[i]
-            start, blocked = t, -1
-            for d in dl:
-                if end[d] < 0:
-                    blocked = d
-                    break
-                if end[d] > start:
-                    start = end[d]
-            if blocked >= 0:
-                waiters.setdefault(blocked, []).append(r)
-                break
-            row.append(start)
-            t = start + 1
-            if key >= 0:
-                end[key] = t
-                if key in waiters:
-                    ready += waiters.pop(key)
-            i += 1
-        free[r], ptr[r] = t, i
-    return steps, free, ptr
+@functools.lru_cache(maxsize=8)
+def _unit_lowered(placement: Placement, m: int, backward: str) -> Lowered:
+    """Unit time, and an activation counts 1 (`koala_ds.lowered` without a profile)."""
+    return Lowered(placement, m, backward)
 
 
 def dry_run(schedule: Schedule) -> DryRun:
-    """Execute every rank's order with unit-time actions; raise on deadlock."""
-    deps = _dependency_keys(schedule)
-    steps, free, ptr = _run_ranks(schedule, deps)
-    waiting = [(r, schedule.ranks[r][ptr[r]]) for r in range(schedule.p) if ptr[r] < len(schedule.ranks[r])]
+    """Execute every rank's order with unit-time actions; raise on deadlock. The orders must be
+    complete and locally ordered (`validate` checks that first)."""
+    lowered = _unit_lowered(schedule.placement, schedule.m, schedule.backward)
+    codes = lowered.encode(schedule.ranks)
+    free, starts, pos, _ = lowered.run_async(codes, record=True)
+    waiting = [r for r in range(schedule.p) if pos[r] < len(codes[r])]
     if waiting:
-        _deadlock(schedule, deps, steps, ptr, waiting)
-    peaks, pend = [], []
-    for rank in schedule.ranks:
-        held = pw = peak = peak_w = 0
-        for a in rank:
-            if a.op is Op.F:
-                held += 1
-            elif a.op in BACKWARD_INPUT_OPS:
-                held -= 1
-                if a.op is Op.I:
-                    pw += 1
-            else:
-                pw -= 1
-            peak, peak_w = max(peak, held), max(peak_w, pw)
-        peaks.append(peak)
-        pend.append(peak_w)
-    return DryRun(steps, max(free), peaks, pend)
+        _deadlock(schedule, lowered, codes, pos, waiting)
+    steps = [[int(t) for t in row] for row in starts]
+    return DryRun(steps, int(max(free)), [int(x) for x in lowered.peaks(codes)])
 
 
-def _deadlock(schedule: Schedule, deps: list, steps: list[list[int]], ptr: list[int],
-              waiting: list[tuple[int, Action]]) -> None:
+def _deadlock(schedule: Schedule, lowered: Lowered, codes: list[list[int]], pos: list[int],
+              waiting: list[int]) -> None:
     m = schedule.m
-    bwd = {a.stage * m + a.microbatch: a.op for r in schedule.ranks for a in r if a.op in BACKWARD_INPUT_OPS}
-    done = set()
-    for r, actions in enumerate(schedule.ranks):
-        for a in actions[:ptr[r]]:
-            if a.op is not Op.W:
-                done.add(2 * (a.stage * m + a.microbatch) + (a.op is not Op.F))
-    desc = "; ".join(f"rank {r} waits at {a} for "
-                     f"{', '.join(_key_text(schedule, d, bwd) for d in deps[r][ptr[r]][0] if d not in done)}"
-                     for r, a in waiting)
-    _fail(schedule, f"deadlock with non-blocking sends and blocking receives: {desc}", waiting[0][1], waiting[0][0])
+    gradient_op = {a.stage * m + a.microbatch: a.op.value for r in schedule.ranks for a in r
+                   if a.op in BACKWARD_INPUT_OPS}
+    desc = "; ".join(f"rank {r} waits at {schedule.ranks[r][pos[r]]} for "
+                     f"{lowered.slot_text(lowered.dep[codes[r][pos[r]]], gradient_op)}" for r in waiting)
+    r = waiting[0]
+    _fail(schedule, f"deadlock with non-blocking sends and blocking receives: {desc}", schedule.ranks[r][pos[r]], r)
 
 
 def _check_rank(schedule: Schedule, r: int, allowed: set, flags: dict) -> None:

@@ -32,7 +32,7 @@ def test_every_library_schedule_is_a_point_of_the_btt_space(name, p, m, v):
     except KoalaError:
         pytest.skip(f"{name} does not compile for p={p} m={m} v={v} (library issue, not the encoding's)")
     enc = encode(schedule)
-    assert len(enc.walks) == p
+    assert len(enc.ranks) == p and enc.walks == enc.ranks   # one choice sequence per rank (walks: the older name)
     back = decode(enc, schedule.name)
     assert back.same_order(schedule)
 
@@ -223,20 +223,21 @@ def test_cli_placement_option_and_two_copies_note(tmp_path, capsys):
 
 
 # -- local search ------------------------------------------------------------------------------
-def test_timing_agrees_with_the_simulator():
-    from koala_ds.search.local import Timing
+def test_local_search_timeline_agrees_with_the_simulator():
+    from koala_ds.search.local import LocalSearch
 
     for p, m, v, backward in [(4, 8, 1, "split"), (4, 8, 2, "split"), (4, 6, 1, "full"), (3, 5, 2, "full")]:
         problem = _problem(p, m, v, backward)
         for part in problem.parts:
-            timing = Timing(part)
+            ls = LocalSearch(part)
             for _, orders in greedy_seeds(part)[:5]:
                 ev = part.evaluate(orders)
                 if ev.makespan == float("inf"):
                     continue
-                free, starts = timing.run(ev.codes)
-                assert max(free) == pytest.approx(ev.makespan, abs=1e-9)
-                assert [len(s) for s in starts] == [len(c) for c in ev.codes]
+                free, starts = ls.times(ev.codes)
+                res = simulate(part.schedule(ev.codes, "greedy"), problem.search_profile)
+                assert max(free) == pytest.approx(res.makespan, abs=1e-9)
+                assert [[t.start for t in res.rank_timeline(r)] for r in range(p)] == starts
 
 
 def test_local_search_never_worsens_and_stays_valid():
@@ -315,7 +316,7 @@ def test_chain_moves_shift_one_microbatch_on_every_stage():
     ls = LocalSearch(part)
     S, m = part.placement.num_stages, 8
     ev = part.evaluate(greedy_seeds(part)[0][1])
-    free, starts = ls.timing.run(ev.codes)
+    free, starts = ls.times(ev.codes)
     chains = ls.chain_moves(ev.codes, starts, free)
     assert chains
     for chain in chains:

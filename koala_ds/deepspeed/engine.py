@@ -43,7 +43,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule
 
 from .. import wgrad
-from ..ir import Placement, Schedule
+from ..ir import KoalaError, Placement, Schedule
 from ..resolve import DEEPSPEED, ScheduleFitError, check_fit, load, load_profile, resolve
 from ..timeout import DEFAULT_TIMEOUT_S, ENV_TIMEOUT, TimeoutSettingError, timeout_setting
 from ..validate import validate

@@ -6,10 +6,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..ir import KoalaError
+from ..ir import OP_NAMES, KoalaError
 from . import ast as A
 
-OPS = ("F", "B", "I", "W")
+OPS = frozenset(OP_NAMES)  # the op names, from the one op table (koala_ds.ir.OpIndex)
 KEYWORDS = {"let", "for", "in", "if", "else", "rank", "slot", "and", "or", "not"}
 HEADERS = ("schedule", "description", "source", "supports", "placement", "backward", "compact", "let", "rank")
 COMPACT_MODES = ("greedy",)
@@ -127,9 +127,6 @@ class _Tokens:
     @property
     def cur(self) -> Tok:
         return self.toks[self.i]
-
-    def peek(self, k: int = 1) -> Tok:
-        return self.toks[min(self.i + k, len(self.toks) - 1)]
 
     def next(self) -> Tok:
         tok = self.toks[self.i]

@@ -13,7 +13,6 @@ from pathlib import Path
 
 from ..dsl import Program, parse, parse_program
 from ..ir import KoalaError, Schedule, ScheduleError, change_hint
-from ..validate import validate
 
 LIBRARY_DIR = Path(__file__).resolve().parent
 #: The schedule JSON versions this koala-ds reads.

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..ir import Placement
+from ..lowered import F, W, Lowered
 from ..sim import CostProfile
 from ..sim.lower_bound import backward_durations
 from ..sim.simulator import MEMORY_RTOL
@@ -86,23 +87,24 @@ class Releases:
 def release_times(profile: CostProfile, placement: Placement, m: int, backward: str,
                   limits: Sequence[float | None]) -> Releases:
     """Release times and tails (steps 1-2 of the module docstring) for one placement."""
-    S = placement.num_stages
-    costs = profile.stage_costs(S, placement.pipelines)
-    lat = float(profile.p2p_latency)
-    split = backward == "split"
-    rank = placement.stage_ranks
-    dF = [c.forward for c in costs]
+    low = Lowered(placement, m, backward, profile)
     # I/B: the least time of the step that passes the gradient on; W: of the rest of the backward
     # (the part of a B after it, when a split schedule runs a B; 0 with full backward)
-    dI, dW = backward_durations(costs, backward)
-    n = [len(placement.microbatches_of(s, m)) for s in range(S)]
-    prev = [placement.prev_stage(s) for s in range(S)]
-    nxt = [placement.next_stage(s) for s in range(S)]
+    dF = [c.forward for c in low.costs]
+    dI, dW = backward_durations(low.costs, backward)
+    n = [len(placement.microbatches_of(s, m)) for s in range(low.num_stages)]
+    qF, qI = _tails(low, dF, dI, dW)
+    RF, RI, RW = _order_statistics(low, {F: dF, low.gradient_op: dI, W: dW}, n, limits)
+    return Releases(tuple(map(tuple, RF)), tuple(map(tuple, RI)), tuple(map(tuple, RW)), tuple(qF), tuple(qI),
+                    tuple(dF), tuple(dI), tuple(dW), tuple(n))
 
-    def hop(a: int, b: int) -> float:
-        return lat if rank[a] != rank[b] else 0.0
 
-    cap = []
+def _memory_caps(low: Lowered, limits: Sequence[float | None]) -> tuple[list[float], list[list[tuple[int, int]]]]:
+    """Per stage s: c, at most c microbatches hold s's activation when an F(s) starts (step 1's
+    memory term); and (s', c') for each earlier stage s' of the same pipeline on the rank of s,
+    at most c' microbatches hold s' then."""
+    costs, rank, S = low.costs, low.placement.stage_ranks, low.num_stages
+    cap: list[float] = []
     for s in range(S):
         lim = limits[rank[s]]
         act = costs[s].activation_mb
@@ -110,52 +112,66 @@ def release_times(profile: CostProfile, placement: Placement, m: int, backward: 
             cap.append(math.inf)
         else:
             cap.append(max(1, math.floor(lim * (1 + MEMORY_RTOL) / act + MEMORY_RTOL)))
-    # memory across the stages of one rank: (s', c') for each earlier stage s' of the same
-    # pipeline on the rank of s; at most c' microbatches hold s' when an F(s) runs
     upstream: list[list[tuple[int, int]]] = [[] for _ in range(S)]
     for s in range(S):
         lim = limits[rank[s]]
         if lim is None:
             continue
-        a = prev[s]
+        a = low.prev[s]
         while a is not None:
             act_a = costs[a].activation_mb
             if rank[a] == rank[s] and act_a > 0:
                 room = lim * (1 + MEMORY_RTOL) - costs[s].activation_mb
                 upstream[s].append((a, max(1, math.floor(room / act_a + MEMORY_RTOL))))
-            a = prev[a]
+            a = low.prev[a]
         held = costs[s].activation_mb + sum(costs[a].activation_mb for a, _ in upstream[s])
         if held > 0:
             cap[s] = min(cap[s], max(1, math.floor(lim * (1 + MEMORY_RTOL) / held + MEMORY_RTOL)))
-    # tails
+    return cap, upstream
+
+
+def _tails(low: Lowered, dF: list[float], dI: list[float], dW: list[float]) -> tuple[list[float], list[float]]:
+    """Step 2: per stage, the least time from the end of an F (of an I/B) to the end of the schedule."""
+    S = low.num_stages
     qI = [0.0] * S
     for s in range(S):  # prev stages first (pipeline order)
         t = dW[s]
-        if prev[s] is not None:
-            p_ = prev[s]
-            t = max(t, hop(s, p_) + dI[p_] + qI[p_])
+        p_ = low.prev[s]
+        if p_ is not None:
+            t = max(t, low.hop(s, p_) + dI[p_] + qI[p_])
         qI[s] = t
     qF = [0.0] * S
     for s in reversed(range(S)):
         t = dI[s] + qI[s]
-        if nxt[s] is not None:
-            x = nxt[s]
-            t = max(t, hop(s, x) + dF[x] + qF[x])
+        x = low.next[s]
+        if x is not None:
+            t = max(t, low.hop(s, x) + dF[x] + qF[x])
         qF[s] = t
-    # releases (order statistics), k outer so the memory term can look back
-    N = max(n) if n else 0
-    RF = [[0.0] * n[s] for s in range(S)]
-    RI = [[0.0] * n[s] for s in range(S)]
-    RW = [[0.0] * n[s] for s in range(S)]
-    fwd_order = sorted(range(S), key=lambda s: (placement.pipeline_of(s), s))
-    for k in range(N):
+    return qF, qI
+
+
+def _order_statistics(low: Lowered, dur: dict[int, list[float]], n: list[int], limits: Sequence[float | None]
+                      ) -> tuple[list[list[float]], list[list[float]], list[list[float]]]:
+    """Step 1: the least start of the k-th F, I/B and W of each stage, k outer so that the memory
+    term can look back; each group after its inputs in the lowered dependency table."""
+    S, bk = low.num_stages, low.gradient_op
+    cap, upstream = _memory_caps(low, limits)
+    RF, RI, RW = ([[0.0] * n[s] for s in range(S)] for _ in range(3))
+    R = {F: RF, bk: RI, W: RW}
+
+    def release(op: int, s: int, k: int) -> float:
+        r = R[op][s][k - 1] + dur[op][s] if k else 0.0   # one group runs one at a time
+        for dep in low.inputs_of(op, s):
+            r = max(r, R[dep.op][dep.stage][k] + dur[dep.op][dep.stage] + (low.latency if dep.cross else 0.0))
+        return r
+
+    fwd_order = sorted(range(S), key=lambda s: (low.placement.pipeline_of(s), s))
+    dI = dur[bk]
+    for k in range(max(n) if n else 0):
         for s in fwd_order:
             if k >= n[s]:
                 continue
-            r = RF[s][k - 1] + dF[s] if k else 0.0
-            if prev[s] is not None:
-                p_ = prev[s]
-                r = max(r, RF[p_][k] + dF[p_] + hop(p_, s))
+            r = release(F, s, k)
             if k - cap[s] >= 0:
                 r = max(r, RI[s][k - cap[s]] + dI[s])
             for a, c in upstream[s]:
@@ -163,19 +179,11 @@ def release_times(profile: CostProfile, placement: Placement, m: int, backward: 
                     r = max(r, RI[a][k - c] + dI[a])
             RF[s][k] = r
         for s in reversed(fwd_order):
-            if k >= n[s]:
-                continue
-            r = RF[s][k] + dF[s]
-            if k:
-                r = max(r, RI[s][k - 1] + dI[s])
-            if nxt[s] is not None:
-                x = nxt[s]
-                r = max(r, RI[x][k] + dI[x] + hop(x, s))
-            RI[s][k] = r
-            if split:
-                RW[s][k] = max(r + dI[s], RW[s][k - 1] + dW[s] if k else 0.0)
-    return Releases(tuple(map(tuple, RF)), tuple(map(tuple, RI)), tuple(map(tuple, RW)), tuple(qF), tuple(qI),
-                    tuple(dF), tuple(dI), tuple(dW), tuple(n))
+            if k < n[s]:
+                RI[s][k] = release(bk, s, k)
+                if low.split:
+                    RW[s][k] = release(W, s, k)
+    return RF, RI, RW
 
 
 def jackson_bound(profile: CostProfile, placement: Placement, m: int, backward: str,

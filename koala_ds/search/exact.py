@@ -44,7 +44,8 @@ import math
 import time
 from dataclasses import dataclass
 
-from ..ir import Action, Op, Schedule
+from ..ir import OP_INDEX, OPS, Action, Op, Schedule
+from ..lowered import Lowered
 from ..sim import simulate
 from .bound import jackson_bound, release_times
 from .problem import PlacementProblem, SearchError, SearchProblem
@@ -95,131 +96,175 @@ class _Built:
     per_rank: list
 
 
+@dataclass
+class _Scaled:
+    """The configuration in solver units: durations per (op, stage) and the latency in ticks
+    (`sc` ticks per ms), memory in `msc` units per MB, and the horizon."""
+
+    lowered: Lowered
+    ops: tuple[Op, ...]            # the ops each (stage, microbatch) runs: F, I, W or F, B
+    sc: int
+    msc: int
+    L: int
+    dur: dict
+    horizon: int
+
+    def q(self, x: float) -> int:
+        return round(x * self.sc)
+
+
+def _scaled(problem: SearchProblem, part: PlacementProblem) -> _Scaled:
+    low, pl, m = part.sim.lowered, part.placement, part.sim.m
+    costs, lat = low.costs, low.latency
+    durs = [lat] + [x for c in costs for x in (c.forward, c.backward_input, c.backward_weight, c.backward)]
+    sc = _scale(durs)
+    msc = _scale([x for c in costs for x in (c.activation_mb, c.w_hold_mb)] +
+                 [x for x in problem.limits if x is not None])
+    dur = {}
+    for s, c in enumerate(costs):
+        for op, x in ((Op.F, c.forward), (Op.I, c.backward_input), (Op.W, c.backward_weight), (Op.B, c.backward)):
+            dur[(op, s)] = round(x * sc)
+    ops = (Op.F, Op.I, Op.W) if low.split else (Op.F, Op.B)
+    L = round(lat * sc)
+    horizon = sum(dur[(op, s)] * len(pl.microbatches_of(s, m)) for s in range(low.num_stages) for op in ops)
+    return _Scaled(low, ops, sc, msc, L, dur, horizon + L * 2 * low.num_stages * m)
+
+
+def _hint_starts(problem: SearchProblem, scaled: _Scaled, hint: Schedule, in_order: bool
+                 ) -> tuple[dict[tuple[Op, int, int], int], int]:
+    """The hint's start times in the model's ops (a B split into I and W, or I/W merged into B),
+    relabelled to microbatch order when `in_order`; and the horizon the hint allows."""
+    split, q, dur = scaled.lowered.split, scaled.q, scaled.dur
+    res = simulate(hint, problem.search_profile, timeline=True)
+    starts: dict[tuple[Op, int, int], int] = {}
+    for ta in res.timeline or ():
+        a = ta.action
+        st = q(ta.start)
+        if a.op is Op.B and split:
+            starts[(Op.I, a.stage, a.microbatch)] = st
+            starts[(Op.W, a.stage, a.microbatch)] = st + dur[(Op.I, a.stage)]
+        elif a.op is Op.I and not split:
+            starts[(Op.B, a.stage, a.microbatch)] = st
+        elif a.op is Op.W and not split:
+            continue
+        else:
+            starts[(a.op, a.stage, a.microbatch)] = st
+    if in_order:  # the hint relabelled as in the module docstring, so that it is a solution
+        starts = _relabel(starts, scaled.lowered.placement, scaled.lowered.m)
+    return starts, min(scaled.horizon, max(q(res.makespan), max(v + dur[(k[0], k[1])] for k, v in starts.items())))
+
+
 def _build(cp_model, problem: SearchProblem, part: PlacementProblem, hint: Schedule | None,
            machines: set[int] | None, in_order: bool) -> _Built:
     """The CP-SAT model of the module docstring; one-action-at-a-time only on `machines` (None:
     every rank)."""
-    pl, sim = part.placement, part.sim
-    m = sim.m
-    split = sim.backward == "split"
-    costs = problem.search_profile.stage_costs(pl.num_stages, pl.pipelines)
-    lat = float(problem.search_profile.p2p_latency)
-    S = pl.num_stages
-    durs = [lat] + [x for c in costs for x in (c.forward, c.backward_input, c.backward_weight, c.backward)]
-    sc = _scale(durs)
-    mem_vals = [x for c in costs for x in (c.activation_mb, c.w_hold_mb)] + \
-        [x for x in problem.limits if x is not None]
-    msc = _scale(mem_vals)
-    L = round(lat * sc)
-
-    def q(x: float) -> int:
-        return round(x * sc)
-
-    ops = (Op.F, Op.I, Op.W) if split else (Op.F, Op.B)
-    dur = {}
-    for s in range(S):
-        c = costs[s]
-        dur[(Op.F, s)] = q(c.forward)
-        dur[(Op.I, s)] = q(c.backward_input)
-        dur[(Op.W, s)] = q(c.backward_weight)
-        dur[(Op.B, s)] = q(c.backward)
-    horizon = sum(dur[(op, s)] * len(pl.microbatches_of(s, m)) for s in range(S) for op in ops)
-    horizon += L * 2 * S * m
+    scaled = _scaled(problem, part)
     hint_start: dict[tuple[Op, int, int], int] = {}
     if hint is not None:
-        res = simulate(hint, problem.search_profile, timeline=True)
-        for ta in res.timeline or ():
-            a = ta.action
-            st = q(ta.start)
-            if a.op is Op.B and split:
-                hint_start[(Op.I, a.stage, a.microbatch)] = st
-                hint_start[(Op.W, a.stage, a.microbatch)] = st + dur[(Op.I, a.stage)]
-            elif a.op is Op.I and not split:
-                hint_start[(Op.B, a.stage, a.microbatch)] = st
-            elif a.op is Op.W and not split:
-                continue
-            else:
-                hint_start[(a.op, a.stage, a.microbatch)] = st
-        if in_order:  # the hint relabelled as in the module docstring, so that it is a solution
-            hint_start = _relabel(hint_start, pl, m)
-        horizon = min(horizon, max(q(res.makespan), max(v + dur[(k[0], k[1])] for k, v in hint_start.items())))
+        hint_start, scaled.horizon = _hint_starts(problem, scaled, hint, in_order)
     model = cp_model.CpModel()
-    start, end = {}, {}
-    per_rank: list[list] = [[] for _ in range(pl.p)]
-    for s in range(S):
-        r = pl.rank_of(s)
-        for mb in pl.microbatches_of(s, m):
-            for op in ops:
-                d = dur[(op, s)]
+    built = _Built(model, {}, {}, scaled.sc, [[] for _ in range(part.placement.p)])
+    _add_intervals(built, scaled, hint_start)
+    _add_dependencies(built, scaled)
+    held = _held_memory(built, scaled)
+    for r in range(part.placement.p):
+        if machines is None or r in machines:
+            model.AddNoOverlap([iv for _, iv in built.per_rank[r]])
+        limit = problem.limits[r]
+        if limit is not None and held[r]:
+            cap = math.floor(limit * scaled.msc * (1 + 1e-9) + 1e-6)
+            model.AddCumulative([h[0] for h in held[r]], [h[1] for h in held[r]], cap)
+    _add_microbatch_order(built, scaled, in_order)
+    makespan = model.NewIntVar(0, scaled.horizon, "makespan")
+    for key, e in built.end.items():
+        if key[0] in (Op.W, Op.B) or (key[0] is Op.I and not scaled.lowered.split):
+            model.Add(makespan >= e)
+    if in_order:  # the k-th action of a group is the k-th microbatch's
+        _add_releases(built, scaled, problem, makespan)
+    model.Minimize(makespan)
+    if hint is not None:
+        model.AddHint(makespan, scaled.horizon)
+    return built
+
+
+def _add_intervals(built: _Built, scaled: _Scaled, hint_start: dict) -> None:
+    """One fixed-size interval per action, hinted where the hint has it."""
+    low, model = scaled.lowered, built.model
+    for s in range(low.num_stages):
+        r = low.placement.rank_of(s)
+        for mb in low.placement.microbatches_of(s, low.m):
+            for op in scaled.ops:
+                d = scaled.dur[(op, s)]
                 key = (op, s, mb)
-                st = model.NewIntVar(0, horizon - d, f"s{op.value}{s}_{mb}")
+                st = model.NewIntVar(0, scaled.horizon - d, f"s{op.value}{s}_{mb}")
                 iv = model.NewFixedSizeIntervalVar(st, d, f"i{op.value}{s}_{mb}")
-                start[key], end[key] = st, st + d
-                per_rank[r].append((key, iv))
+                built.start[key], built.end[key] = st, st + d
+                built.per_rank[r].append((key, iv))
                 if key in hint_start:
                     model.AddHint(st, hint_start[key])
-    bwd = Op.I if split else Op.B
-    for s in range(S):
-        r = pl.rank_of(s)
-        prev, nxt = pl.prev_stage(s), pl.next_stage(s)
-        for mb in pl.microbatches_of(s, m):
-            if prev is not None:
-                model.Add(start[(Op.F, s, mb)] >= end[(Op.F, prev, mb)] + (L if pl.rank_of(prev) != r else 0))
-            model.Add(start[(bwd, s, mb)] >= end[(Op.F, s, mb)])
-            if nxt is not None:
-                model.Add(start[(bwd, s, mb)] >= end[(bwd, nxt, mb)] + (L if pl.rank_of(nxt) != r else 0))
-            if split:
-                model.Add(start[(Op.W, s, mb)] >= end[(Op.I, s, mb)])
-    # memory: an activation is held from the start of its F to the start of its I (all but
-    # w_hold_mb) or of its W (w_hold_mb); B frees all of it. The level at time t is the sum of
-    # the held intervals covering t, the reservoir of F/I/W/B events seen up to t.
-    held: list[list[tuple]] = [[] for _ in range(pl.p)]
-    for s in range(S):
-        r = pl.rank_of(s)
-        c = costs[s]
-        for mb in pl.microbatches_of(s, m):
+
+
+def _add_dependencies(built: _Built, scaled: _Scaled) -> None:
+    """The lowered dependency table: each action starts after its inputs end (+ the latency
+    between ranks)."""
+    low, start, end = scaled.lowered, built.start, built.end
+    for s in range(low.num_stages):
+        for mb in low.placement.microbatches_of(s, low.m):
+            for op in scaled.ops:
+                for dep in low.inputs_of(OP_INDEX[op], s):
+                    ready = end[(OPS[dep.op], dep.stage, mb)]
+                    built.model.Add(start[(op, s, mb)] >= (ready + scaled.L if dep.cross else ready))
+
+
+def _held_memory(built: _Built, scaled: _Scaled) -> list[list[tuple]]:
+    """Per rank, (interval, demand) of every held activation part.
+
+    An activation is held from the start of its F to the start of its I (all but w_hold_mb) or
+    of its W (w_hold_mb); B frees all of it. The level at time t is the sum of the held intervals
+    covering t, the reservoir of F/I/W/B events seen up to t."""
+    low, model, start = scaled.lowered, built.model, built.start
+    held: list[list[tuple]] = [[] for _ in range(low.p)]
+    for s in range(low.num_stages):
+        r = low.placement.rank_of(s)
+        c = low.costs[s]
+        for mb in low.placement.microbatches_of(s, low.m):
             f = start[(Op.F, s, mb)]
-            if split:
+            if low.split:
                 parts = [(start[(Op.I, s, mb)], c.activation_mb - c.w_hold_mb), (start[(Op.W, s, mb)], c.w_hold_mb)]
             else:
                 parts = [(start[(Op.B, s, mb)], c.activation_mb)]
             for k, (stop, size) in enumerate(parts):
-                demand = round(size * msc)
+                demand = round(size * scaled.msc)
                 if demand <= 0:
                     continue
-                length = model.NewIntVar(0, horizon, f"h{s}_{mb}_{k}")
+                length = model.NewIntVar(0, scaled.horizon, f"h{s}_{mb}_{k}")
                 held[r].append((model.NewIntervalVar(f, length, stop, f"held{s}_{mb}_{k}"), demand))
-    for r in range(pl.p):
-        if machines is None or r in machines:
-            model.AddNoOverlap([iv for _, iv in per_rank[r]])
-        limit = problem.limits[r]
-        if limit is not None and held[r]:
-            cap = math.floor(limit * msc * (1 + 1e-9) + 1e-6)
-            model.AddCumulative([h[0] for h in held[r]], [h[1] for h in held[r]], cap)
-    # microbatch order: all ops of every stage (in_order), else the first stage's forwards
-    for s in range(S):
-        mbs = list(pl.microbatches_of(s, m))
-        first = pl.prev_stage(s) is None
-        for op in ops:
+    return held
+
+
+def _add_microbatch_order(built: _Built, scaled: _Scaled, in_order: bool) -> None:
+    """Microbatch order: all ops of every stage (in_order), else the first stage's forwards."""
+    low = scaled.lowered
+    for s in range(low.num_stages):
+        mbs = list(low.placement.microbatches_of(s, low.m))
+        first = low.prev[s] is None
+        for op in scaled.ops:
             if in_order or (first and op is Op.F):
                 for a, b in zip(mbs, mbs[1:]):
-                    model.Add(start[(op, s, b)] >= end[(op, s, a)])
-    makespan = model.NewIntVar(0, horizon, "makespan")
-    for key, e in end.items():
-        if key[0] in (Op.W, Op.B) or (key[0] is Op.I and not split):
-            model.Add(makespan >= e)
-    if in_order:  # the k-th action of a group is the k-th microbatch's
-        rel = release_times(problem.search_profile, pl, m, sim.backward, problem.limits)
-        for s in range(S):
-            for k, mb in enumerate(pl.microbatches_of(s, m)):
-                for op, r_ in ((Op.F, rel.F), (bwd, rel.I)) + (((Op.W, rel.W),) if split else ()):
-                    model.Add(start[(op, s, mb)] >= math.ceil(r_[s][k] * sc - 1e-6))
-                model.Add(makespan >= end[(Op.F, s, mb)] + math.floor(rel.tail_F[s] * sc + 1e-6))
-                model.Add(makespan >= end[(bwd, s, mb)] + math.floor(rel.tail_I[s] * sc + 1e-6))
-    model.Minimize(makespan)
-    if hint is not None:
-        model.AddHint(makespan, horizon)
-    return _Built(model, start, end, sc, per_rank)
+                    built.model.Add(built.start[(op, s, b)] >= built.end[(op, s, a)])
+
+
+def _add_releases(built: _Built, scaled: _Scaled, problem: SearchProblem, makespan) -> None:
+    """The bound's release times and tails for the k-th action of each group (module docstring)."""
+    low, sc, model = scaled.lowered, scaled.sc, built.model
+    bwd = OPS[low.gradient_op]
+    rel = release_times(problem.search_profile, low.placement, low.m, low.backward, problem.limits)
+    for s in range(low.num_stages):
+        for k, mb in enumerate(low.placement.microbatches_of(s, low.m)):
+            for op, r_ in ((Op.F, rel.F), (bwd, rel.I)) + (((Op.W, rel.W),) if low.split else ()):
+                model.Add(built.start[(op, s, mb)] >= math.ceil(r_[s][k] * sc - 1e-6))
+            model.Add(makespan >= built.end[(Op.F, s, mb)] + math.floor(rel.tail_F[s] * sc + 1e-6))
+            model.Add(makespan >= built.end[(bwd, s, mb)] + math.floor(rel.tail_I[s] * sc + 1e-6))
 
 
 def _relabel(starts: dict[tuple[Op, int, int], int], pl, m: int) -> dict[tuple[Op, int, int], int]:

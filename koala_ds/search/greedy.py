@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from .encoding import B_K, F_K, I_K, W_K
+from ..lowered import B, F, W, action_code
 from .problem import PlacementProblem
 
 
@@ -69,209 +69,197 @@ def policies(p: int, v: int, backward: str) -> list[Policy]:
     return out
 
 
-def greedy_walk(part: PlacementProblem, policy: Policy) -> list[list[int]] | None:
-    """Run the greedy list scheduler; the token lists of every rank, or None on a deadlock."""
-    sim, pl, dec = part.sim, part.placement, part.decoder
-    p, m, C = pl.p, sim.m, pl.chunks_per_rank
-    split = sim.backward == "split"
-    profile = sim.profile
-    costs = profile.stage_costs(pl.num_stages, pl.pipelines)
-    lat = float(profile.p2p_latency)
-    S = pl.num_stages
-    stage = dec.stage
-    mbs = dec.mbs
-    act = dec.act
-    limits = dec.limits
-    dF = [[costs[s].forward for s in stage[r]] for r in range(p)]
-    dB = [[(costs[s].backward_input if split else costs[s].backward) for s in stage[r]] for r in range(p)]
-    dW = [[costs[s].backward_weight for s in stage[r]] for r in range(p)]
-    bfree = [[(dec.ifree[r][c] if split else dec.act[r][c]) for c in range(C)] for r in range(p)]
-    wfree = dec.wfree
-    prev = [pl.prev_stage(s) for s in range(S)]
-    nxt = [pl.next_stage(s) for s in range(S)]
-    rank_of = pl.stage_ranks
-    chunk_of = [0] * S
-    for r in range(p):
-        for c, s in enumerate(stage[r]):
-            chunk_of[s] = c
-    # a microbatch enters rank r at its first stage there in pipeline order
-    entry = [[(prev[s] is None or rank_of[prev[s]] != r or True) and c == min(
-        cc for cc, ss in enumerate(stage[r]) if pl.pipeline_of(ss) == pl.pipeline_of(s))
-        for c, s in enumerate(stage[r])] for r in range(p)]
-    commit_need = [[sum(act[r][cc] for cc, ss in enumerate(stage[r]) if pl.pipeline_of(ss) == pl.pipeline_of(s))
-                    for s in stage[r]] for r in range(p)]
-    if policy.cap is None:
-        cap = [math.inf] * p
-    else:
-        a, b = policy.cap
-        vv = C
-        cap = [max(1.0, a * vv * (p - r) + b * vv) for r in range(p)]
-
-    fwd_av = [[-1.0] * m for _ in range(S)]   # F(s, mb) output at the next stage's rank
-    grd_av = [[-1.0] * m for _ in range(S)]   # B/I(s, mb) output at the previous stage's rank
-    f_end = [[-1.0] * m for _ in range(S)]
-    nF = [[0] * C for _ in range(p)]
-    nB = [[0] * C for _ in range(p)]
-    wq: list[list[list[int]]] = [[[] for _ in range(C)] for _ in range(p)]  # pending W per chunk (I order)
-    w_time: list[list[list[float]]] = [[[] for _ in range(C)] for _ in range(p)]
-    mem = [0.0] * p
-    committed = [0.0] * p
-    units = [0.0] * p  # chunk-activations held (cap accounting)
-    free = [0.0] * p
-    total = [sum(len(mbs[r][c]) for c in range(C)) * (3 if split else 2) for r in range(p)]
-    done = [0] * p
-    tokens: list[list[int]] = [[] for _ in range(p)]
-    heap = [(0.0, r) for r in range(p)]
+def greedy_orders(part: PlacementProblem, policy: Policy) -> list[list[int]] | None:
+    """Run the greedy list scheduler; every rank's order as BTT choices, or None on a deadlock."""
+    run = _GreedyRun(part, policy)
+    free, done, total, choose, execute = run.free, run.done, run.total, run.choose, run.execute
+    heap = [(0.0, r) for r in range(run.p)]
     heapq.heapify(heap)
-    push = heapq.heappush
-    late = policy.late_b
-
+    pop, push = heapq.heappop, heapq.heappush
     while heap:
-        t, r = heapq.heappop(heap)
+        t, r = pop(heap)
         if t < free[r] or done[r] == total[r]:
             continue
-        st, ms_, ac = stage[r], mbs[r], act[r]
-        # candidates
-        best_b = None      # (ready, -chunk, c)
-        next_b = math.inf
-        for c in range(C):
-            k = nB[r][c]
-            if k < nF[r][c]:
-                s = st[c]
-                mb = ms_[c][k]
-                rd = f_end[s][mb]
-                if nxt[s] is not None:
-                    g = grd_av[nxt[s]][mb]
-                    if g < 0:
-                        continue
-                    rd = max(rd, g)
-                if rd <= t:
-                    key = (rd, -c, c)
-                    if best_b is None or key < best_b:
-                        best_b = key
-                elif rd < next_b:
-                    next_b = rd
-        best_f = None
-        next_f = math.inf
-        mem_blocked = False
-        for c in range(C):
-            k = nF[r][c]
-            if k >= len(ms_[c]):
-                continue
-            s = st[c]
-            mb = ms_[c][k]
-            if prev[s] is None:
-                rd = 0.0
-            else:
-                rd = fwd_av[prev[s]][mb]
-                if rd < 0:
-                    continue
-            if entry[r][c]:
-                held = committed[r] if policy.commit == "all" else mem[r]
-                if held + commit_need[r][c] > limits[r] or units[r] + 1 > cap[r] + 1e-9:
-                    if held + commit_need[r][c] > limits[r]:
-                        mem_blocked = True
-                    continue
-            elif mem[r] + ac[c] > limits[r]:
-                mem_blocked = True
-                continue
-            if rd <= t:
-                key = (-c if policy.depth_first else c, rd)
-                if best_f is None or key < best_f[0]:
-                    best_f = (key, c)
-            elif rd < next_f:
-                next_f = rd
-        choice = None
-        if best_b is not None and (policy.prefer_b or best_f is None):
-            choice = (B_K, best_b[2])
-        elif best_f is not None:
-            c = best_f[1]
-            # optionally wait a little for an arriving backward instead of starting a forward
-            if late > 0 and next_b < t + late * dF[r][c] and best_b is None:
-                choice = None
-            else:
-                choice = (F_K, c)
-        if choice is None and (best_b is not None):
-            choice = (B_K, best_b[2])
+        choice, wake = choose(r, t)
         if choice is None:
-            has_w = [c for c in range(C) if wq[r][c]]
-            if has_w:
-                c = min(has_w, key=lambda cc: w_time[r][cc][0])
-                upcoming = min(next_b, next_f)
-                if policy.w_mode == "eager" or mem_blocked or upcoming >= t + dW[r][c] or \
-                        (best_f is None and upcoming == math.inf):
-                    choice = (W_K, c)
-        if choice is None:
-            wake = min(next_b, next_f)
-            if late > 0 and best_f is not None and wake > t:
-                # we decided to wait for the backward: wake when it arrives
-                pass
             if wake < math.inf:
                 push(heap, (wake, r))
             continue
-        kind, c = choice
-        s = st[c]
-        if kind == F_K:
-            mb = ms_[c][nF[r][c]]
-            nF[r][c] += 1
-            end = t + dF[r][c]
-            f_end[s][mb] = end
-            mem[r] += ac[c]
-            if entry[r][c]:
-                committed[r] += commit_need[r][c]
-                units[r] += 1
-            tokens[r].append(F_K * C + c)
-            n_s = nxt[s]
-            if n_s is not None:
-                q = rank_of[n_s]
-                av = end + (lat if q != r else 0.0)
-                fwd_av[s][mb] = av
-                push(heap, (av, q))
-            else:
-                push(heap, (end, r))
-        elif kind == B_K:
-            mb = ms_[c][nB[r][c]]
-            nB[r][c] += 1
-            end = t + dB[r][c]
-            mem[r] -= bfree[r][c]
-            if split:
-                wq[r][c].append(mb)
-                w_time[r][c].append(end)
-                tokens[r].append(I_K * C + c)
-            else:
-                committed[r] -= ac[c]
-                tokens[r].append(B_K * C + c)
-            if entry[r][c]:
-                units[r] -= 1
-            p_s = prev[s]
-            if p_s is not None:
-                q = rank_of[p_s]
-                av = end + (lat if q != r else 0.0)
-                grd_av[s][mb] = av
-                push(heap, (av, q))
-        else:
-            wq[r][c].pop(0)
-            w_time[r][c].pop(0)
-            end = t + dW[r][c]
-            mem[r] -= wfree[r][c]
-            committed[r] -= ac[c]
-            tokens[r].append(W_K * C + c)
-        done[r] += 1
-        free[r] = end
-        push(heap, (end, r))
-    if any(done[r] < total[r] for r in range(p)):
+        for event in execute(r, choice[0], choice[1], t):
+            push(heap, event)
+    if any(done[r] < total[r] for r in range(run.p)):
         return None
-    return tokens
+    return run.choices
+
+
+greedy_walk = greedy_orders  # the older name
+
+
+class _GreedyRun:
+    """The state of one greedy run: per rank and chunk, what ran and what is held; per slot of
+    the lowered configuration, when its data arrives (-1: not yet)."""
+
+    def __init__(self, part: PlacementProblem, policy: Policy):
+        low, pl = part.sim.lowered, part.placement
+        self.low, self.policy = low, policy
+        p, C, S, m = pl.p, pl.chunks_per_rank, low.num_stages, low.m
+        self.p, self.C = p, C
+        self.limits = part.decoder.limits
+        stage = [pl.stages_of(r) for r in range(p)]
+        self.mbs = [[list(pl.microbatches_of(s, m)) for s in stage[r]] for r in range(p)]
+        bk = low.gradient_op  # the backward that passes the gradient on: I (split) or B (full)
+        # per rank and chunk: the codes of microbatch 0 (F, I/B, W)
+        self.fbase = [[action_code(F, s, 0, S, m) for s in stage[r]] for r in range(p)]
+        self.bbase = [[action_code(bk, s, 0, S, m) for s in stage[r]] for r in range(p)]
+        self.wbase = [[action_code(W, s, 0, S, m) for s in stage[r]] for r in range(p)]
+        self.bchoice = bk * C
+        self.mem_delta = low.mem.tolist()
+        self.act = [[self.mem_delta[f] for f in self.fbase[r]] for r in range(p)]
+        # a microbatch enters rank r at its first chunk of that pipeline; it then commits the
+        # memory of all the rank's stages of that pipeline
+        first = [{} for _ in range(p)]
+        for r in range(p):
+            for c, s in enumerate(stage[r]):
+                first[r].setdefault(pl.pipeline_of(s), c)
+        self.entry = [[first[r][pl.pipeline_of(s)] == c for c, s in enumerate(stage[r])] for r in range(p)]
+        self.commit_need = [[sum(self.act[r][cc] for cc, ss in enumerate(stage[r])
+                                 if pl.pipeline_of(ss) == pl.pipeline_of(s)) for s in stage[r]] for r in range(p)]
+        if policy.cap is None:
+            self.cap = [math.inf] * p
+        else:
+            a, b = policy.cap
+            self.cap = [max(1.0, a * C * (p - r) + b * C) for r in range(p)]
+        self.avail = [-1.0] * low.nslots
+        self.f_end = [-1.0] * (S * m)   # when F(s, mb) ended, by its code s * m + mb
+        self.nF, self.nB = [[0] * C for _ in range(p)], [[0] * C for _ in range(p)]
+        self.wq: list[list[list[tuple[int, float]]]] = [[[] for _ in range(C)] for _ in range(p)]  # (mb, I's end)
+        self.mem, self.committed = [0.0] * p, [0.0] * p
+        self.units = [0.0] * p  # chunk-activations held (cap accounting)
+        self.free, self.done = [0.0] * p, [0] * p
+        self.total = [sum(len(x) for x in self.mbs[r]) * (3 if low.split else 2) for r in range(p)]
+        self.choices: list[list[int]] = [[] for _ in range(p)]
+        self.dep, self.C_range = low.dep, range(C)
+        # per rank, the lists the candidate loops read (bound once: they are updated in place)
+        self.view = [(self.nB[r], self.nF[r], self.mbs[r], self.fbase[r], self.bbase[r], self.entry[r],
+                      self.commit_need[r], self.act[r]) for r in range(p)]
+
+    def choose(self, r: int, t: float) -> tuple[tuple[int, int] | None, float]:
+        """(op index, chunk) to run on rank r at t, or None and when to look again (one loop over
+        the chunks for the backwards, one for the forwards: the greedy's inner loop)."""
+        pol, dep, avail, limit = self.policy, self.dep, self.avail, self.limits[r]
+        nB, nF, mbs, fbase, bbase, entry, need, act = self.view[r]
+        f_end, chunks = self.f_end, self.C_range
+        b, b_key, next_b = None, None, math.inf   # the backward ready first, the next one to be ready
+        for c in chunks:
+            k = nB[c]
+            if k >= nF[c]:
+                continue
+            mb = mbs[c][k]
+            rd = f_end[fbase[c] + mb]
+            d = dep[bbase[c] + mb]
+            if d >= 0:
+                if avail[d] < 0:
+                    continue
+                rd = max(rd, avail[d])
+            if rd <= t:
+                if b_key is None or (rd, -c) < b_key:
+                    b, b_key = c, (rd, -c)
+            elif rd < next_b:
+                next_b = rd
+        if b is not None and pol.prefer_b:
+            return (B, b), 0.0
+        mem = self.mem[r]
+        held = self.committed[r] if pol.commit == "all" else mem
+        full = self.units[r] + 1 > self.cap[r] + 1e-9
+        f, f_key, next_f, mem_blocked = None, None, math.inf, False
+        for c in chunks:
+            k = nF[c]
+            if k >= len(mbs[c]):
+                continue
+            d = dep[fbase[c] + mbs[c][k]]
+            rd = 0.0 if d < 0 else avail[d]
+            if rd < 0:
+                continue
+            if entry[c]:  # a microbatch new to the rank: commit its memory, within the cap
+                if held + need[c] > limit or full:
+                    mem_blocked = mem_blocked or held + need[c] > limit
+                    continue
+            elif mem + act[c] > limit:
+                mem_blocked = True
+                continue
+            if rd <= t:
+                key = (-c if pol.depth_first else c, rd)
+                if f_key is None or key < f_key:
+                    f, f_key = c, key
+            elif rd < next_f:
+                next_f = rd
+        return self._decide(r, t, b, f, min(next_b, next_f), next_b, mem_blocked)
+
+    def _decide(self, r: int, t: float, b: int | None, f: int | None, upcoming: float, next_b: float,
+                mem_blocked: bool) -> tuple[tuple[int, int] | None, float]:
+        pol, dur = self.policy, self.low.dur
+        if b is not None and (pol.prefer_b or f is None):
+            return (B, b), 0.0
+        # optionally wait a little for an arriving backward instead of starting a forward
+        if f is not None and not (pol.late_b > 0 and b is None and next_b < t + pol.late_b * dur[self.fbase[r][f]]):
+            return (F, f), 0.0
+        waiting = [c for c in self.C_range if self.wq[r][c]]
+        if waiting:
+            c = min(waiting, key=lambda cc: self.wq[r][cc][0][1])
+            if pol.w_mode == "eager" or mem_blocked or upcoming >= t + dur[self.wbase[r][c]] or \
+                    (f is None and upcoming == math.inf):
+                return (W, c), 0.0
+        return None, upcoming
+
+    def execute(self, r: int, kind: int, c: int, t: float) -> list[tuple[float, int]]:
+        """Run (kind, chunk) on rank r from t; the (time, rank) events it causes."""
+        low = self.low
+        nB, nF, mbs, fbase, bbase, entry, need, act = self.view[r]
+        if kind == F:
+            mb = mbs[c][nF[c]]
+            nF[c] += 1
+            code = fbase[c] + mb
+            if entry[c]:
+                self.committed[r] += need[c]
+                self.units[r] += 1
+            self.f_end[code] = end = t + low.dur[code]
+        elif kind == B:
+            mb = mbs[c][nB[c]]
+            nB[c] += 1
+            code = bbase[c] + mb
+            end = t + low.dur[code]
+            if low.split:
+                self.wq[r][c].append((mb, end))
+            else:
+                self.committed[r] -= act[c]
+            if entry[c]:
+                self.units[r] -= 1
+        else:
+            mb, _ = self.wq[r][c].pop(0)
+            code = self.wbase[r][c] + mb
+            end = t + low.dur[code]
+            self.committed[r] -= act[c]
+        self.mem[r] += self.mem_delta[code]
+        self.choices[r].append(c + (self.bchoice if kind == B else kind * self.C))
+        self.done[r] += 1
+        self.free[r] = end
+        o = low.out[code]
+        if o >= 0:  # the output goes to the next stage (F) or the previous one (I/B): wake its rank
+            av = end + low.out_lat[code]
+            self.avail[o] = av
+            return [(av, low.out_rank[code]), (end, r)]
+        # a last stage's forward wakes its own rank twice, as it always did (same events, same seeds)
+        return [(end, r), (end, r)] if kind == F else [(end, r)]
 
 
 def greedy_seeds(part: PlacementProblem, policy_list: Sequence[Policy] | None = None
                  ) -> list[tuple[Policy, list[list[int]]]]:
-    """Every policy's walk that completes without a deadlock."""
+    """Every policy's orders (as BTT choices) that complete without a deadlock."""
     pols = policy_list if policy_list is not None else policies(part.placement.p, part.placement.chunks_per_rank,
                                                                 part.sim.backward)
     out = []
     for pol in pols:
-        walk = greedy_walk(part, pol)
-        if walk is not None:
-            out.append((pol, walk))
+        orders = greedy_orders(part, pol)
+        if orders is not None:
+            out.append((pol, orders))
     return out

@@ -93,37 +93,11 @@ def lower_bound(profile: CostProfile, p: int, m: int, v: int = 1, placement: Pla
         raise ScheduleError(f"m must be >= 1, got m={m}")
     S = placement.num_stages
     costs = profile.stage_costs(S, placement.pipelines, what=f"placement {placement.describe()}")
-    lat = profile.p2p_latency
-    rank = placement.stage_ranks
-    split = backward == "split"
     # The shortest time of the step that passes the input gradient on (I or B), and of the rest of
     # the microbatch's backward on that stage (W after an I; 0 with full backward).
     bwd, rest = backward_durations(costs, backward)
+    chains = _Chains.of(placement, costs, profile.p2p_latency, bwd, rest)
     n = [len(placement.microbatches_of(s, m)) for s in range(S)]
-
-    def hop(a: int, b: int) -> float:
-        return lat if rank[a] != rank[b] else 0.0
-
-    # H(s): earliest start of any forward of s. R(s): shortest time from the start of F(s, mb) to
-    # the end of its I/B. Tail(s): shortest time from the end of I/B(s, mb) until that
-    # microbatch's last action (the first stage's weight gradient) ends.
-    head, rtt, tail = [0.0] * S, [0.0] * S, [0.0] * S
-    for s in range(S):
-        prev = placement.prev_stage(s)
-        if prev is not None:
-            head[s] = head[prev] + costs[prev].forward + hop(prev, s)
-    for s in reversed(range(S)):
-        nxt = placement.next_stage(s)
-        inner = 0.0 if nxt is None else hop(s, nxt) + rtt[nxt] + hop(nxt, s)
-        rtt[s] = costs[s].forward + inner + bwd[s]
-    for s in range(S):
-        prev = placement.prev_stage(s)
-        if prev is None:
-            continue  # 0: with full backward B includes the weight gradient; split: a B may end it
-        tail[s] = hop(s, prev) + bwd[prev] + tail[prev]
-        if placement.prev_stage(prev) is None:
-            tail[s] += rest[prev]  # the first stage still runs W (or the rest of B)
-
     limits = _limits(memory_limit, p)
     work, fill, memory = [], [], []
     feasible, reason = True, None
@@ -134,53 +108,102 @@ def lower_bound(profile: CostProfile, p: int, m: int, v: int = 1, placement: Pla
             fill.append(0.0)
             memory.append(0.0)
             continue
-        fwd_work = sum(n[s] * costs[s].forward for s in stages)
-        bwd_work = sum(n[s] * (bwd[s] + rest[s]) for s in stages)
-        w_r = fwd_work + bwd_work
-        h_r = min(head[s] for s in stages)
-        t_r = 0.0 if split else min(tail[s] for s in stages)
-        first_bwd = min(head[s] + rtt[s] - bwd[s] for s in stages)
-        after_fwd = min(rtt[s] - costs[s].forward + tail[s] for s in stages)
+        w_r, f_r = _work_and_fill(chains, costs, n, stages, backward == "split")
         work.append(w_r)
-        fill.append(max(h_r + w_r + t_r, first_bwd + bwd_work + t_r, h_r + fwd_work + after_fwd))
-        limit = limits[r]
-        if limit is None:
-            memory.append(0.0)
-            continue
-        sizes = [costs[s].activation_mb for s in stages]
-        too_big = [s for s in stages if costs[s].activation_mb > limit * (1 + MEMORY_RTOL) + MEMORY_RTOL]
-        if too_big:
-            s = too_big[0]
-            feasible = False
-            reason = (f"stage {s} needs {costs[s].activation_mb} MB for one activation but rank {r} "
-                      f"has a limit of {limit} MB")
-            memory.append(math.inf)
-            continue
-        min_tail = min(tail[s] for s in stages)
-        term = 0.0
-        if limit > 0:
-            # time-weighted share of the limit (divide first: stays exact for tiny sizes)
-            area = sum(n[s] * (costs[s].activation_mb / limit) * rtt[s] for s in stages)
-            term = h_r + area + min_tail
-        smallest = min(sizes)
-        jobs = sum(n[s] for s in stages)
-        ratio = limit * (1 + MEMORY_RTOL) / smallest + MEMORY_RTOL if smallest > 0 else math.inf
-        if ratio < jobs:  # at most `at_once` activations fit at the same time
-            at_once = max(1, math.floor(ratio))
-            term = max(term, h_r + math.ceil(jobs / at_once) * min(rtt[s] for s in stages) + min_tail)
+        fill.append(f_r)
+        term, why = _memory_term(chains, costs, n, stages, r, limits[r])
+        if why is not None:
+            feasible, reason = False, why
         memory.append(term)
-
     chain = 0.0
     for k in range(placement.pipelines):
         first = k * placement.stages_per_pipeline
         if n[first] > 0:
-            chain = max(chain, rtt[first] + rest[first])
+            chain = max(chain, chains.rtt[first] + rest[first])
     parts = {"work": max(work), "fill_drain": max(fill), "chain": chain}
     if memory_limit is not None:
         parts["memory"] = max(memory)
     binding = max(parts, key=lambda k: parts[k])
     return LowerBound(parts[binding], tuple(work), tuple(fill), chain,
                       tuple(memory) if memory_limit is not None else None, binding, feasible, reason)
+
+
+@dataclass(frozen=True)
+class _Chains:
+    """Per stage s: head, the earliest start of any forward of s; rtt, the shortest time from the
+    start of F(s, mb) to the end of its I/B; tail, the shortest time from the end of I/B(s, mb)
+    until that microbatch's last action (the first stage's weight gradient) ends."""
+
+    head: list[float]
+    rtt: list[float]
+    tail: list[float]
+    bwd: list[float]
+    rest: list[float]
+
+    @classmethod
+    def of(cls, placement: Placement, costs: Sequence[StageCost], lat: float, bwd: list[float],
+           rest: list[float]) -> "_Chains":
+        S, rank = placement.num_stages, placement.stage_ranks
+
+        def hop(a: int, b: int) -> float:
+            return lat if rank[a] != rank[b] else 0.0
+
+        head, rtt, tail = [0.0] * S, [0.0] * S, [0.0] * S
+        for s in range(S):
+            prev = placement.prev_stage(s)
+            if prev is not None:
+                head[s] = head[prev] + costs[prev].forward + hop(prev, s)
+        for s in reversed(range(S)):
+            nxt = placement.next_stage(s)
+            inner = 0.0 if nxt is None else hop(s, nxt) + rtt[nxt] + hop(nxt, s)
+            rtt[s] = costs[s].forward + inner + bwd[s]
+        for s in range(S):
+            prev = placement.prev_stage(s)
+            if prev is None:
+                continue  # 0: with full backward B includes the weight gradient; split: a B may end it
+            tail[s] = hop(s, prev) + bwd[prev] + tail[prev]
+            if placement.prev_stage(prev) is None:
+                tail[s] += rest[prev]  # the first stage still runs W (or the rest of B)
+        return cls(head, rtt, tail, bwd, rest)
+
+
+def _work_and_fill(ch: _Chains, costs: Sequence[StageCost], n: list[int], stages: list[int],
+                   split: bool) -> tuple[float, float]:
+    """The work term and the best fill/drain term of one rank (module docstring)."""
+    fwd_work = sum(n[s] * costs[s].forward for s in stages)
+    bwd_work = sum(n[s] * (ch.bwd[s] + ch.rest[s]) for s in stages)
+    w_r = fwd_work + bwd_work
+    h_r = min(ch.head[s] for s in stages)
+    t_r = 0.0 if split else min(ch.tail[s] for s in stages)
+    first_bwd = min(ch.head[s] + ch.rtt[s] - ch.bwd[s] for s in stages)
+    after_fwd = min(ch.rtt[s] - costs[s].forward + ch.tail[s] for s in stages)
+    return w_r, max(h_r + w_r + t_r, first_bwd + bwd_work + t_r, h_r + fwd_work + after_fwd)
+
+
+def _memory_term(ch: _Chains, costs: Sequence[StageCost], n: list[int], stages: list[int], r: int,
+                 limit: float | None) -> tuple[float, str | None]:
+    """The memory term of one rank, and why no schedule fits (None when one may)."""
+    if limit is None:
+        return 0.0, None
+    too_big = [s for s in stages if costs[s].activation_mb > limit * (1 + MEMORY_RTOL) + MEMORY_RTOL]
+    if too_big:
+        s = too_big[0]
+        return math.inf, (f"stage {s} needs {costs[s].activation_mb} MB for one activation but rank {r} "
+                          f"has a limit of {limit} MB")
+    h_r = min(ch.head[s] for s in stages)
+    min_tail = min(ch.tail[s] for s in stages)
+    term = 0.0
+    if limit > 0:
+        # time-weighted share of the limit (divide first: stays exact for tiny sizes)
+        area = sum(n[s] * (costs[s].activation_mb / limit) * ch.rtt[s] for s in stages)
+        term = h_r + area + min_tail
+    smallest = min(costs[s].activation_mb for s in stages)
+    jobs = sum(n[s] for s in stages)
+    ratio = limit * (1 + MEMORY_RTOL) / smallest + MEMORY_RTOL if smallest > 0 else math.inf
+    if ratio < jobs:  # at most `at_once` activations fit at the same time
+        at_once = max(1, math.floor(ratio))
+        term = max(term, h_r + math.ceil(jobs / at_once) * min(ch.rtt[s] for s in stages) + min_tail)
+    return term, None
 
 
 def lower_bound_for(schedule: Schedule, profile: CostProfile,

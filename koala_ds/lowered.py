@@ -1,0 +1,278 @@
+"""The lowered form of a configuration: what depends on what, built once, read everywhere.
+
+An action is an integer *code* in the model, the search and the validator::
+
+    code = (op index * S + stage) * m + microbatch     op index: F = 0, B = 1, I = 2, W = 3
+
+(`koala_ds.ir.OpIndex`, S the number of virtual stages). A rank's sequence of codes is its
+*order*; one order per rank are the *orders* of a schedule.
+
+`Lowered(placement, m, backward, profile)` holds, per code: its duration, its memory delta, its
+rank, and its data dependencies, each with whether it crosses ranks. Dependencies between stages
+go through *slots*: slot `stage * m + mb` holds the output of the forward F(stage, mb) for the
+next stage, slot `S * m + stage * m + mb` the input gradient that I(stage, mb) or B(stage, mb)
+sends to the previous stage. Each code waits for at most one slot (`dep`) and fills at most one
+(`out`): F(s) needs F(prev(s)); I/B(s) needs F(s) (same rank) and the input gradient of
+next(s); W(s) needs I(s) (same rank). Dependencies within a rank are kept by the rank's order,
+so only the slots are timed. Without a profile every action lasts 1 and an activation counts 1
+(F +1, I/B -1, W 0): the validator's unit-time dry run.
+
+`inputs_of(op, stage)` gives the same dependencies per group (op, stage), local ones included,
+for the models that reason per group (the bound, the exact solver); there the input gradient
+comes from the configuration's backward kind (I with split backward, B with full).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple, Sequence
+
+import numpy as np
+
+from .ir import OP_INDEX, OPS, Action, OpIndex, Placement, Schedule, ScheduleError
+
+if TYPE_CHECKING:  # the profile lives in koala_ds.sim, which imports this module
+    from .sim.profile import CostProfile, StageCost
+
+#: The op indices as plain ints, for the loops that compare them often (an IntEnum compares slower).
+F, B, I, W = (int(k) for k in (OpIndex.F, OpIndex.B, OpIndex.I, OpIndex.W))  # noqa: E741
+BACKWARDS = ("full", "split")
+
+
+def action_code(op: int, stage: int, microbatch: int, num_stages: int, m: int) -> int:
+    """The integer code of (op index, stage, microbatch)."""
+    return (op * num_stages + stage) * m + microbatch
+
+
+def split_code(code: int, num_stages: int, m: int) -> tuple[int, int, int]:
+    """(op index, stage, microbatch) of an integer code (the inverse of `action_code`)."""
+    rest, mb = divmod(int(code), m)
+    op, stage = divmod(rest, num_stages)
+    return op, stage, mb
+
+
+class Input(NamedTuple):
+    """A data dependency of a group (op, stage): the action of the same microbatch it needs."""
+
+    op: int        # the producer's op index
+    stage: int
+    cross: bool    # the producer runs on another rank: its output arrives `latency` later
+
+
+class Stall(NamedTuple):
+    """Where orders deadlock (async timing): the position each rank stopped at, and when each
+    slot's data arrived at its consumer (-1 for slots never filled)."""
+
+    pos: list[int]
+    avail: list[float]
+
+
+class _Unit(NamedTuple):
+    """Stage costs without a profile: every action lasts 1, an activation counts 1."""
+
+    forward: float = 1.0
+    backward_input: float = 1.0
+    backward_weight: float = 1.0
+    backward: float = 1.0
+    activation_mb: float = 1.0
+    w_hold_mb: float = 0.0
+
+
+class Lowered:
+    """One configuration (placement, m, backward kind, costs) lowered to per-code tables.
+
+    Lists (not arrays) where the timing loops read one element at a time; numpy arrays where
+    whole orders are gathered at once (`mem`, `rank_of`, `dur_np`)."""
+
+    def __init__(self, placement: Placement, m: int, backward: str = "full",
+                 profile: "CostProfile | None" = None) -> None:
+        if backward not in BACKWARDS:
+            raise ScheduleError(f"backward must be 'full' or 'split', got {backward!r}")
+        if m < 1:
+            raise ScheduleError(f"m must be >= 1, got m={m}")
+        self.placement, self.m, self.backward = placement, m, backward
+        self.split = backward == "split"
+        self.p = placement.p
+        self.v = placement.chunks_per_rank // placement.pipelines   # chunks per rank and pipeline
+        S = self.num_stages = placement.num_stages
+        self.ncodes, self.nslots = 4 * S * m, 2 * S * m
+        if profile is None:
+            self.costs: Sequence[StageCost | _Unit] = (_Unit(),) * S
+            self.latency = 0.0
+        else:
+            self.costs = profile.stage_costs(S, placement.pipelines, what=f"placement {placement.describe()}")
+            self.latency = float(profile.p2p_latency)
+        #: per stage, its previous and next stage in pipeline order (None at the ends)
+        self.prev = [placement.prev_stage(s) for s in range(S)]
+        self.next = [placement.next_stage(s) for s in range(S)]
+        self._tables()
+
+    def _tables(self) -> None:
+        """The per-code lists, in code order ((op, stage, microbatch) arrays flattened). Lists of
+        Python numbers for the timing loops, built from arrays so that each list's numbers lie
+        together in memory (the large timing runs are ~10% faster than with numbers made one by
+        one); durations and latencies share one number object per value."""
+        S, m, lat = self.num_stages, self.m, self.latency
+        ranks = np.asarray(self.placement.stage_ranks, dtype=np.int64)
+        prev = np.array([-1 if x is None else x for x in self.prev], dtype=np.int64)
+        nxt = np.array([-1 if x is None else x for x in self.next], dtype=np.int64)
+        up, down, stage, mb = prev >= 0, nxt >= 0, np.arange(S), np.arange(m)
+        dep, out, out_rank = (np.full((4, S, m), -1, dtype=np.int64) for _ in range(3))
+        dep_cross, out_cross = np.zeros((4, S, m), dtype=bool), np.zeros((4, S, m), dtype=bool)
+        dep[F][up] = prev[up, None] * m + mb                 # F waits for the forward of the previous stage
+        dep_cross[F][up] = (ranks[prev[up]] != ranks[up])[:, None]
+        out[F][down] = stage[down, None] * m + mb            # ... and sends its own to the next stage
+        out_cross[F][down] = (ranks[nxt[down]] != ranks[down])[:, None]
+        out_rank[F][down] = ranks[nxt[down], None]
+        for k in (B, I):
+            dep[k][down] = S * m + nxt[down, None] * m + mb  # B/I wait for the next stage's input gradient
+            dep_cross[k][down] = (ranks[nxt[down]] != ranks[down])[:, None]
+            out[k][up] = S * m + stage[up, None] * m + mb    # ... and send theirs to the previous stage
+            out_cross[k][up] = (ranks[prev[up]] != ranks[up])[:, None]
+            out_rank[k][up] = ranks[prev[up], None]
+        self.dep, self.out, self.out_rank = dep.ravel().tolist(), out.ravel().tolist(), out_rank.ravel().tolist()
+        self.dep_cross, self.out_cross = dep_cross.ravel().tolist(), out_cross.ravel().tolist()
+        self.dep_lat = [lat if x else 0.0 for x in self.dep_cross]   # latency on the dependency
+        self.out_lat = [lat if x else 0.0 for x in self.out_cross]
+        per_group = [(c.forward, c.backward, c.backward_input, c.backward_weight) for c in self.costs]
+        self.dur = [x for k in range(4) for s in range(S) for x in [per_group[s][k]] * m]
+        self.dur_np = np.asarray(self.dur)
+        deltas = [(c.activation_mb, -c.activation_mb, -(c.activation_mb - c.w_hold_mb), -c.w_hold_mb)
+                  for c in self.costs]
+        self.mem = np.repeat(np.array([[deltas[s][k] for s in range(S)] for k in range(4)]).ravel(), m)
+        self.rank_of = np.tile(np.repeat(ranks, m), 4)
+        self.passes = np.zeros((S, m), dtype=bool)
+        for s in range(S):
+            self.passes[s, list(self.placement.microbatches_of(s, m))] = True
+
+    # -- codes --------------------------------------------------------------------------
+    def code(self, action: Action) -> int:
+        if action.stage >= self.num_stages or action.microbatch >= self.m:
+            raise ScheduleError(f"{action}: out of range for {self.num_stages} stages and m={self.m}")
+        return (OP_INDEX[action.op] * self.num_stages + action.stage) * self.m + action.microbatch
+
+    def decode(self, code: int) -> Action:
+        op, stage, mb = split_code(code, self.num_stages, self.m)
+        return Action(OPS[op], stage, mb)
+
+    def encode(self, orders: Sequence[Sequence[Action | int]]) -> list[list[int]]:
+        """Per-rank lists of codes (integers pass through, checked to be in range)."""
+        if len(orders) != self.p:
+            raise ScheduleError(f"got {len(orders)} rank orders for a placement of p={self.p} ranks")
+        S, m, n = self.num_stages, self.m, self.ncodes
+        out: list[list[int]] = []
+        for order in orders:
+            if isinstance(order, np.ndarray):
+                order = order.tolist()
+            if order and not isinstance(order[0], Action):
+                codes = order if type(order) is list and type(order[0]) is int else [int(c) for c in order]
+                if min(codes) < 0 or max(codes) >= n:
+                    raise ScheduleError(f"action code out of range 0..{n - 1}")
+                out.append(codes)
+                continue
+            codes = []
+            for a in order:
+                s, mb = a.stage, a.microbatch
+                if s >= S or mb >= m:
+                    raise ScheduleError(f"{a}: stage or microbatch out of range ({S} stages, m={m})")
+                codes.append((OP_INDEX[a.op] * S + s) * m + mb)
+            out.append(codes)
+        return out
+
+    def slot_text(self, slot: int, gradient_op: dict[int, str] | None = None) -> str:
+        """The action that fills `slot`, as text (`gradient_op`: stage * m + mb -> "I" or "B" where
+        known; else B/I)."""
+        grad, rest = divmod(slot, self.num_stages * self.m)
+        s, mb = divmod(rest, self.m)
+        if not grad:
+            return f"{s}F{mb}"
+        return f"{s}{(gradient_op or {}).get(rest, 'B/I')}{mb}"
+
+    # -- dependencies per group ---------------------------------------------------------
+    @property
+    def gradient_op(self) -> int:
+        """The op that passes the input gradient on in this backward kind: I (split) or B (full)."""
+        return I if self.split else B
+
+    def inputs_of(self, op: int, stage: int) -> tuple[Input, ...]:
+        """The data dependencies of the group (op, stage), local ones included (module docstring)."""
+        ranks = self.placement.stage_ranks
+        if op == F:
+            prev = self.prev[stage]
+            return () if prev is None else (Input(F, prev, ranks[prev] != ranks[stage]),)
+        if op == W:
+            return (Input(I, stage, False),)
+        nxt = self.next[stage]
+        local = Input(F, stage, False)
+        return (local,) if nxt is None else (local, Input(self.gradient_op, nxt, ranks[nxt] != ranks[stage]))
+
+    def hop(self, a: int, b: int) -> float:
+        """The latency between stages a and b (0 on one rank)."""
+        ranks = self.placement.stage_ranks
+        return self.latency if ranks[a] != ranks[b] else 0.0
+
+    # -- timing -------------------------------------------------------------------------
+    def run_async(self, codes: Sequence[Sequence[int]], record: bool
+                  ) -> tuple[list[float], list[list[float]], list[int], list[float]]:
+        """Time orders with non-blocking sends: (finish of each rank, start of each action per
+        rank if `record`, how far each rank got, when each slot arrived). Unchecked: the
+        caller makes sure the orders are complete and locally ordered."""
+        # Each rank runs until its next action waits for a slot no one has filled yet; it then
+        # registers as that slot's (only) waiter and is pushed back when the slot is filled.
+        dur, dep, out, olat = self.dur, self.dep, self.out, self.out_lat
+        p = self.p
+        avail = [-1.0] * self.nslots  # when the slot's data is at its consumer's rank
+        waiter = [-1] * self.nslots
+        pos = [0] * p
+        free = [0.0] * p
+        starts: list[list[float]] = [[] for _ in range(p)]
+        stack = list(range(p - 1, -1, -1))
+        pop, push = stack.pop, stack.append
+        while stack:
+            r = pop()
+            order = codes[r]
+            n = len(order)
+            i = pos[r]
+            t = free[r]
+            rec = starts[r].append if record else None
+            while i < n:
+                c = order[i]
+                d = dep[c]
+                if d >= 0:
+                    a = avail[d]
+                    if a < 0.0:
+                        waiter[d] = r
+                        break
+                    if a > t:
+                        t = a
+                if rec is not None:
+                    rec(t)
+                t += dur[c]
+                o = out[c]
+                if o >= 0:
+                    avail[o] = t + olat[c]
+                    w = waiter[o]
+                    if w >= 0:
+                        push(w)
+                i += 1
+            pos[r] = i
+            free[r] = t
+        return free, starts, pos, avail
+
+    def try_times(self, codes: Sequence[Sequence[int]], record: bool = True
+                  ) -> tuple[list[float], list[list[float]]] | Stall:
+        """(finish of each rank, start of each action per rank), or where the orders stall."""
+        free, starts, pos, avail = self.run_async(codes, record)
+        if any(pos[r] < len(codes[r]) for r in range(self.p)):
+            return Stall(pos, avail)
+        return free, starts
+
+    def peaks(self, codes: Sequence[Sequence[int]]) -> tuple[float, ...]:
+        """Peak memory of each rank's order (the prefix sums of the memory deltas; at least 0)."""
+        mem = self.mem
+        return tuple(max(0.0, float(np.cumsum(mem[np.asarray(order, dtype=np.int64)]).max())) if len(order)
+                     else 0.0 for order in codes)
+
+
+def lower(schedule: Schedule, profile: "CostProfile | None" = None) -> tuple[Lowered, list[list[int]]]:
+    """The lowered configuration of `schedule` and its orders as codes."""
+    lowered = Lowered(schedule.placement, schedule.m, schedule.backward, profile)
+    return lowered, lowered.encode(schedule.ranks)
