@@ -32,7 +32,7 @@ def test_every_library_schedule_is_a_point_of_the_btt_space(name, p, m, v):
     except KoalaError:
         pytest.skip(f"{name} does not compile for p={p} m={m} v={v} (library issue, not the encoding's)")
     enc = encode(schedule)
-    assert len(enc.ranks) == p and enc.walks == enc.ranks   # one choice sequence per rank (walks: the older name)
+    assert len(enc.ranks) == p   # one choice sequence per rank
     back = decode(enc, schedule.name)
     assert back.same_order(schedule)
 
@@ -254,7 +254,7 @@ def test_local_search_never_worsens_and_stays_valid():
         start = part.evaluate(orders)
         res = ls.descend(orders, random.Random(0), lambda: False, max_evals=300)
         assert res is not None
-        ev = part.evaluate(res.tokens)
+        ev = part.evaluate(res.choices)
         assert ev.fits and ev.makespan == pytest.approx(res.makespan)
         assert res.makespan <= start.makespan + 1e-9
         schedule = part.schedule(ev.codes, "ls")

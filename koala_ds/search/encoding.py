@@ -51,7 +51,6 @@ class RankChoices:
         return self.choices
 
 
-Walk = RankChoices  # the older name
 
 
 @dataclass(frozen=True)
@@ -63,10 +62,6 @@ class Encoding:
     backward: str
     ranks: tuple[RankChoices, ...]
 
-    @property
-    def walks(self) -> tuple[RankChoices, ...]:
-        """The older name of `ranks`."""
-        return self.ranks
 
     @property
     def p(self) -> int:
@@ -406,14 +401,3 @@ class _RankRun:
             self.peak = self.mem
         self.choices.append(ch)
         self.codes.append(self.bases[ch] + mb)
-
-
-class GenomeDecoder(OrderDecoder):
-    """The older constructor of `OrderDecoder`: per stage (activation, I frees, W frees) in MB
-    instead of a `Lowered` (`sim_code_base`, (S, m), is implied by the placement and m)."""
-
-    def __init__(self, placement: Placement, m: int, backward: str, sim_code_base: tuple[int, int],
-                 stage_mem: Sequence[tuple[float, float, float]], limits: Sequence[float | None]):
-        del sim_code_base
-        costs = tuple(StageCost(1.0, 1.0, 1.0, act, w_hold) for act, _, w_hold in stage_mem)
-        super().__init__(Lowered(placement, m, backward, CostProfile(costs, 0.0)), limits)

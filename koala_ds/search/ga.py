@@ -36,7 +36,7 @@ from .. import library
 from ..ir import KoalaError, Schedule
 from ..sim import SimResult, random_schedule, simulate
 from .encoding import W_K
-from .greedy import greedy_walk, policies
+from .greedy import greedy_orders, policies
 from .local import LocalSearch
 from .problem import INFEASIBLE, PlacementProblem, SearchError, SearchProblem, relative_gap, weight_copies
 
@@ -506,7 +506,7 @@ class Polisher:
         self.evaluator.count += ls.evaluations - before
         if res is None:
             return False, None
-        ev = part.evaluate(res.tokens)
+        ev = part.evaluate(res.choices)
         new = Individual(ind.part, ev.orders, ev.makespan, ev.peak, origin)
         self.polished.add(new.key)
         return self.population.consider(new), new
@@ -859,7 +859,7 @@ def _seeds(problem: SearchProblem, seeds_lib: Sequence[LibraryRow], cfg: GAConfi
     if cfg.greedy:
         for idx, part in enumerate(problem.searched_parts):
             for pol in policies(part.placement.p, part.placement.chunks_per_rank, part.sim.backward):
-                orders = greedy_walk(part, pol)
+                orders = greedy_orders(part, pol)
                 if orders is not None:
                     yield idx, orders, pol.label() + f" {part.placement.describe()}"
     for k in range(cfg.random_orders):

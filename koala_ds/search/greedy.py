@@ -92,7 +92,6 @@ def greedy_orders(part: PlacementProblem, policy: Policy) -> list[list[int]] | N
     return run.choices
 
 
-greedy_walk = greedy_orders  # the older name
 
 
 class _GreedyRun:

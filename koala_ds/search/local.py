@@ -47,10 +47,6 @@ class LocalResult:
     evaluations: int
     moves: int
 
-    @property
-    def tokens(self) -> list[list[int]]:
-        """The older name of `choices`."""
-        return self.choices
 
 
 def _improves(new: tuple[float, float], cur: tuple[float, float]) -> bool:

@@ -18,7 +18,7 @@ from ..sim import CostProfile, Simulator, lower_bound
 from ..sim.simulator import Stall
 from ..sim.profile import ProfileError
 from .bound import jackson_bound
-from .encoding import B_K, F_K, I_K, W_K, GenomeDecoder, encode
+from .encoding import B_K, F_K, I_K, W_K, OrderDecoder, encode
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ class PlacementProblem:
 
     placement: Placement
     sim: Simulator
-    decoder: GenomeDecoder
+    decoder: OrderDecoder
     lower_bound: float
     lower_bound_binding: str   # which bound gives `lower_bound` (shown by `koala compare` and `koala search`)
 
@@ -271,9 +271,9 @@ class PlacementProblem:
         enc = encode(schedule)
         C = self.placement.chunks_per_rank
         out = []
-        for walk in enc.walks:   # the encoding's name for one rank's order
+        for rank_choices in enc.ranks:
             order = []
-            for choice in walk.tokens:
+            for choice in rank_choices.choices:
                 kind, c = divmod(choice, C)
                 if self.sim.backward == "split" and kind == B_K:
                     order += [I_K * C + c, W_K * C + c]
@@ -354,9 +354,7 @@ class SearchProblem:
 
     def _part(self, placement: Placement, kind: str) -> PlacementProblem:
         sim = Simulator(self.search_profile, placement, self.m, kind)
-        costs = self.search_profile.stage_costs(placement.num_stages, placement.pipelines)
-        mem = [(c.activation_mb, c.activation_mb - c.w_hold_mb, c.w_hold_mb) for c in costs]
-        dec = GenomeDecoder(placement, self.m, kind, (placement.num_stages, self.m), mem, self.limits)
+        dec = OrderDecoder(sim.lowered, self.limits)
         lb = lower_bound(self.search_profile, self.p, self.m, self.v, placement, kind,
                          memory_limit=list(self.limits))
         # a second provable bound (docs/search.md, "A tighter bound"); the larger one holds
