@@ -28,8 +28,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..ir import Placement
-from .profile import (FREE_FIELDS, PROFILE_VERSION, CostProfile, ProfileError, StageCost, _number,
-                      resolve_profile)
+from .profile import PROFILE_VERSION, CostProfile, ProfileError, StageCost, _number, check_header, resolve_profile
 
 log = logging.getLogger(__name__)
 
@@ -194,15 +193,7 @@ def _check_top(data: Any, source: str) -> None:
     if "stages" in data and "layers" in data:
         raise ProfileError(f"{source}: has both 'stages' and 'layers'; a profile is either a stage profile "
                            f"or a per-layer profile: remove one")
-    unknown = [k for k in data if k not in TOP_FIELDS and k not in FREE_FIELDS]
-    if unknown:
-        raise ProfileError(f"{source}: unknown field {unknown[0]!r}; known fields: {', '.join(TOP_FIELDS + FREE_FIELDS)}")
-    for name in ("version", "layers", "p2p_latency"):
-        if name not in data:
-            raise ProfileError(f"{source}: missing field {name!r}")
-    if data["version"] != PROFILE_VERSION:
-        raise ProfileError(f"{source}: field 'version' is {data['version']!r}; this koala-ds reads version "
-                           f"{PROFILE_VERSION}")
+    check_header(data, source, "layers", TOP_FIELDS)
     if not isinstance(data["layers"], list) or not data["layers"]:
         raise ProfileError(f"{source}: field 'layers' must be a non-empty list, one entry per layer in model order")
     _number(data["p2p_latency"], f"{source}: p2p_latency")

@@ -200,6 +200,21 @@ class CostProfile:
                            f"{expected} entries, one per virtual stage in pipeline order")
 
 
+def check_header(data: dict, source: str, entries: str, top_fields: Sequence[str]) -> None:
+    """The checks a stage profile and a per-layer profile share: known top-level fields, the
+    required ones (`version`, `entries`, `p2p_latency`) present, and the version."""
+    known = tuple(top_fields) + FREE_FIELDS
+    unknown = [k for k in data if k not in known]
+    if unknown:
+        raise ProfileError(f"{source}: unknown field {unknown[0]!r}; known fields: {', '.join(known)}")
+    for name in ("version", entries, "p2p_latency"):
+        if name not in data:
+            raise ProfileError(f"{source}: missing field {name!r}")
+    if data["version"] != PROFILE_VERSION:
+        raise ProfileError(f"{source}: field 'version' is {data['version']!r}; this koala-ds reads version "
+                           f"{PROFILE_VERSION}")
+
+
 def _check(data: Any, source: str) -> None:
     if not isinstance(data, dict):
         raise ProfileError(f"{source}: a cost profile is a JSON object with fields {', '.join(TOP_FIELDS)}, "
@@ -207,16 +222,7 @@ def _check(data: Any, source: str) -> None:
     if "layers" in data and "stages" not in data:
         raise ProfileError(f"{source}: a per-layer profile (field 'layers'), not a stage profile: give it to "
                            f"`koala simulate | compare | search` with --partition (docs/profiling.md)")
-    unknown = [k for k in data if k not in TOP_FIELDS and k not in FREE_FIELDS]
-    if unknown:
-        raise ProfileError(f"{source}: unknown field {unknown[0]!r}; known fields: "
-                           f"{', '.join(TOP_FIELDS + FREE_FIELDS)}")
-    for name in ("version", "stages", "p2p_latency"):
-        if name not in data:
-            raise ProfileError(f"{source}: missing field {name!r}")
-    if data["version"] != PROFILE_VERSION:
-        raise ProfileError(f"{source}: field 'version' is {data['version']!r}; this koala-ds reads version "
-                           f"{PROFILE_VERSION}")
+    check_header(data, source, "stages", TOP_FIELDS)
     stages = data["stages"]
     if not isinstance(stages, list) or not stages:
         raise ProfileError(f"{source}: field 'stages' must be a non-empty list, one entry per virtual stage")
