@@ -152,27 +152,31 @@ class _Tokens:
 
     # -- expressions --------------------------------------------------------------------
     def expr(self) -> A.Expr:
-        left = self.and_expr()
-        while self.at("or"):
-            pos = self.next().pos
-            left = A.Binary("or", left, self.and_expr(), pos)
-        return left
+        return self.chain("or", self.and_expr)
 
     def and_expr(self) -> A.Expr:
-        left = self.not_expr()
-        while self.at("and"):
+        return self.chain("and", self.not_expr)
+
+    def chain(self, op: str, operand) -> A.Expr:
+        """`operand (op operand)*`, left-associative, in a loop (no recursion per term)."""
+        left = operand()
+        while self.at(op):
             pos = self.next().pos
-            left = A.Binary("and", left, self.not_expr(), pos)
+            left = A.Binary(op, left, operand(), pos)
         return left
 
     def not_expr(self) -> A.Expr:
         if self.at("not"):
-            self.enter(self.cur)
-            pos = self.next().pos
-            out = A.Unary("not", self.not_expr(), pos)
-            self.depth -= 1
-            return out
+            return self.prefix("not", self.not_expr)
         return self.comparison()
+
+    def prefix(self, op: str, operand) -> A.Expr:
+        """`op operand`: one nesting level deeper (MAX_NESTING)."""
+        self.enter(self.cur)
+        pos = self.next().pos
+        out = A.Unary(op, operand(), pos)
+        self.depth -= 1
+        return out
 
     def comparison(self) -> A.Expr:
         left = self.arith()
@@ -201,11 +205,7 @@ class _Tokens:
 
     def unary(self) -> A.Expr:
         if self.at("-"):
-            self.enter(self.cur)
-            pos = self.next().pos
-            out = A.Unary("-", self.unary(), pos)
-            self.depth -= 1
-            return out
+            return self.prefix("-", self.unary)
         return self.atom()
 
     def atom(self) -> A.Expr:

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..ir import Placement
-from .profile import PROFILE_VERSION, CostProfile, ProfileError, StageCost, _number, check_header, resolve_profile
+from .profile import (PROFILE_VERSION, CostProfile, ProfileError, StageCost, _number, check_header,
+                      check_latency_and_limit, resolve_profile)
 
 log = logging.getLogger(__name__)
 
@@ -196,15 +197,7 @@ def _check_top(data: Any, source: str) -> None:
     check_header(data, source, "layers", TOP_FIELDS)
     if not isinstance(data["layers"], list) or not data["layers"]:
         raise ProfileError(f"{source}: field 'layers' must be a non-empty list, one entry per layer in model order")
-    _number(data["p2p_latency"], f"{source}: p2p_latency")
-    limit = data.get("memory_limit_mb")
-    if isinstance(limit, list):
-        if not limit:
-            raise ProfileError(f"{source}: memory_limit_mb: an empty list; give a number or one per rank")
-        for r, value in enumerate(limit):
-            _number(value, f"{source}: memory_limit_mb[{r}]", allow_inf=True)
-    elif limit is not None:
-        _number(limit, f"{source}: memory_limit_mb", allow_inf=True)
+    check_latency_and_limit(data, source)
     if "optimizer_bytes_per_param_byte" in data:
         _number(data["optimizer_bytes_per_param_byte"], f"{source}: optimizer_bytes_per_param_byte")
 

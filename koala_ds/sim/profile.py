@@ -244,6 +244,11 @@ def _check(data: Any, source: str) -> None:
         if entry["w_hold_mb"] > entry["activation_mb"]:
             raise ProfileError(f"{where}.w_hold_mb: {entry['w_hold_mb']} is more than activation_mb "
                                f"{entry['activation_mb']} (W holds part of the activation memory)")
+    check_latency_and_limit(data, source)
+
+
+def check_latency_and_limit(data: dict, source: str) -> None:
+    """`p2p_latency` a number; `memory_limit_mb` (optional) a number or one per rank."""
     _number(data["p2p_latency"], f"{source}: p2p_latency")
     limit = data.get("memory_limit_mb")
     if isinstance(limit, (list, tuple)):
