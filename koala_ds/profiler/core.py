@@ -55,8 +55,24 @@ class StageMeasurement:
         return statistics.median(values) if values else 0.0
 
 
+class ProfileFile:
+    """A profile as JSON (`to_dict()` given by the subclass), and its atomic write."""
+
+    def to_dict(self) -> dict:
+        raise NotImplementedError
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    def write(self, path, flag: str | None = None) -> None:
+        """Write the profile JSON atomically (the previous file survives any failure)."""
+        from ..outputs import atomic_write
+
+        atomic_write(path, self.to_json() + "\n", flag)
+
+
 @dataclass
-class ProfileResult:
+class ProfileResult(ProfileFile):
     """The measurements of all stages; `to_dict()` is a profile v1 (with a `meta` section)."""
 
     stages: list[StageMeasurement]
@@ -99,19 +115,11 @@ class ProfileResult:
         out["meta"] = meta
         return out
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1)
-
     def to_profile(self):
         from ..sim import CostProfile
 
         return CostProfile.from_dict(self.to_dict(), source=f"<profile {self.name}>")
 
-    def write(self, path, flag: str | None = None) -> None:
-        """Write the profile JSON atomically (the previous file survives any failure)."""
-        from ..outputs import atomic_write
-
-        atomic_write(path, self.to_json() + "\n", flag)
 
 
 class NotOneTensor(TypeError):

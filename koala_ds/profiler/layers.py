@@ -10,11 +10,10 @@ is sent when a cut follows it; 0 for the last layer) and `param_mb` (its paramet
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .core import MIB, ProfileResult, profile_stages
+from .core import MIB, ProfileFile, ProfileResult, profile_stages
 
 #: The layer kinds of the format.
 KINDS = ("embedding", "transformer", "output", "other")
@@ -38,7 +37,7 @@ def param_bytes(module) -> int:
 
 
 @dataclass
-class LayerProfileResult:
+class LayerProfileResult(ProfileFile):
     """The measurements of every layer; `to_dict()` is a per-layer profile (version 1)."""
 
     result: ProfileResult
@@ -48,7 +47,7 @@ class LayerProfileResult:
 
     def to_dict(self) -> dict:
         data = self.result.to_dict()
-        stages, meta = data.pop("stages"), data.pop("meta")
+        stages, meta = data["stages"], data.pop("meta")
         layers = []
         for info, entry, m in zip(self.layers, stages, self.result.stages):
             layers.append({"name": info.name, "kind": info.kind, **entry,
@@ -57,24 +56,12 @@ class LayerProfileResult:
         meta["layers"] = [{"name": info.name, **lm} for info, lm in zip(self.layers, meta.pop("stages"))]
         meta["format"] = "koala per-layer profile (docs/profiling.md)"
         meta.update(self.extra_meta)
-        out: dict[str, Any] = {k: v for k, v in data.items() if k not in ("p2p_latency", "memory_limit_mb")}
-        out["layers"] = layers
-        out["p2p_latency"] = data["p2p_latency"]
-        if "memory_limit_mb" in data:
-            out["memory_limit_mb"] = data["memory_limit_mb"]
+        out: dict[str, Any] = {("layers" if k == "stages" else k): (layers if k == "stages" else v)
+                               for k, v in data.items()}
         if self.optimizer_bytes_per_param_byte is not None:
             out["optimizer_bytes_per_param_byte"] = self.optimizer_bytes_per_param_byte
         out["meta"] = meta
         return out
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1)
-
-    def write(self, path, flag: str | None = None) -> None:
-        """Write the profile JSON atomically (the previous file survives any failure)."""
-        from ..outputs import atomic_write
-
-        atomic_write(path, self.to_json() + "\n", flag)
 
 
 def profile_layers(layer_modules: Sequence, infos: Sequence[LayerInfo], sample_input, *,
