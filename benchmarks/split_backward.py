@@ -9,7 +9,9 @@ F, I (backward with weight-gradient GEMMs queued, koala_ds.wgrad), W (the queue)
 - torch: a plain-torch GPT block stack (nn.Linear, LayerNorm, scaled_dot_product_attention);
 - deepspeed: the same blocks as a DeepSpeed layer list (LayerSpec), partitioned by DeepSpeed.
 The target of issue 13: (I + W) / B <= 1.15 on CPU at hidden 512 on every stage with an input
-gradient, <= 1.10 on CUDA at hidden 2048; W-hold <= 0.75 x activation.
+gradient, <= 1.10 on CUDA at hidden 2048; W-hold <= 0.75 x activation (the hold policy,
+`--max-w-hold`, koala_ds.wgrad.prepare(max_hold=...); "W FLOPs" is the share of the covered
+layers' weight-gradient FLOPs W still runs).
 """
 from __future__ import annotations
 
@@ -18,7 +20,9 @@ import sys
 
 import torch
 
+from koala_ds.commands.profile import max_w_hold
 from koala_ds.profiler.models import gpt_layer_specs, gpt_layers
+from koala_ds.wgrad_policy import DEFAULT_MAX_HOLD
 
 
 def torch_stages(a) -> list:
@@ -35,7 +39,7 @@ def profile(a, model: str):
     from koala_ds.profiler.core import profile_stages
     from koala_ds.profiler.models import profile_megatron_gpt, profile_pipeline_module
 
-    common = dict(device=a.device, warmup=a.warmup, iters=a.iters, p2p=False)
+    common = dict(device=a.device, warmup=a.warmup, iters=a.iters, p2p=False, max_hold=a.max_w_hold)
     if model == "megatron":
         return profile_megatron_gpt(num_layers=a.num_layers, hidden_size=a.hidden_size,
                                     num_attention_heads=a.num_attention_heads, seq_length=a.seq_length,
@@ -55,7 +59,8 @@ def rows(model: str, result) -> list:
     for s, m in enumerate(result.stages):
         f, i, w, b = (m.median(k) for k in ("forward", "backward_input", "backward_weight", "backward_full"))
         act, hold = m.activation_bytes / 2 ** 20, m.w_hold_bytes / 2 ** 20
-        out.append((model, s, "yes" if m.input_grad else "no", f, i, w, b, (i + w) / b, act, hold, hold / act))
+        share = "-" if m.w_flops_deferred is None else f"{100 * m.w_flops_deferred:.0f}%"
+        out.append((model, s, "yes" if m.input_grad else "no", f, i, w, b, (i + w) / b, act, hold, hold / act, share))
     return out
 
 
@@ -72,6 +77,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=8)
+    ap.add_argument("--max-w-hold", type=max_w_hold, default=DEFAULT_MAX_HOLD,
+                    help="W-hold bound, a fraction of the activation, or none (default: the runtimes' default)")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     if a.device == "cuda" and torch.cuda.is_available():
@@ -80,13 +87,15 @@ def main(argv=None) -> int:
     for model in a.models.split(","):
         table += rows(model, profile(a, model))
     print(f"split backward on {a.device}: {a.num_layers} layers, hidden {a.hidden_size}, {a.num_attention_heads} heads, "
-          f"seq {a.seq_length}, micro-batch 1, vocab {a.vocab_size}, p={a.p}, fp32, {a.threads} thread(s); "
+          f"seq {a.seq_length}, micro-batch 1, vocab {a.vocab_size}, p={a.p}, fp32, {a.threads} thread(s), "
+          f"max W-hold {a.max_w_hold}; "
           f"median of {a.iters} microbatches (ms, MiB)")
-    head = ("model", "stage", "input grad", "F", "I", "W", "B", "(I+W)/B", "act MiB", "W-hold MiB", "hold/act")
+    head = ("model", "stage", "input grad", "F", "I", "W", "B", "(I+W)/B", "act MiB", "W-hold MiB", "hold/act",
+            "W FLOPs")
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for r in table:
         print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.2f} | {r[4]:.2f} | {r[5]:.2f} | {r[6]:.2f} | {r[7]:.3f} | "
-              f"{r[8]:.1f} | {r[9]:.1f} | {r[10]:.2f} |")
+              f"{r[8]:.1f} | {r[9]:.1f} | {r[10]:.2f} | {r[11]} |")
     split = [r[7] for r in table if r[2] == "yes"]
     print(f"worst (I+W)/B over stages with an input gradient: {max(split):.3f}; "
           f"worst W-hold / activation: {max(r[10] for r in table):.2f}")

@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from .wgrad import active_queue
+from .wgrad import active_queue, note_layer
 
 try:
     from megatron.core.tensor_parallel import layers as _layers
@@ -93,10 +93,16 @@ if _layers is not None:
 
     class _DeferrableTPLinear(_Base):
         @staticmethod
+        def forward(ctx, input, weight, *args):
+            ctx.koala_weight = weight  # the parameter itself (saved tensors may come back as new objects)
+            return _Base.forward(ctx, input, weight, *args)
+
+        @staticmethod
         @_layers.custom_bwd
         def backward(ctx, grad_output):
             queue = active_queue()
-            if queue is None or ctx.grad_output_buffer is not None or not ctx.needs_input_grad[1]:
+            if queue is None or ctx.grad_output_buffer is not None or not ctx.needs_input_grad[1] \
+                    or not queue.defers(ctx.koala_weight):
                 return _Base.backward(ctx, grad_output)
             inp, weight = ctx.saved_tensors
             grad_in = _input_grad(ctx, inp, weight, grad_output)
@@ -118,8 +124,10 @@ if _layers is not None:
                 grad_output_buffer=grad_output_buffer, wgrad_deferral_limit=wgrad_deferral_limit,
                 tp_group=tp_group, **kw)
         tp_group = _get_tp_group(tp_group)
-        return _DeferrableTPLinear.apply(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
-                                         sequence_parallel, grad_output_buffer, wgrad_deferral_limit, tp_group)
+        out = _DeferrableTPLinear.apply(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
+                                        sequence_parallel, grad_output_buffer, wgrad_deferral_limit, tp_group)
+        note_layer(weight, input, out)
+        return out
 
 
 def make_deferrable(module) -> bool:

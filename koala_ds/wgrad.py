@@ -28,10 +28,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Optional
 
 import torch
+
+from .wgrad_policy import DEFAULT, DEFAULT_MAX_HOLD, ForwardWatch, Plan, check_max_hold
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +60,11 @@ class WeightGradQueue:
     work: list = field(default_factory=list)
     held: list = field(default_factory=list)  # the tensors the work keeps alive (for the profiler)
     te_modules: list = field(default_factory=list)  # TE modules whose backward_dw() W calls
+    kept: set = field(default_factory=set)  # id() of weights the hold policy computes in I
+
+    def defers(self, weight) -> bool:
+        """Whether this I step queues the weight gradient of `weight` (else it is computed now)."""
+        return id(weight) not in self.kept
 
     def add(self, work: WgradWork, *tensors: torch.Tensor) -> None:
         self.work.append(work)
@@ -131,7 +139,7 @@ class _Linear(torch.autograd.Function):
         if need_w:
             queue = active_queue()
             param = ctx.param
-            if queue is None:
+            if queue is None or not queue.defers(param):
                 grad_w = _fold(grad_out).t().matmul(_fold(x)).to(param.dtype)
             else:
                 queue.add(lambda: [(param, _fold(grad_out).t().matmul(_fold(x)).to(param.dtype))], x, grad_out)
@@ -143,8 +151,11 @@ class DeferrableLinear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():
-            return torch.nn.functional.linear(x, self.weight, self.bias)
-        return _Linear.apply(x, self.weight, self.bias)
+            out = torch.nn.functional.linear(x, self.weight, self.bias)
+        else:
+            out = _Linear.apply(x, self.weight, self.bias)
+        note_layer(self.weight, x, out)
+        return out
 
 
 def _te_delayed(module) -> bool:
@@ -164,49 +175,129 @@ def _uncovered_label(name: str, module) -> str:
     return label
 
 
-def prepare(model: torch.nn.Module) -> "Prepared":
+
+
+def prepare(model: torch.nn.Module, max_hold=DEFAULT) -> "Prepared":
     """Make the layers of `model` this module knows deferrable (idempotent); warn once per
-    layer holding a weight matrix whose gradient will be computed in I instead."""
+    layer holding a weight matrix whose gradient will be computed in I instead.
+
+    `max_hold` (default `DEFAULT_MAX_HOLD`, 0.75): what W may hold after an I step, as a fraction
+    of the chunk's activation; the covered layers beyond it compute their weight gradient in I
+    (`koala_ds.wgrad_policy`). None defers every covered layer. The first call's value stays:
+    call `prepare(chunk, max_hold=...)` before handing the chunk to a runtime to choose it."""
+    default = isinstance(max_hold, str) and max_hold == DEFAULT
     found = getattr(model, "_koala_wgrad", None)
     if found is not None:
+        if not default and check_max_hold(max_hold) != found.max_hold:
+            raise ValueError(f"koala wgrad: this model was already prepared with max_hold={found.max_hold}; "
+                             f"pass max_hold={max_hold!r} to the first prepare() call only")
         return found
+    prepared = Prepared(max_hold=check_max_hold(DEFAULT_MAX_HOLD if default else max_hold))
+    _cover(model, prepared)
+    for layer in prepared.uncovered:
+        log.warning("koala: the weight gradient of layer %s is computed in I, not deferred to W "
+                    "(exact, but I costs more): deferred weight gradients cover torch.nn.Linear and "
+                    "megatron-core's Column/RowParallelLinear", layer)
+    if prepared.max_hold is not None and prepared.weights:
+        model.register_forward_pre_hook(prepared._watch_start)
+        model.register_forward_hook(prepared._watch_end, always_call=True)
+    model._koala_wgrad = prepared
+    return prepared
+
+
+def _cover(model: torch.nn.Module, prepared: "Prepared") -> None:
     from . import _wgrad_megatron
 
-    prepared = Prepared()
     for name, module in model.named_modules():
         if type(module) is torch.nn.Linear:
             module.__class__ = DeferrableLinear
+        if type(module) is DeferrableLinear or _wgrad_megatron.make_deferrable(module):
             prepared.linears += 1
-        elif type(module) is DeferrableLinear:
-            prepared.linears += 1
-        elif _wgrad_megatron.make_deferrable(module):
-            prepared.linears += 1
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, torch.nn.Parameter) and weight.requires_grad:
+                prepared.weights.add(id(weight))
         elif _te_delayed(module):
             prepared.te_modules.append(module)
         elif _has_own_matrix(module) and not isinstance(module, torch.nn.Embedding) \
                 and not _wgrad_megatron.is_embedding(module):
             prepared.uncovered.append(_uncovered_label(name, module))
-    for layer in prepared.uncovered:
-        log.warning("koala: the weight gradient of layer %s is computed in I, not deferred to W "
-                    "(exact, but I costs more): deferred weight gradients cover torch.nn.Linear and "
-                    "megatron-core's Column/RowParallelLinear", layer)
-    model._koala_wgrad = prepared
-    return prepared
+
+
+_WATCH: ForwardWatch | None = None  # the forward being watched for a hold plan, if any
+
+
+def note_layer(weight: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
+    """One call of a covered layer: record what deferring it would hold, if a forward is watched."""
+    watch = _WATCH
+    if watch is None or not weight.requires_grad:
+        return
+    if x.dtype == out.dtype:  # W holds the input itself
+        storage = x.untyped_storage()
+        key, nbytes = storage.data_ptr(), storage.nbytes()
+    else:  # under autocast the layer saves (and W holds) a cast copy
+        key, nbytes = None, x.numel() * out.element_size()
+    watch.layer_call(id(weight), key, nbytes, out.numel() * out.element_size(),
+                     2.0 * out.numel() * weight.shape[-1])
+
+
+def _saved_storage(watch: ForwardWatch):
+    def pack(t):
+        try:
+            storage = t.untyped_storage()
+            watch.saved_storage(storage.data_ptr(), storage.nbytes())
+        except (RuntimeError, NotImplementedError):  # a tensor without a plain storage: not counted
+            pass
+        return t.detach()  # not t: saving an output through a hook would make a reference cycle
+    return pack
 
 
 @dataclass
 class Prepared:
-    """What `prepare` found in a model chunk."""
+    """What `prepare` found in a model chunk, and its hold policy."""
 
     linears: int = 0
     te_modules: list = field(default_factory=list)
     uncovered: list = field(default_factory=list)
+    max_hold: Optional[float] = DEFAULT_MAX_HOLD
+    weights: set = field(default_factory=set)  # id() of the covered layers' weights
+    plan: Plan = field(default_factory=Plan)
+    _watching: Optional[tuple] = None
+
+    def _watch_start(self, module, args) -> None:
+        global _WATCH
+        if _WATCH is not None or not torch.is_grad_enabled() or self.weights <= self.plan.deferred | self.plan.kept:
+            return
+        params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        watch = ForwardWatch(params)
+        hooks = torch.autograd.graph.saved_tensors_hooks(_saved_storage(watch), lambda t: t)
+        hooks.__enter__()
+        self._watching, _WATCH = (watch, hooks), watch
+
+    def _watch_end(self, module, args, output) -> None:
+        global _WATCH
+        if self._watching is None:
+            return
+        (watch, hooks), self._watching, _WATCH = self._watching, None, None
+        hooks.__exit__(None, None, None)
+        if sys.exc_info()[0] is not None:  # the forward raised: plan on a complete one
+            return
+        new = [c for c in watch.layers.values() if c.key not in self.plan.deferred and c.key not in self.plan.kept]
+        if new:
+            self.plan.add(new, watch.activation_bytes(), self.max_hold)
+
+    def deferred_fraction(self) -> Optional[float]:
+        """The fraction of the covered layers' weight-gradient FLOPs W runs (None: nothing planned)."""
+        if self.max_hold is None and self.weights:
+            return 1.0
+        return self.plan.deferred_fraction() if self.plan.flops_total else None
 
     @contextlib.contextmanager
     def input_step(self) -> Iterator[WeightGradQueue]:
-        """An I step of this chunk: a full backward run inside this defers the weight gradients."""
+        """An I step of this chunk: a full backward run inside this defers the weight gradients
+        (of the layers the hold policy defers; the others compute theirs in it)."""
         with deferring() as queue:
             queue.te_modules.extend(self.te_modules)
+            queue.kept = self.plan.kept
             yield queue
 
     def full_step_done(self) -> None:

@@ -36,7 +36,7 @@ def linear_stack():
 def test_linear_stack_profile_times_memory_and_json(tmp_path):
     torch.manual_seed(0)
     stages = [linear_stack() for _ in range(3)]
-    result = profile_stages(stages, torch.randn(B, D), warmup=1, iters=3)
+    result = profile_stages(stages, torch.randn(B, D), warmup=1, iters=3, max_hold=None)  # W defers every layer
     data = result.to_dict()
     # saved for backward per stage: the input of the first Linear (B x D) and the ReLU output, which is
     # also the second Linear's input (B x H, one storage); weights are parameters and do not count
@@ -60,9 +60,19 @@ def test_linear_stack_profile_times_memory_and_json(tmp_path):
 def test_w_hold_counts_what_the_weight_step_still_needs():
     # one Linear: its saved input is all the activation, and W needs it: w_hold == activation
     lin = torch.nn.Linear(D, D)
-    meas = measure_stage(lin, lambda: torch.randn(B, D, requires_grad=True), is_last=False, warmup=0, iters=2)
+    meas = measure_stage(lin, lambda: torch.randn(B, D, requires_grad=True), is_last=False, warmup=0, iters=2,
+                         max_hold=None)
     assert meas.activation_bytes == 4 * B * D
     assert meas.w_hold_bytes >= meas.activation_bytes  # the input plus the gradient recorded for W
+    assert meas.w_flops_deferred == 1.0
+
+
+def test_w_hold_under_the_default_bound_keeps_a_layer_that_would_hold_too_much_in_i():
+    # the same Linear would hold 2x its activation: under the default bound (0.75) I computes it
+    lin = torch.nn.Linear(D, D)
+    meas = measure_stage(lin, lambda: torch.randn(B, D, requires_grad=True), is_last=False, warmup=0, iters=2)
+    assert meas.activation_bytes == 4 * B * D
+    assert meas.w_hold_bytes == 0 and meas.w_flops_deferred == 0.0
 
 
 def _near(got: float, want: float) -> bool:

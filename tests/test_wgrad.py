@@ -47,7 +47,7 @@ def test_linear_stack_split_equals_full_backward_and_defers_the_weights(first_st
     xs = [torch.randn(2, 3, 6, dtype=torch.double) for _ in range(3)]
     gs = [torch.randn(2, 3, 6, dtype=torch.double) for _ in range(3)]
     ref, ref_dx = _reference(mod, xs, gs, not first_stage)
-    prepared = wgrad.prepare(mod)
+    prepared = wgrad.prepare(mod, max_hold=None)
     assert prepared.linears == 2 and not prepared.uncovered
     queues, dxs = [], []
     for x, g in zip(xs, gs):  # every I first, then every W (as a zero-bubble schedule may)
@@ -87,7 +87,7 @@ def test_weight_gradients_go_through_the_accumulators_hooks():
             seen.append(p.grad.clone())
 
     mod.weight.register_post_accumulate_grad_hook(hook)
-    prepared = wgrad.prepare(mod)
+    prepared = wgrad.prepare(mod, max_hold=None)
     with prepared.input_step() as queue:
         mod(torch.randn(3, 4)).sum().backward()
     assert seen == [] and mod.weight.grad is None
@@ -173,7 +173,7 @@ def test_nested_input_steps_are_refused():
 def test_queue_holds_only_what_the_weight_gradient_needs():
     """After I the graph is gone: what W keeps is each deferred layer's input and output gradient."""
     mod = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
-    prepared = wgrad.prepare(mod)
+    prepared = wgrad.prepare(mod, max_hold=None)
     x = torch.randn(32, 64, requires_grad=True)
     with prepared.input_step() as queue:
         mod(x).backward(torch.randn(32, 64))
@@ -233,7 +233,7 @@ def test_megatron_linear_split_keeps_main_grad_semantics(fusion, monkeypatch):
         weight = lin.weight.main_grad.clone() if fusion else lin.weight.grad.clone()
         return weight, lin.bias.grad.clone(), dxs
 
-    prepared = wgrad.prepare(lin)
+    prepared = wgrad.prepare(lin, max_hold=None)
     assert prepared.linears == 1
     ref_w, ref_b, ref_dx = run(split=False)
     got_w, got_b, got_dx = run(split=True)
@@ -277,7 +277,7 @@ def test_linear_under_autocast_defers_in_the_autocast_dtype():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out_ref = ref(x.clone().requires_grad_())
     out_ref.backward(g.to(out_ref.dtype))
-    prepared = wgrad.prepare(mod)
+    prepared = wgrad.prepare(mod, max_hold=None)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = mod(x.clone().requires_grad_())
     assert out.dtype == out_ref.dtype == torch.bfloat16

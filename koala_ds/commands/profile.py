@@ -10,9 +10,20 @@ import sys
 
 from ..ir import KoalaError
 from ..outputs import atomic_write, check_output
+from ..wgrad_policy import DEFAULT_MAX_HOLD, check_max_hold
 from . import dumps_json, nonnegative_float, positive_float
 
 log = logging.getLogger(__name__)
+
+
+def max_w_hold(text: str):
+    """--max-w-hold: a fraction >= 0, or none."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return check_max_hold(float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0 or none, got {text!r}") from None
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -28,6 +39,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: one pipeline rank per process and core)")
+    p.add_argument("--max-w-hold", type=max_w_hold, default=DEFAULT_MAX_HOLD, metavar="X",
+                   help="what W may hold after I, as a fraction of a stage's activation; the layers beyond it "
+                        f"compute their weight gradient in I (koala_ds.wgrad.prepare(max_hold=...); default "
+                        f"{DEFAULT_MAX_HOLD}, as the runtimes; none: defer every covered layer)")
     p.add_argument("--per-layer", action="store_true",
                    help="measure every layer on its own and write a per-layer profile (for the partition "
                         "search); -p then only decides whether the p2p latency is measured (p > 1)")
@@ -66,6 +81,11 @@ def _progress(device: str, what: str = "stage"):
     return say
 
 
+def _share(fraction) -> str:
+    """The share of the weight-gradient FLOPs W runs (the rest runs in I under --max-w-hold)."""
+    return f"{'-':>7}" if fraction is None else f"{100 * fraction:>6.0f}%"
+
+
 def _finish(args, result) -> int:
     from ..sim import CostProfile
 
@@ -73,12 +93,13 @@ def _finish(args, result) -> int:
     CostProfile.from_dict(data, source=args.output)  # what we write must load
     atomic_write(args.output, dumps_json(data, indent=1) + "\n", "-o")
     print(f"{'stage':>5}  {'F ms':>9}  {'I ms':>9}  {'W ms':>9}  {'B ms':>9}  {'(I+W)/B':>7}  {'act MiB':>9}  "
-          f"{'W-hold MiB':>10}")
-    for s, st in enumerate(data["stages"]):
+          f"{'W-hold MiB':>10}  {'W FLOPs':>7}")
+    for s, (st, meta) in enumerate(zip(data["stages"], data["meta"]["stages"])):
         b = st.get("backward")
         ratio = f"{(st['backward_input'] + st['backward_weight']) / b:>7.3f}" if b else f"{'-':>7}"
         print(f"{s:>5}  {st['forward']:>9.4g}  {st['backward_input']:>9.4g}  {st['backward_weight']:>9.4g}  "
-              f"{b if b is not None else float('nan'):>9.4g}  {ratio}  {st['activation_mb']:>9.4g}  {st['w_hold_mb']:>10.4g}")
+              f"{b if b is not None else float('nan'):>9.4g}  {ratio}  {st['activation_mb']:>9.4g}  {st['w_hold_mb']:>10.4g}"
+              f"  {_share(meta.get('w_flops_deferred'))}")
     print(f"p2p latency {data['p2p_latency']:.4g} ms ({data['meta']['p2p_latency']}); timer: {data['meta']['timer']}")
     print(f"wrote {args.output}; next: koala search --profile {args.output} -m <microbatches> -o best.koala"
           + (f" -v {args.v}" if args.v > 1 else ""))
@@ -131,7 +152,7 @@ def cmd_megatron_gpt(args) -> int:
             seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, vocab_size=args.vocab_size, p=args.p,
             seed=args.seed, device=device, warmup=args.warmup, iters=args.iters, p2p=p2p,
             p2p_timeout_s=args.p2p_timeout, memory_limit_mb=args.memory_limit, optimizer_bytes_per_param_byte=opt,
-            progress=_progress(device, "layer"))
+            progress=_progress(device, "layer"), max_hold=args.max_w_hold)
         return _finish_layers(args, result)
     from ..profiler.models import profile_megatron_gpt
 
@@ -140,7 +161,7 @@ def cmd_megatron_gpt(args) -> int:
                                   micro_batch_size=args.micro_batch_size, vocab_size=args.vocab_size, p=args.p,
                                   v=args.v, seed=args.seed, device=device, warmup=args.warmup, iters=args.iters,
                                   p2p=p2p, p2p_timeout_s=args.p2p_timeout, memory_limit_mb=args.memory_limit,
-                                  progress=_progress(device))
+                                  progress=_progress(device), max_hold=args.max_w_hold)
     return _finish(args, result)
 
 
@@ -186,13 +207,13 @@ def cmd_deepspeed(args) -> int:
             layers, sample, device=device, warmup=args.warmup, iters=args.iters, p2p=p2p,
             p2p_timeout_s=args.p2p_timeout, memory_limit_mb=args.memory_limit,
             optimizer_bytes_per_param_byte=args.optimizer_bytes_per_param_byte,
-            progress=_progress(device, "layer")), args.layers, "profiling --layers")
+            progress=_progress(device, "layer"), max_hold=args.max_w_hold), args.layers, "profiling --layers")
         result.extra_meta.update({"p": args.p})
         return _finish_layers(args, result)
     result = profile_pipeline_module(layers, sample, args.p * args.v, partition_method=args.partition_method,
                                      device=device, warmup=args.warmup, iters=args.iters, p2p=p2p,
                                      p2p_timeout_s=args.p2p_timeout, memory_limit_mb=args.memory_limit,
-                                     progress=_progress(device))
+                                     progress=_progress(device), max_hold=args.max_w_hold)
     result.extra_meta.update({"p": args.p, "v": args.v})
     return _finish(args, result)
 

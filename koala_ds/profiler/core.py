@@ -31,6 +31,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from ..wgrad_policy import DEFAULT
+
 MIB = float(1 << 20)
 
 
@@ -49,6 +51,8 @@ class StageMeasurement:
     output_numel: int = 0
     output_bytes: int = 0
     input_grad: bool = True
+    w_flops_deferred: float | None = None  # fraction of the covered layers' weight-gradient FLOPs W runs
+    max_w_hold: float | None = None  # the hold policy it ran under (koala_ds.wgrad.prepare's max_hold)
 
     def median(self, name: str) -> float:
         values = getattr(self, name)
@@ -104,7 +108,8 @@ class ProfileResult(ProfileFile):
                             "samples": len(m.forward),
                             "activation_bytes": m.activation_bytes, "w_hold_bytes_raw": m.w_hold_bytes,
                             "output_shape": list(m.output_shape), "output_dtype": m.output_dtype,
-                            "input_gradient": m.input_grad} for m in self.stages]}
+                            "input_gradient": m.input_grad, "w_flops_deferred": m.w_flops_deferred,
+                            "max_w_hold": m.max_w_hold} for m in self.stages]}
         meta.update(self.extra_meta)
         out: dict[str, Any] = {"version": 1, "name": self.name}
         if self.description:
@@ -194,15 +199,17 @@ def _default_loss(output):
 
 
 def measure_stage(module, make_input: Callable[[], Any], *, is_last: bool, loss_fn=None, warmup: int = 2,
-                  iters: int = 10, device=None, full_backward: bool = True, seed: int = 0) -> StageMeasurement:
+                  iters: int = 10, device=None, full_backward: bool = True, seed: int = 0,
+                  max_hold=DEFAULT) -> StageMeasurement:
     """Measure one stage. `make_input()` returns a fresh input (a tensor, or a tuple of
-    arguments for the first stage); the stage's input gradient is computed when it requires grad."""
+    arguments for the first stage); the stage's input gradient is computed when it requires grad.
+    `max_hold`: the hold policy of `koala_ds.wgrad.prepare` (default: its default, as the runtimes)."""
     import torch
 
-    from ..wgrad import prepare
+    from .. import wgrad
 
     loss_fn = loss_fn or _default_loss
-    deferral = prepare(module)
+    deferral = wgrad.prepare(module, max_hold=max_hold)
     params = [p for p in module.parameters() if p.requires_grad]
     timer = _Timer(device)
     meas = StageMeasurement()
@@ -272,13 +279,17 @@ def measure_stage(module, make_input: Callable[[], Any], *, is_last: bool, loss_
     queue.run()
     del queue
     module.zero_grad(set_to_none=True)
+    fraction = deferral.deferred_fraction()
+    meas.w_flops_deferred = None if fraction is None else round(fraction, 6)
+    meas.max_w_hold = deferral.max_hold
     return meas
 
 
 def profile_stages(stage_modules: Sequence, sample_input, *, loss_fn: Callable | None = None, warmup: int = 2,
                    iters: int = 10, device=None, p2p: bool | float = False, p2p_timeout_s: float = 120.0,
                    memory_limit_mb: float | None = None, full_backward: bool = True, name: str = "profile",
-                   description: str = "", progress: Callable[[int, int], None] | None = None) -> ProfileResult:
+                   description: str = "", progress: Callable[[int, int], None] | None = None,
+                   max_hold=DEFAULT) -> ProfileResult:
     """Profile a model split into pipeline stages (one module per virtual stage, in order).
 
     `sample_input` is the first stage's input (a tensor, or a tuple of arguments); each later
@@ -286,7 +297,8 @@ def profile_stages(stage_modules: Sequence, sample_input, *, loss_fn: Callable |
     runtimes hand it over. The last stage's output goes through `loss_fn` (default: mean).
     `p2p`: False (p2p_latency 0), True (measure it with a 2-process gloo ping-pong for the
     largest stage-boundary tensor), or a number (ms) to write as is. `progress(s, n)` is called
-    before stage s of n is measured. Returns a `ProfileResult`
+    before stage s of n is measured. `max_hold`: what W may hold, as a fraction of a stage's
+    activation (`koala_ds.wgrad.prepare`; default 0.75, as the runtimes). Returns a `ProfileResult`
     (`.to_dict()` / `.write(path)` give a profile v1 JSON that `koala_ds.sim.load_profile` reads)."""
     import torch
 
@@ -311,7 +323,7 @@ def profile_stages(stage_modules: Sequence, sample_input, *, loss_fn: Callable |
                 return base.clone().requires_grad_(base.is_floating_point())
         try:
             meas = measure_stage(module, make_input, is_last=is_last, loss_fn=loss_fn, warmup=warmup, iters=iters,
-                                 device=device, full_backward=full_backward, seed=s)
+                                 device=device, full_backward=full_backward, seed=s, max_hold=max_hold)
         except NotOneTensor as exc:
             raise ValueError(f"stage {s} returns {exc}: stages must pass one tensor on") from None
         results.append(meas)
