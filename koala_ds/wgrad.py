@@ -18,6 +18,10 @@ computes grad_input AND grad_weight on every call. So the split is made at the l
   accumulators, so `.grad`, `main_grad`, and the hooks of DDP / DeepSpeed see what they would
   see in a full backward.
 - A full backward (B) outside `deferring()` computes everything at once, as before.
+- The hold policy (`prepare(model, max_hold=0.75)`, `koala_ds.wgrad_policy`): W may hold at
+  most that fraction of the chunk's activation; the covered layers with the most held bytes per
+  weight-gradient FLOP beyond it compute their weight gradient in I (planned on the chunk's
+  first forward with autograd; `max_hold=None` defers every covered layer).
 
 Parameters of layers not covered (norms, embeddings, biases, a custom Function of a library
 this module does not know) get their gradients in I: exact, since every backward still runs

@@ -56,8 +56,10 @@ def test_megatron_gpt_layers_sum_to_the_stage_profile():
     from koala_ds.profiler.models import megatron_gpt_stages, profile_megatron_gpt, profile_megatron_gpt_layers
 
     L, H, S, B = 4, 128, 64, 2
+    # every covered layer deferred (max_hold=None): W-hold is additive over layers; under the hold
+    # policy a stage plans its layers together (tests/test_wgrad_policy.py)
     kw = dict(num_layers=L, hidden_size=H, num_attention_heads=4, seq_length=S, micro_batch_size=B,
-              vocab_size=128, warmup=1, iters=5)
+              vocab_size=128, warmup=1, iters=5, max_hold=None)
     layers = profile_megatron_gpt_layers(p=2, optimizer_bytes_per_param_byte=3.0, **kw)
     stages = profile_megatron_gpt(p=2, **kw)
     data = layers.to_dict()
@@ -87,8 +89,8 @@ def test_deepspeed_layer_list_layers_sum_to_the_stage_profile():
     torch.manual_seed(0)
     layers = gpt_layers(2, 32, 4, 16, 64)
     x = torch.randint(0, 64, (2, 16))
-    stages = profile_pipeline_module(layers, x, 2, partition_method="uniform", warmup=1, iters=3)
-    per_layer = profile_pipeline_module_layers(layers, x, warmup=1, iters=3)
+    stages = profile_pipeline_module(layers, x, 2, partition_method="uniform", warmup=1, iters=3, max_hold=None)
+    per_layer = profile_pipeline_module_layers(layers, x, warmup=1, iters=3, max_hold=None)
     data = per_layer.to_dict()
     check_format(data, ["embedding", "transformer", "transformer", "output"])
     assert [x["name"] for x in data["layers"]] == ["0.GPTEmbedding", "1.GPTBlock", "2.GPTBlock", "3.GPTHead"]
@@ -98,6 +100,19 @@ def test_deepspeed_layer_list_layers_sum_to_the_stage_profile():
     for s, group in enumerate((per_layer.result.stages[:2], per_layer.result.stages[2:])):
         assert sum(m.activation_bytes for m in group) == stages.stages[s].activation_bytes
         assert sum(m.w_hold_bytes for m in group) == stages.stages[s].w_hold_bytes
+
+
+def test_per_layer_w_hold_under_the_hold_policy_stays_within_the_bound():
+    """Under the default bound (0.75) each layer plans alone: each stays within it, so any cut's sum does."""
+    from koala_ds.profiler.models import gpt_layers, profile_pipeline_module_layers
+
+    torch.manual_seed(0)
+    per_layer = profile_pipeline_module_layers(gpt_layers(2, 32, 4, 16, 64), torch.randint(0, 64, (2, 16)),
+                                               warmup=0, iters=1)
+    blocks = per_layer.result.stages[1:3]
+    for m in per_layer.result.stages:
+        assert m.w_hold_bytes <= 0.75 * m.activation_bytes
+    assert all(0 < m.w_hold_bytes and 0 < m.w_flops_deferred < 1 for m in blocks)  # some deferred, some in I
 
 
 def _cli(*args, timeout=150):
