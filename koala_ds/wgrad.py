@@ -228,6 +228,9 @@ def _cover(model: torch.nn.Module, prepared: "Prepared") -> None:
 
 
 _WATCH: ForwardWatch | None = None  # the forward being watched for a hold plan, if any
+# covered layers that never run (or run through a path that does not report them) would keep
+# every forward watched: stop after this many watched forwards in a row that planned nothing
+_MAX_IDLE_WATCHES = 64
 
 
 def note_layer(weight: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
@@ -266,10 +269,12 @@ class Prepared:
     weights: set = field(default_factory=set)  # id() of the covered layers' weights
     plan: Plan = field(default_factory=Plan)
     _watching: Optional[tuple] = None
+    _idle: int = 0  # watched forwards in a row that met no unplanned layer
 
     def _watch_start(self, module, args) -> None:
         global _WATCH
-        if _WATCH is not None or not torch.is_grad_enabled() or self.weights <= self.plan.deferred | self.plan.kept:
+        if _WATCH is not None or not torch.is_grad_enabled() or self._idle >= _MAX_IDLE_WATCHES \
+                or self.weights <= self.plan.deferred | self.plan.kept:
             return
         params = {p.untyped_storage().data_ptr() for p in module.parameters()}
         watch = ForwardWatch(params)
@@ -286,6 +291,7 @@ class Prepared:
         if sys.exc_info()[0] is not None:  # the forward raised: plan on a complete one
             return
         new = [c for c in watch.layers.values() if c.key not in self.plan.deferred and c.key not in self.plan.kept]
+        self._idle = 0 if new else self._idle + 1
         if new:
             self.plan.add(new, watch.activation_bytes(), self.max_hold)
 

@@ -182,3 +182,14 @@ def test_megatron_stage_under_the_profilers_hooks_keeps_what_the_plan_keeps():
     assert prepared.plan.kept and prepared.plan.deferred
     assert meas.w_hold_bytes <= 0.75 * meas.activation_bytes
     assert meas.w_hold_bytes == prepared.plan.held_bytes  # the estimate is what the queue holds
+
+
+def test_a_covered_layer_that_never_runs_stops_the_watch_after_a_while():
+    mod = torch.nn.ModuleDict({"used": torch.nn.Linear(8, 8), "unused": torch.nn.Linear(8, 8)})
+    mod.forward = lambda x: mod["used"](x)  # noqa: E731 - "unused" never runs
+    prepared = wgrad.prepare(mod)
+    for _ in range(wgrad._MAX_IDLE_WATCHES + 10):
+        mod(torch.randn(2, 8, requires_grad=True)).sum().backward()
+    # one forward planned "used"; then each watched forward counted one idle, up to the cap, and none after
+    assert prepared._idle == wgrad._MAX_IDLE_WATCHES and wgrad._WATCH is None
+    assert id(mod["used"].weight) in prepared.plan.kept | prepared.plan.deferred
