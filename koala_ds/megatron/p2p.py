@@ -6,22 +6,22 @@ step sends (`P2P.send`). The lowering orders every channel's receives as its sen
 messages are matched by order alone. That is what NCCL does (it ignores tags), and it is what
 we do on gloo too (every message uses tag 0), so the gloo tests exercise the rule NCCL relies on.
 
-On NCCL, every channel gets its own two-rank communicator (one per direction), so that a
-pending receive from a peer never queues behind a send to that same peer on one CUDA stream.
-On gloo a channel is just (pipeline group, peer): gloo matches by source, so the directions
-cannot mix. Every wait has a deadline and raises `P2PTimeoutError` naming what it waited for.
+On NCCL, every channel gets its own two-rank communicator (one per direction, see
+`koala_ds.channels`), so that a pending receive from a peer never queues behind a send to that
+same peer on one CUDA stream. On gloo a channel is just (pipeline group, peer): gloo matches by
+source, so the directions cannot mix. Every wait has a deadline and raises `P2PTimeoutError` naming what it waited for.
 """
 from __future__ import annotations
 
 import io
 import logging
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from ..bounded_collectives import WaitFailure, is_gloo, wait_work
-from ..ir import KoalaError, Schedule
+from ..channels import ChannelGroups, schedule_channels
+from ..ir import KoalaError
 from ..lowering import ACT, GRAD, Message
 
 log = logging.getLogger(__name__)
@@ -33,56 +33,6 @@ __all__ = ["ACT", "GRAD", "Message", "P2P", "P2PTimeoutError", "ChannelGroups", 
 class P2PTimeoutError(KoalaError, TimeoutError):
     """A pipeline receive or send did not complete in time (a peer died, hung or diverged), or
     failed before its deadline (the peer closed the connection): the message says which."""
-
-
-def schedule_channels(schedule: Schedule) -> list[tuple[int, int]]:
-    """Every ordered (src, dst) pair of pipeline ranks that some message travels on."""
-    pl = schedule.placement
-    pairs = set()
-    for s in range(pl.num_stages):
-        nxt = pl.next_stage(s)
-        if nxt is not None and pl.rank_of(s) != pl.rank_of(nxt):
-            pairs.add((pl.rank_of(s), pl.rank_of(nxt)))
-            pairs.add((pl.rank_of(nxt), pl.rank_of(s)))
-    return sorted(pairs)
-
-
-class ChannelGroups:
-    """Process groups for the channels of one pipeline group.
-
-    gloo: the pipeline group itself for every channel. NCCL (or `per_direction=True`): one
-    two-rank group per ordered pair, created collectively by every rank of the job (all
-    pipeline groups at once, in the same order everywhere), the first time a step runs."""
-
-    def __init__(self, pp_group, pairs: list[tuple[int, int]], per_direction: bool, timeout_s: float):
-        self.pp_group = pp_group
-        self.pp_ranks = dist.get_process_group_ranks(pp_group)
-        self.per_direction = per_direction
-        self._groups: dict[tuple[int, int], object] = {}
-        if per_direction:
-            self._create(pairs, timeout_s)
-
-    def _create(self, pairs: list[tuple[int, int]], timeout_s: float) -> None:
-        world = dist.get_world_size()
-        all_pp: list = [None] * world
-        dist.all_gather_object(all_pp, list(self.pp_ranks))
-        groups = sorted({tuple(g) for g in all_pp})
-        mine = tuple(self.pp_ranks)
-        for pp_ranks in groups:
-            for src, dst in pairs:
-                ranks = [pp_ranks[src], pp_ranks[dst]]
-                # new_group sorts ranks; the same two ranks get two groups, one per direction.
-                group = dist.new_group(ranks, timeout=timedelta(seconds=max(timeout_s, 60)),
-                                       group_desc=f"koala_p2p_{pp_ranks[src]}_to_{pp_ranks[dst]}")
-                if pp_ranks == mine:
-                    self._groups[(src, dst)] = group
-        log.info("created %d per-direction p2p groups for %d pipeline group(s)", len(pairs) * len(groups), len(groups))
-
-    def group(self, src: int, dst: int):
-        return self._groups.get((src, dst), self.pp_group) if self.per_direction else self.pp_group
-
-    def global_rank(self, pp_rank: int) -> int:
-        return self.pp_ranks[pp_rank]
 
 
 class P2P:
