@@ -162,3 +162,11 @@ def test_messages_nobody_sends_or_uses_are_refused():
 def test_steps_print_as_actions_and_messages():
     assert str(Step(COMPUTE, action=Action(Op.I, 3, 7))) == "3I7"
     assert str(Step(SEND, message=Message(GRAD, 2, 1), peer=0)) == "SEND grad 2/1 -> 0"
+
+
+def test_the_lowering_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, koala_ds.lowering; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
