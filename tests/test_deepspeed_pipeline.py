@@ -154,6 +154,17 @@ def test_instruction_streams_follow_the_lowered_schedule(name, p, v, lookahead):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("style,p,v", [("linear", 4, 1), ("interleaved", 2, 2), ("vshape", 4, 2)])
+def test_the_inference_order_runs_with_blocking_receives(style, p, v):
+    """eval_batch learns input shapes at the first receive (blocking): its lowered order must run so."""
+    from koala_ds.deepspeed.schedule import inference_order
+    from koala_ds.lowering import check_lowered
+
+    check_lowered(lower(inference_order(Placement.named(style, p, v), 5), forward_only=True, lookahead=0),
+                  blocking_recv=True)
+
+
+@pytest.mark.timeout(60)
 def test_pp2_v2_has_both_directions_to_one_neighbour():
     """The case the tags exist for: rank 0 both sends to and receives from rank 1, for two stages;
     rank 1 posts its receives in rank 0's send order."""
