@@ -4,6 +4,7 @@
     python benchmarks/engine_speedup.py --quick    # gpt-lmhead-8 at p = 4 only
     python benchmarks/engine_speedup.py --real     # the tiny real GPT of examples/megatron_gpt
     python benchmarks/engine_speedup.py --json     # one JSON object per row on stdout
+    python benchmarks/engine_speedup.py --overhead-only -p 4   # the runtimes' CPU per action only
 
 THIS MEASURES THE SCHEDULE AND THE RUNTIME, NOT KERNELS. Each virtual stage is an
 `EmulatedStage` (koala_ds/profiler/emulate.py) whose forward, backward-input and
@@ -299,6 +300,9 @@ def main(argv=None) -> int:
                     help="measured steps per run, after 2 warm-up steps (default 30; 10 with --quick or --real)")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every F/I/W time (default 1)")
     ap.add_argument("--out", default=str(RESULTS), help="results folder (default benchmarks/results)")
+    ap.add_argument("--overhead-only", action="store_true",
+                    help="only the calibration runs (1f1b, m = 2p): the runtime's CPU per action at zero compute "
+                         "and its overhead per action; no schedule rows, no search, nothing written")
     args = ap.parse_args(argv)
     if args.steps is None:
         args.steps = 10 if (args.quick or args.real) else 30
@@ -331,6 +335,8 @@ def main(argv=None) -> int:
     latency = p2p.latency_ms
     say(f"measured p2p latency (gloo ping-pong, one way, 64-byte message): {latency:.3f} ms; "
         f"CPU {p2p.cpu_ms_per_message:.3f} ms per message sent or received, per rank")
+    if args.overhead_only:
+        return overhead_only(engines, ps, latency, args.steps, say)
     rows = []
     for p in ps:
         m = 2 * p
@@ -390,6 +396,22 @@ def main(argv=None) -> int:
                           file=args.json_out, flush=True)
     say(f"total {time.time() - t_start:.0f} s")
     write_outputs(rows, Path(args.out), "quick" if args.quick else "full", say)
+    return 0
+
+
+def overhead_only(engines: list[str], ps: list[int], latency: float, steps: int, say) -> int:
+    """--overhead-only: per engine and p, the calibration runs alone (see the module docstring)."""
+    from engine_runs import cpu_ms_per_step, step_times_ms
+
+    for p in ps:
+        cal_jobs, calib, one, zero = calibration_jobs(p, 2 * p, latency)
+        for engine in engines:
+            res = run_engine(engine, p, {"calibration": cal_jobs, "warmup": 2, "steps": steps}, timeout_s=1800)
+            oh = overheads(calib, one, zero, step_times_ms(res, 2)[:len(cal_jobs)])
+            cpu = cpu_ms_per_step(res, 2)[len(cal_jobs) - 1] / calib.num_actions
+            say(f"{engine} p={p}: CPU time of the runtime at zero compute: {cpu:.3f} ms per action (all ranks' "
+                f"processes, {os.cpu_count()} cores); overhead {oh['action']:.3f} ms per action + "
+                f"{oh['step']:.2f} ms per step (1 ms ops), {oh['zero']:.3f} ms per action at zero compute")
     return 0
 
 

@@ -29,9 +29,10 @@ torch = pytest.importorskip("torch")
 
 from koala_ds.deepspeed import (KoalaConfigError, KoalaPipeSchedule, KoalaPipelineConfig,  # noqa: E402
                                 check_schedule, select_engine_class)
-from koala_ds.deepspeed.schedule import BackwardInputPass, BackwardWeightPass, messages_between  # noqa: E402
+from koala_ds.deepspeed.schedule import BackwardInputPass, BackwardWeightPass  # noqa: E402
+from koala_ds.lowering import COMPUTE, RECV, SEND, lower  # noqa: E402
 from deepspeed_jobs import DEFAULT_EXTENSIONS_DIR, hang_worker, launch, train_worker  # noqa: E402
-from koala_ds.ir import Op, Placement  # noqa: E402
+from koala_ds.ir import Action, Op, Placement  # noqa: E402
 from koala_ds.spawn import remove_deepspeed_shm  # noqa: E402
 from koala_ds.library import load_schedule  # noqa: E402
 from koala_ds.validate import validate  # noqa: E402
@@ -118,28 +119,34 @@ def _assert_clipping_acted(results: list[dict], clipped: str, unclipped: str) ->
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("name,p,v", [("1f1b", 4, 1), ("gpipe", 2, 1), ("zb-h1", 4, 1), ("zb-h2", 2, 1),
                                       ("interleaved-1f1b", 2, 2), ("zb-v", 4, 2), ("dualpipe-v", 2, 2)])
-def test_instruction_streams_follow_the_schedule(name, p, v):
+@pytest.mark.parametrize("lookahead", [0, 2])
+def test_instruction_streams_follow_the_lowered_schedule(name, p, v, lookahead):
     schedule = load_schedule(name, p, 8, v)
     peaks = validate(schedule).peak_in_flight
+    lowered = lower(schedule, lookahead=lookahead)
+    comm = {"RecvActivation": RECV, "RecvGrad": RECV, "SendActivation": SEND, "SendGrad": SEND}
+    ops = {"ForwardPass": Op.F, "BackwardPass": Op.B, "BackwardInputPass": Op.I, "BackwardWeightPass": Op.W}
     for rank in range(p):
-        sched = KoalaPipeSchedule(schedule, rank)
+        sched = KoalaPipeSchedule(schedule, rank, lookahead=lookahead)
         assert sched.num_pipe_buffers() == peaks[rank]
         steps = list(sched.steps())
-        computed = []
+        stream = []
         for cmds in steps[:-1]:
             kinds = [type(c).__name__ for c in cmds]
-            compute = [c for c in cmds if type(c).__name__ in
-                       ("ForwardPass", "BackwardPass", "BackwardInputPass", "BackwardWeightPass")]
-            assert len(compute) == 1, kinds
-            computed.append(compute[0])
-            position = cmds.index(compute[0])
-            for before in ("LoadMicroBatch", "RecvActivation", "RecvGrad"):
-                assert before not in kinds or kinds.index(before) < position, kinds
-            for after in ("SendActivation", "SendGrad"):
-                assert after not in kinds or kinds.index(after) > position, kinds
-        ops = {"ForwardPass": Op.F, "BackwardPass": Op.B, "BackwardInputPass": Op.I, "BackwardWeightPass": Op.W}
-        assert [(ops[type(c).__name__], c.stage, c.microbatch) for c in computed] == \
-            [(a.op, a.stage, a.microbatch) for a in schedule.ranks[rank]]
+            assert sum(k in ops for k in kinds) == 1, kinds
+            position = next(i for i, k in enumerate(kinds) if k in ops)
+            assert all(comm[k] == RECV for k in kinds[:position] if k in comm), kinds
+            assert all(comm[k] == SEND for k in kinds[position + 1:]), kinds
+            for c in cmds:
+                name_ = type(c).__name__
+                if name_ in comm:
+                    assert c.kwargs["message"].kind == ("act" if "Activation" in name_ else "grad")
+                    stream.append((comm[name_], c.kwargs["message"], c.kwargs["peer"]))
+                elif name_ in ops:
+                    stream.append((COMPUTE, Action(ops[name_], c.stage, c.microbatch)))
+        # the instructions are the lowered stream, step for step
+        assert stream == [(st.kind, st.message, st.peer) if st.kind != COMPUTE else (COMPUTE, st.action)
+                          for st in lowered.ranks[rank]]
         assert [type(c).__name__ for c in steps[-1]] == ["WaitSends", "ReduceTiedGrads", "ReduceGrads",
                                                         "OptimizerStep"]
         assert any(isinstance(c, (BackwardInputPass, BackwardWeightPass)) for s in steps for c in s) == \
@@ -147,12 +154,27 @@ def test_instruction_streams_follow_the_schedule(name, p, v):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("style,p,v", [("linear", 4, 1), ("interleaved", 2, 2), ("vshape", 4, 2)])
+def test_the_inference_order_runs_with_blocking_receives(style, p, v):
+    """eval_batch learns input shapes at the first receive (blocking): its lowered order must run so."""
+    from koala_ds.deepspeed.schedule import inference_order
+    from koala_ds.lowering import check_lowered
+
+    check_lowered(lower(inference_order(Placement.named(style, p, v), 5), forward_only=True, lookahead=0),
+                  blocking_recv=True)
+
+
+@pytest.mark.timeout(60)
 def test_pp2_v2_has_both_directions_to_one_neighbour():
-    """The case the tags exist for: rank 0 both sends to and receives from rank 1, for two stages."""
+    """The case the tags exist for: rank 0 both sends to and receives from rank 1, for two stages;
+    rank 1 posts its receives in rank 0's send order."""
     schedule = load_schedule("interleaved-1f1b", 2, 8, 2)
-    sent, received = messages_between(schedule, 0, 1)
+    sent = [c.kwargs["message"] for s in KoalaPipeSchedule(schedule, 0).steps() for c in s
+            if type(c).__name__.startswith("Send") and c.kwargs["peer"] == 1]
+    posted = [c.kwargs["message"] for s in KoalaPipeSchedule(schedule, 1).steps() for c in s
+              if type(c).__name__.startswith("Recv")]
     assert {m.kind for m in sent} == {"act", "grad"}
-    assert sorted(map(str, sent)) == sorted(map(str, received))
+    assert sent == posted
 
 
 @pytest.mark.timeout(60)

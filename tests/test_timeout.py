@@ -100,9 +100,9 @@ class _FailingWork:
 
 def _p2p(timeout_s: float):
     pytest.importorskip("torch")
-    from koala_ds.megatron.p2p import P2P, CommPlan
+    from koala_ds.megatron.p2p import P2P
 
-    return P2P(CommPlan(0), None, None, timeout_s, None, gloo=True, timeout_source="KOALA_TIMEOUT_S")
+    return P2P(0, None, (1,), None, timeout_s, None, gloo=True, timeout_source="KOALA_TIMEOUT_S")
 
 
 def test_megatron_p2p_says_a_peer_closed_the_connection_not_that_time_ran_out():

@@ -9,11 +9,16 @@ What it adds to the stock engine (deepspeed/runtime/pipe/engine.py, 0.19.8):
   one full backward. The
   gradient-accumulation scaling is applied once, to the loss, by this engine: the per-tensor
   output hook of DeepSpeedEngine is made a no-op (`_backward_prologue_per_tensor`);
-- point-to-point messages are non-blocking sends and receives with a tag per
-  (kind, stage, microbatch, tensor), so any deadlock-free order runs, both directions between
-  the same two ranks stay apart (p=2, v=2 has one neighbour on both sides), and every wait has
-  a timeout (`pipeline.koala.timeout_s`) that ends in `PipelineTimeoutError`, not a hang; sends
-  are waited (`WaitSends`) before the gradient reduction and the optimizer step;
+- point-to-point messages follow the rank's lowered stream (`koala_ds.lowering`, the stream the
+  Megatron runtime interprets too): non-blocking sends, receives posted in the sender's order on
+  every channel (so order-matching backends pair them right, whatever order the compute needs
+  them in) and waited by the compute that consumes them; a tag per (kind, stage, microbatch,
+  tensor) keeps both directions between the same two ranks apart on gloo (p=2, v=2 has one
+  neighbour on both sides); every wait has a timeout (`pipeline.koala.timeout_s`) that ends in
+  `PipelineTimeoutError`, not a hang; sends are waited (`WaitSends`) before the gradient
+  reduction and the optimizer step. The first training step posts each receive right before its
+  consumer (a stage's first receive learns the message's shape, blocking); later steps post
+  them `RECV_LOOKAHEAD` actions early;
 - one loss per buffer on the last stage, so forwards of several microbatches may precede
   their backwards;
 - several model chunks per rank (`KoalaPipelineModule`, interleaved or V-shape placement);
@@ -25,10 +30,9 @@ dynamic shapes and partitioned pipe tensors.
 """
 from __future__ import annotations
 
-import datetime
+import functools
 import logging
 import os
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -43,14 +47,16 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule
 
 from .. import wgrad
+from ..bounded_collectives import WaitFailure, wait_work
+from ..channels import ChannelGroups, schedule_channels
 from ..ir import KoalaError, Placement, Schedule
+from ..lowering import ACT, GRAD, Message
 from ..resolve import DEEPSPEED, ScheduleFitError, check_fit, load, load_profile, resolve
 from ..timeout import DEFAULT_TIMEOUT_S, ENV_TIMEOUT, TimeoutSettingError, timeout_setting
 from ..validate import validate
 from ..wgrad import WeightGradQueue
 from .module import check_model_parts
-from .schedule import (BackwardInputPass, BackwardWeightPass, KoalaInferenceSchedule, KoalaPipeSchedule, WaitSends,
-                       messages_between)
+from .schedule import BackwardInputPass, BackwardWeightPass, KoalaInferenceSchedule, KoalaPipeSchedule, WaitSends
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +68,7 @@ ENV_KOALA_TIMEOUT = ENV_TIMEOUT  # KOALA_TIMEOUT_S (KOALA_P2P_TIMEOUT is read to
 #: The values of `"pipeline": {"schedule": ...}` (and DS_PIPELINE_SCHEDULE): DeepSpeed's own engine or Koala's.
 PIPELINE_SCHEDULES = ("default", "koala")
 _META_SIZE = 256
-_KINDS = {"meta": 0, "act": 1, "grad": 2}
+_KINDS = {"meta": 0, ACT: 1, GRAD: 2}
 _MAX_TENSORS = 32
 
 
@@ -288,7 +294,7 @@ class KoalaPipelineEngine(PipelineEngine):
         self._koala_ready = False
         self._koala_schedule = schedule
         self._koala_placement = placement
-        self._koala_timeout = datetime.timedelta(seconds=kcfg.timeout_s)
+        self._koala_timeout_s = float(kcfg.timeout_s)
         self.koala_config = kcfg
         super().__init__(*args, **kwargs)
 
@@ -298,23 +304,33 @@ class KoalaPipelineEngine(PipelineEngine):
         if self.dynamic_shape:
             raise KoalaConfigError("the Koala engine exchanges activation shapes once per stage boundary: "
                                    "build the PipelineModule with dynamic_shape=False")
-        self._check_backend_order()
+        try:  # how wait_work waits: gloo's wait(timeout), else polling until the deadline
+            self._koala_gloo = "gloo" in str(torch.distributed.get_backend()).lower()
+        except (RuntimeError, ValueError):
+            self._koala_gloo = True
         self._stage_chunk = {s: c for c, s in enumerate(placement.stages_of(self.stage_id))}
         # Called before the work of a stage when the module holds several chunks (see _activate).
         self._activate_chunk: Callable[[int], None] | None = (
             getattr(self.module, "activate_chunk", None) if len(self._stage_chunk) > 1 else None)
-        # Global rank of the rank holding each virtual stage (the grid is fixed after set-up).
-        self._stage_peer = [self.grid.stage_to_global(stage_id=placement.rank_of(s))
-                            for s in range(placement.num_stages)]
+        # Global rank of each pipeline rank (the grid is fixed after set-up) and the groups to send
+        # to / receive from it on: the default group on gloo, one group per direction elsewhere
+        self._pipe_global = [self.grid.stage_to_global(stage_id=r) for r in range(placement.p)]
+        self._send_groups, self._recv_groups = self._channel_groups(schedule, placement.p, kcfg.timeout_s)
         self._first_stage = 0
         self._last_stage = placement.num_stages - 1
         # split backward: the layers' weight-gradient GEMMs are queued by I and run by W (koala_ds.wgrad)
         self._wgrad = wgrad.prepare(self.module) if schedule.backward == "split" else None
+        # the first step learns the messages' shapes at their first receive, so its receives come
+        # right before their consumers; later steps post them early (koala_ds.lowering)
+        self._first_sched = KoalaPipeSchedule(schedule, self.stage_id, lookahead=0)
         self._train_sched = KoalaPipeSchedule(schedule, self.stage_id)
-        self.pipe_buffers["grads"] = [None] * self.num_pipe_buffers
+        self._shapes_known = False
+        self._inference_scheds: dict[int, KoalaInferenceSchedule] = {}
+        self._programs: dict[int, tuple] = {}
         self.pipe_buffers["losses"] = [None] * self.num_pipe_buffers
-        self._recv_specs: dict[int, tuple[bool, list]] = {}
+        self._recv_specs: dict[int, tuple[bool, list]] = {}  # stage -> its input's (is a tensor, shapes)
         self._meta_sent: set[int] = set()
+        self._grad_specs: dict[int, list] = {}  # stage -> shapes of its output's gradients
         self._reset_step_state()
         self._koala_ready = True
         if self.global_rank == 0:
@@ -337,25 +353,15 @@ class KoalaPipelineEngine(PipelineEngine):
         cost = load_profile(profile, DEEPSPEED)  # a KoalaError naming the setting and the file when it is bad
         logger.info("Koala profile %s: %d stage entries for schedule %r", profile, cost.num_stages, schedule.name)
 
-    def _check_backend_order(self) -> None:
-        """NCCL matches point-to-point messages by order, not tag: refuse orders that differ."""
-        try:
-            backend = str(torch.distributed.get_backend()).lower()
-        except (RuntimeError, ValueError):
-            return
-        if "gloo" in backend or self.num_stages == 1:
-            return
-        p = self._koala_schedule.p
-        for src in range(p):
-            for dst in range(p):
-                if src == dst:
-                    continue
-                sent, received = messages_between(self._koala_schedule, src, dst)
-                if sent != received:
-                    raise KoalaConfigError(
-                        f"schedule {self._koala_schedule.name!r}: rank {src} sends to rank {dst} in a different "
-                        f"order than rank {dst} receives, and backend {backend!r} matches messages by order; "
-                        f"run on gloo or pick a schedule whose orders agree")
+    def _channel_groups(self, schedule: Schedule, p: int, timeout_s: float) -> tuple[list, list]:
+        """Per pipeline rank, the group to send to it on and the group to receive from it on
+        (koala_ds.channels: receives are posted ahead of their consumers; on NCCL each direction
+        needs its own communicator). Collective on non-gloo backends: every rank builds its engine."""
+        if self._koala_gloo:
+            return [None] * p, [None] * p
+        groups = ChannelGroups(self.grid.get_pipe_parallel_group(), schedule_channels(schedule), True, timeout_s)
+        me = self.stage_id
+        return [groups.group(me, q) for q in range(p)], [groups.group(q, me) for q in range(p)]
 
     # -- stage queries (after __init__: "holds the first / last virtual stage") ----------
     def is_first_stage(self):
@@ -394,35 +400,54 @@ class KoalaPipelineEngine(PipelineEngine):
         return self._koala_schedule
 
     def _train_schedule(self):
-        return self._train_sched
+        return self._train_sched if self._shapes_known else self._first_sched
 
     def _inference_schedule(self, micro_batches):
-        return KoalaInferenceSchedule(self._koala_placement, micro_batches, self.stage_id)
+        if micro_batches not in self._inference_scheds:
+            self._inference_scheds[micro_batches] = KoalaInferenceSchedule(self._koala_placement, micro_batches,
+                                                                           self.stage_id)
+        return self._inference_scheds[micro_batches]
 
     def _reset_step_state(self) -> None:
-        self._mail: dict[tuple[str, int, int], Any] = {}
+        self._mail: dict[Message, Any] = {}  # hand-overs between stages of this rank
+        self._inbox: dict[Message, tuple] = {}  # posted receives: (tensors, works, is a tensor, peer)
         self._w_state: dict[tuple[int, int], WeightGradQueue] = {}
         self._batches: list[list | None] = []  # per microbatch pulled: [batch, uses left], None once used up
         self._pending_sends: list[tuple[Any, Any, str]] = []
         self._p2p = self._p2p_backend()
 
+    def _program(self, pipe_schedule) -> tuple:
+        """The instructions of `pipe_schedule` as (handler, positional arguments) pairs, built once
+        per schedule: the interpreter's work per instruction is the call."""
+        key = id(pipe_schedule)
+        if key not in self._programs:
+            program = []
+            for cmd in (c for step in pipe_schedule.steps() for c in step):
+                handler = self._INSTRUCTION_MAP.get(type(cmd))
+                if handler is None:
+                    raise RuntimeError(f'{self.__class__.__name__} does not understand instruction {repr(cmd)}')
+                names = handler.__code__.co_varnames[1:handler.__code__.co_argcount][:len(cmd.kwargs)]
+                if set(names) == set(cmd.kwargs):
+                    program.append((handler, tuple(cmd.kwargs[n] for n in names)))
+                else:  # keywords that are not its leading parameters
+                    program.append((functools.partial(handler, **cmd.kwargs), ()))
+            self._programs[key] = (pipe_schedule, tuple(program))  # the schedule keeps its id unique
+        return self._programs[key][1]
+
     def _exec_schedule(self, pipe_schedule):
-        """`PipelineEngine._exec_schedule`, dispatching without its per-instruction
-        `self._exec_instr = MethodType(...)` (an `nn.Module.__setattr__` per instruction)."""
+        """`PipelineEngine._exec_schedule` over the schedule's precomputed program (`_program`),
+        without the stock per-instruction `self._exec_instr = MethodType(...)` and keyword unpacking."""
         self._reset_step_state()
         self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
         self.fwd_outputs = []
-        handlers = self._INSTRUCTION_MAP
-        for step_cmds in pipe_schedule:
-            for cmd in step_cmds:
-                handler = handlers.get(type(cmd))
-                if handler is None:
-                    raise RuntimeError(f'{self.__class__.__name__} does not understand instruction {repr(cmd)}')
-                handler(self, **cmd.kwargs)
-        leftover = [f"{s}W{mb}" for s, mb in self._w_state] + [f"{k} {s}/{mb}" for k, s, mb in self._mail]
+        for handler, args in self._program(pipe_schedule):
+            handler(self, *args)
+        leftover = [f"{s}W{mb}" for s, mb in self._w_state] + [str(msg) for msg in (*self._mail, *self._inbox)]
         if leftover:
             raise RuntimeError(f"Koala engine: step ended with unfinished work {leftover[:8]} "
                                f"(schedule {self._koala_schedule.name!r}); this is a bug")
+        if pipe_schedule is self._first_sched:
+            self._shapes_known = True
 
     def _activate(self, stage: int) -> None:
         """Expose the chunk holding `stage` through the module's forward (multi-chunk modules;
@@ -438,12 +463,6 @@ class KoalaPipelineEngine(PipelineEngine):
         object.__setattr__(self, "_running_engine_backward", flag)
 
     # -- communication ------------------------------------------------------------------
-    def _peer(self, stage: int) -> int:
-        return self._stage_peer[stage]
-
-    def _is_local(self, stage: int) -> bool:
-        return stage in self._stage_chunk
-
     def _tag(self, kind: str, stage: int, microbatch: int, index: int = 0) -> int:
         if index >= _MAX_TENSORS:
             raise KoalaConfigError(f"stage {stage} exchanges more than {_MAX_TENSORS} tensors per microbatch")
@@ -452,19 +471,17 @@ class KoalaPipelineEngine(PipelineEngine):
 
     def _wait(self, work, what) -> None:
         """Wait for `work` at most the step's timeout; `what` (a string, or a function giving
-        one) names it in the PipelineTimeoutError."""
-        start = time.monotonic()
-        try:
-            work.wait(timeout=self._koala_timeout)
-        except RuntimeError as exc:
-            raise self._wait_failed(what() if callable(what) else what, exc, time.monotonic() - start) from None
+        one, called only on failure) names it in the PipelineTimeoutError."""
+        failure = wait_work(work, self._koala_timeout_s, self._koala_gloo)
+        if failure is not None:
+            raise self._wait_failed(what() if callable(what) else what, failure)
 
-    def _wait_failed(self, what: str, exc: Exception, elapsed: float) -> PipelineTimeoutError:
-        secs = self._koala_timeout.total_seconds()
+    def _wait_failed(self, what: str, failure: WaitFailure) -> PipelineTimeoutError:
+        secs = failure.timeout_s
         who = f"rank {self.global_rank} (pipeline rank {self.stage_id}, schedule {self._koala_schedule.name!r})"
-        cause = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-        if elapsed < 0.9 * secs:  # gloo's wait(timeout) only raises early when the transport failed
-            return PipelineTimeoutError(f"{who}: {what} failed after {elapsed:.1f} s, before the {secs:g} s "
+        cause = failure.cause or "no error from the transport"
+        if failure.early:
+            return PipelineTimeoutError(f"{who}: {what} failed after {failure.elapsed:.1f} s, before the {secs:g} s "
                                         f"timeout: the peer closed the connection or crashed ({cause})")
         return PipelineTimeoutError(
             f"{who} gave up on {what} after {secs:g} s (timeout from {self.koala_config.timeout_source}): the peer "
@@ -508,21 +525,22 @@ class KoalaPipelineEngine(PipelineEngine):
             return torch.distributed
         return dist
 
-    def _isend(self, tensor, peer: int, tag: int, what: str) -> None:
+    def _isend(self, tensor, peer: int, tag: int, what) -> None:
+        """Send to pipeline rank `peer` without waiting (WaitSends waits)."""
         tensor = tensor.detach().contiguous()
-        work = self._p2p.isend(tensor, peer, tag=tag)
+        work = self._p2p.isend(tensor, self._pipe_global[peer], group=self._send_groups[peer], tag=tag)
         self._pending_sends.append((work, tensor, what))
 
-    def _recv(self, tensor, peer: int, tag: int, what: str) -> None:
-        work = self._p2p.irecv(tensor, src=peer, tag=tag)
-        self._wait(work, what)
+    def _irecv(self, tensor, peer: int, tag: int):
+        return self._p2p.irecv(tensor, src=self._pipe_global[peer], group=self._recv_groups[peer], tag=tag)
 
     def _exec_wait_sends(self):
         for work, _tensor, what in self._pending_sends:
             self._wait(work, what)
         self._pending_sends.clear()
 
-    def _send_meta(self, outputs, stage: int, microbatch: int, peer: int) -> None:
+    def _send_meta(self, outputs, stage: int, peer: int) -> None:
+        """The shapes of stage `stage`'s output, to pipeline rank `peer`, before its first activation."""
         tensors = _as_list(outputs)
         meta = [0 if torch.is_tensor(outputs) else 2, len(tensors)]
         for t in tensors:
@@ -532,10 +550,13 @@ class KoalaPipelineEngine(PipelineEngine):
         buf = torch.zeros(_META_SIZE, dtype=torch.long, device=self.device)
         buf[:len(meta)] = torch.tensor(meta, dtype=torch.long)
         self._isend(buf, peer, self._tag("meta", stage + 1, 0), f"shape of stage {stage}'s output")
+        self._grad_specs[stage] = [(t.shape, t.dtype) for t in tensors if t.is_floating_point()]
 
     def _recv_meta(self, stage: int, peer: int) -> tuple[bool, list]:
+        """Blocking: only at a stage's first receive, which the first step posts right before its consumer."""
         buf = torch.zeros(_META_SIZE, dtype=torch.long, device=self.device)
-        self._recv(buf, peer, self._tag("meta", stage, 0), f"the input shape of stage {stage} from rank {peer}")
+        self._wait(self._irecv(buf, peer, self._tag("meta", stage, 0)),
+                   f"the input shape of stage {stage} from rank {self._pipe_global[peer]}")
         meta = buf.tolist()
         is_tensor, n, pos, specs = meta[0] == 0, meta[1], 2, []
         for _ in range(n):
@@ -544,66 +565,63 @@ class KoalaPipelineEngine(PipelineEngine):
             pos += 2 + ndim
         return is_tensor, specs
 
-    def _exec_send_activations(self, buffer_id, stage, microbatch):
+    def _post(self, message: Message, peer: int, specs: list, is_tensor: bool) -> None:
+        """Post the receives of `message`'s tensors from pipeline rank `peer` (the stream's RECV step)."""
+        kind, stage, mb = message
+        tensors, works = [], []
+        for i, (shape, dtype) in enumerate(specs):
+            t = torch.empty(shape, dtype=dtype, device=self.device)
+            works.append(self._irecv(t, peer, self._tag(kind, stage, mb, i)))
+            tensors.append(t)
+        self._inbox[message] = (tensors, works, is_tensor, peer)
+
+    def _take(self, message: Message) -> tuple[list, bool]:
+        """Wait for the posted receives of `message`: (its tensors, whether it is one tensor)."""
+        tensors, works, is_tensor, src = self._inbox.pop(message)
+        for work in works:
+            self._wait(work, lambda: f"receive {message.describe()} from rank {self._pipe_global[src]}")
+        return tensors, is_tensor
+
+    def _exec_recv_activations(self, buffer_id, stage, microbatch, message, peer):
+        spec = self._recv_specs.get(stage)
+        if spec is None:
+            spec = self._recv_specs[stage] = self._recv_meta(stage, peer)
+        self._post(message, peer, spec[1], spec[0])
+
+    def _exec_recv_grads(self, buffer_id, stage, microbatch, message, peer):
+        specs = self._grad_specs.get(stage)
+        if specs is None:  # not reached: the activation to stage + 1 went first, with its shape
+            specs = [(t.shape, t.dtype) for t in _as_list(self.pipe_buffers["outputs"][buffer_id])
+                     if t.is_floating_point()]
+        self._post(message, peer, specs, False)
+
+    def _exec_send_activations(self, buffer_id, stage, microbatch, message, peer):
+        """Send the output of stage `stage - 1` (held in `buffer_id`) as `message` to pipeline rank `peer`."""
         outputs = self.pipe_buffers["outputs"][buffer_id]
-        nxt = stage + 1
-        if self._is_local(nxt):
-            received = [t.detach().requires_grad_(t.is_floating_point()) for t in _as_list(outputs)]
-            self._mail[("act", nxt, microbatch)] = received[0] if torch.is_tensor(outputs) else tuple(received)
-        else:
-            peer = self._peer(nxt)
-            if nxt not in self._meta_sent:
-                self._send_meta(outputs, stage, microbatch, peer)
-                self._meta_sent.add(nxt)
-            for i, t in enumerate(_as_list(outputs)):
-                self._isend(t, peer, self._tag("act", nxt, microbatch, i),
-                            f"the activation {nxt}F{microbatch} to rank {peer}")
+        if stage not in self._meta_sent:
+            self._send_meta(outputs, stage - 1, peer)
+            self._meta_sent.add(stage)
+        for i, t in enumerate(_as_list(outputs)):
+            self._isend(t, peer, self._tag(ACT, stage, microbatch, i),
+                        lambda: f"send {message.describe()} to rank {self._pipe_global[peer]}")
         if not torch.is_grad_enabled():
             self.pipe_buffers["outputs"][buffer_id] = None
 
-    def _exec_recv_activations(self, buffer_id, stage, microbatch):
-        if self._is_local(stage - 1):
-            self.pipe_buffers["inputs"][buffer_id] = self._mail.pop(("act", stage, microbatch))
-            return
-        peer = self._peer(stage - 1)
-        if stage not in self._recv_specs:
-            self._recv_specs[stage] = self._recv_meta(stage, peer)
-        is_tensor, specs = self._recv_specs[stage]
-        received = []
-        for i, (shape, dtype) in enumerate(specs):
-            t = torch.empty(shape, dtype=dtype, device=self.device)
-            self._recv(t, peer, self._tag("act", stage, microbatch, i),
-                       f"the activation for {stage}F{microbatch} from rank {peer}")
-            received.append(t.requires_grad_(t.is_floating_point()))
-        self.pipe_buffers["inputs"][buffer_id] = received[0] if is_tensor else tuple(received)
-
-    def _exec_send_grads(self, buffer_id, stage, microbatch):
+    def _input_grads(self, buffer_id: int) -> list:
         inputs = self.pipe_buffers["inputs"][buffer_id]
-        grads = [t.grad if t.grad is not None else torch.zeros_like(t)
-                 for t in _as_list(inputs) if t.is_floating_point()]
-        prv = stage - 1
-        if self._is_local(prv):
-            self._mail[("grad", prv, microbatch)] = grads
-        else:
-            peer = self._peer(prv)
-            for i, g in enumerate(grads):
-                self._isend(g, peer, self._tag("grad", prv, microbatch, i),
-                            f"the input gradient of {stage}B{microbatch} to rank {peer}")
         self.pipe_buffers["inputs"][buffer_id] = None
+        return [t.grad if t.grad is not None else torch.zeros_like(t) for t in _as_list(inputs) if t.is_floating_point()]
 
-    def _exec_recv_grads(self, buffer_id, stage, microbatch):
-        nxt = stage + 1
-        if self._is_local(nxt):
-            self.pipe_buffers["grads"][buffer_id] = self._mail.pop(("grad", stage, microbatch))
-            return
-        peer = self._peer(nxt)
-        grads = []
-        for i, out in enumerate(t for t in _as_list(self.pipe_buffers["outputs"][buffer_id]) if t.is_floating_point()):
-            g = torch.empty_like(out, memory_format=torch.contiguous_format)
-            self._recv(g, peer, self._tag("grad", stage, microbatch, i),
-                       f"the output gradient of {stage}B{microbatch} from rank {peer}")
-            grads.append(g)
-        self.pipe_buffers["grads"][buffer_id] = grads
+    def _exec_send_grads(self, buffer_id, stage, microbatch, message, peer):
+        """Send the input gradient of stage `stage + 1` (its inputs held in `buffer_id`) to pipeline rank `peer`."""
+        for i, g in enumerate(self._input_grads(buffer_id)):
+            self._isend(g, peer, self._tag(GRAD, stage, microbatch, i),
+                        lambda: f"send {message.describe()} to rank {self._pipe_global[peer]}")
+
+    def _hand_over_grads(self, buffer_id: int, stage: int, microbatch: int) -> None:
+        """After the input gradient of `stage`: to the stage before it, when this rank holds that one."""
+        if stage - 1 in self._stage_chunk:
+            self._mail[Message(GRAD, stage - 1, microbatch)] = self._input_grads(buffer_id)
 
     # -- data ---------------------------------------------------------------------------
     def _batch(self, microbatch: int):
@@ -635,15 +653,30 @@ class KoalaPipelineEngine(PipelineEngine):
                 else tuple(x.to(self.device).detach() for x in labels)
 
     # -- compute ------------------------------------------------------------------------
-    def _exec_forward_pass(self, buffer_id, stage, microbatch):
+    def _exec_forward_pass(self, buffer_id, stage, microbatch, message):
+        """F: the input is the loaded batch (first stage), the posted receive of `message`, or the
+        hand-over of the stage before on this rank; a stage after on this rank gets the output."""
         self.tput_timer.start()
-        inputs = self.pipe_buffers["inputs"][buffer_id]
+        buffers = self.pipe_buffers
+        if message is not None:
+            tensors, is_tensor = self._take(message)
+            for t in tensors:
+                t.requires_grad_(t.is_floating_point())
+            buffers["inputs"][buffer_id] = tensors[0] if is_tensor else tuple(tensors)
+        elif stage != self._first_stage:
+            buffers["inputs"][buffer_id] = self._mail.pop(Message(ACT, stage, microbatch))
+        inputs = buffers["inputs"][buffer_id]
         self._activate(stage)
         outputs = DeepSpeedEngine.forward(self, inputs)
         if not self.module.training:
             ds_checkpointing.reset()
         if stage != self._last_stage:
-            self.pipe_buffers["outputs"][buffer_id] = outputs
+            buffers["outputs"][buffer_id] = outputs
+            if stage + 1 in self._stage_chunk:
+                handed = [t.detach().requires_grad_(t.is_floating_point()) for t in _as_list(outputs)]
+                self._mail[Message(ACT, stage + 1, microbatch)] = handed[0] if torch.is_tensor(outputs) else tuple(handed)
+                if not torch.is_grad_enabled():
+                    buffers["outputs"][buffer_id] = None
         else:
             if self._compute_loss and self.module.loss_fn is not None:
                 loss = self.module.loss_fn(outputs, self.pipe_buffers["labels"][buffer_id])
@@ -664,8 +697,9 @@ class KoalaPipelineEngine(PipelineEngine):
         if not torch.is_grad_enabled():
             self.pipe_buffers["inputs"][buffer_id] = None
 
-    def _backward_targets(self, buffer_id: int, stage: int):
-        """(tensors to differentiate, their gradients or None) for the stage's backward."""
+    def _backward_targets(self, buffer_id: int, stage: int, microbatch: int, message):
+        """(tensors to differentiate, their gradients or None) for the stage's backward; the
+        gradients come from the posted receive of `message` or the stage after on this rank."""
         if stage == self._last_stage:
             loss = self.pipe_buffers["losses"][buffer_id]
             self.pipe_buffers["losses"][buffer_id] = None
@@ -673,9 +707,8 @@ class KoalaPipelineEngine(PipelineEngine):
                 raise KoalaConfigError("the last stage's loss_fn must return one tensor to train with Koala")
             return [self._scale_loss_by_gas(loss)], None
         outputs = [t for t in _as_list(self.pipe_buffers["outputs"][buffer_id]) if t.is_floating_point()]
-        grads = self.pipe_buffers["grads"][buffer_id]
+        grads = self._take(message)[0] if message is not None else self._mail.pop(Message(GRAD, stage, microbatch))
         self.pipe_buffers["outputs"][buffer_id] = None
-        self.pipe_buffers["grads"][buffer_id] = None
         return outputs, list(grads)
 
     @contextmanager
@@ -691,21 +724,23 @@ class KoalaPipelineEngine(PipelineEngine):
         if self.using_bf16_optimizer and not self._config.bfloat16_config.immediate_grad_update:
             self.optimizer.update_hp_grads(clear_lp_grads=False)
 
-    def _exec_backward_pass(self, buffer_id, stage, microbatch):
-        tensors, grads = self._backward_targets(buffer_id, stage)
+    def _exec_backward_pass(self, buffer_id, stage, microbatch, message):
+        tensors, grads = self._backward_targets(buffer_id, stage, microbatch, message)
         self._activate(stage)
         with self._param_grad_step():
             torch.autograd.backward(tensors, grad_tensors=grads)
         if self._wgrad is not None:
             self._wgrad.full_step_done()
+        self._hand_over_grads(buffer_id, stage, microbatch)
 
-    def _exec_backward_input_pass(self, buffer_id, stage, microbatch):
+    def _exec_backward_input_pass(self, buffer_id, stage, microbatch, message):
         """I: the full backward with the layers' weight-gradient GEMMs queued for W."""
-        tensors, grads = self._backward_targets(buffer_id, stage)
+        tensors, grads = self._backward_targets(buffer_id, stage, microbatch, message)
         self._activate(stage)
         with self._param_grad_step(), self._wgrad.input_step() as queue:
             torch.autograd.backward(tensors, grad_tensors=grads)
         self._w_state[(stage, microbatch)] = queue
+        self._hand_over_grads(buffer_id, stage, microbatch)
 
     def _exec_backward_weight_pass(self, stage, microbatch):
         queue = self._w_state.pop((stage, microbatch))

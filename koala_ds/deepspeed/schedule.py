@@ -1,35 +1,39 @@
-"""Compile one rank's part of a Koala `Schedule` into DeepSpeed pipeline instructions.
+"""One rank's part of a Koala `Schedule` as DeepSpeed pipeline instructions.
 
 DeepSpeed's `PipelineEngine` executes `PipeSchedule.steps()`: lists of `PipeInstruction`s whose
-keyword arguments are passed to the engine's handlers. `KoalaPipeSchedule` turns the rank's
-ordered action list (F, B, I, W on virtual stages) into such steps, inserting the
-communication implied by the dependencies:
+keyword arguments are passed to the engine's handlers. `KoalaPipeSchedule` translates the
+rank's lowered stream (`koala_ds.lowering`: compute actions with SEND / RECV in issue order,
+every channel's receives in its sender's order), one instruction per step:
 
-    F(s, mb):  LoadMicroBatch (first / last stage) or RecvActivation, ForwardPass, SendActivation
-    B(s, mb):  RecvGrad, BackwardPass, SendGrad
-    I(s, mb):  RecvGrad, BackwardInputPass, SendGrad       (input gradient only)
-    W(s, mb):  BackwardWeightPass                          (deferred weight gradient)
-    end:       WaitSends, ReduceTiedGrads, ReduceGrads, OptimizerStep
+    RECV act / grad:  RecvActivation / RecvGrad     (posts the receive)
+    F(s, mb):         LoadMicroBatch (first / last stage), ForwardPass (waits for its input)
+    B(s, mb):         BackwardPass                  (waits for its output gradient)
+    I(s, mb):         BackwardInputPass             (input gradient only)
+    W(s, mb):         BackwardWeightPass            (deferred weight gradient)
+    SEND act / grad:  SendActivation / SendGrad     (non-blocking)
+    end:              WaitSends, ReduceTiedGrads, ReduceGrads, OptimizerStep
 
-Every instruction carries `stage=` and `microbatch=` so that the engine knows the chunk, the
-peer and the message tag. Buffer slots are taken at a forward and given back at the
-backward that produces the input gradient (B or I), so `num_pipe_buffers()` is the rank's
-peak number of microbatches in flight, not m. Nothing here imports torch beyond DeepSpeed's
-own instruction classes.
+Each step of `steps()` is one compute action with the receives posted before it and the send
+after it. Every instruction carries `stage=` and `microbatch=`; the communication and compute
+instructions carry the `message` (a `koala_ds.lowering.Message`) they post, send or wait for
+(None for a compute action whose input is local) and the communication ones the `peer`
+pipeline rank. Messages between stages of the same rank are not in the stream: the compute
+instructions hand them over. Buffer slots are taken at a forward and given back at the
+backward that produces the input gradient (B or I), so `num_pipe_buffers()` is the rank's peak
+number of microbatches in flight, not m. Nothing here imports torch beyond DeepSpeed's own
+instruction classes.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.schedule import (BackwardPass, ForwardPass, LoadMicroBatch, OptimizerStep, PipeInstruction,
                                              PipeSchedule, RecvActivation, RecvGrad, ReduceGrads, ReduceTiedGrads,
                                              SendActivation, SendGrad)
 
-from ..ir import Op, Placement, Schedule
+from ..ir import Action, Op, Placement, Schedule
+from ..lowering import ACT, COMPUTE, RECV, RECV_LOOKAHEAD, Step, lower, received_message
 
-__all__ = ["KoalaPipeSchedule", "KoalaInferenceSchedule", "BackwardInputPass", "BackwardWeightPass", "WaitSends",
-           "Message", "messages_between"]
+__all__ = ["KoalaPipeSchedule", "KoalaInferenceSchedule", "BackwardInputPass", "BackwardWeightPass", "WaitSends"]
 
 
 class BackwardInputPass(ds_schedule.BufferOpInstruction):
@@ -69,56 +73,73 @@ class _Slots:
         self.free.append(self.held.pop(key))
 
 
-def _compile_train(schedule: Schedule, rank: int) -> tuple[list[list[PipeInstruction]], int]:
-    placement = schedule.placement
+def _slots(actions) -> tuple[dict[tuple[int, int], int], int]:
+    """Buffer slot of each (stage, microbatch) of the rank's forwards, and the number of slots."""
     slots = _Slots()
-    steps: list[list[PipeInstruction]] = []
-    for action in schedule.ranks[rank]:
-        s, mb = action.stage, action.microbatch
-        kw = {"stage": s, "microbatch": mb}
-        first, last = placement.prev_stage(s) is None, placement.is_last(s)
-        cmds: list[PipeInstruction] = []
-        if action.op is Op.F:
-            buf = slots.take((s, mb))
-            if first or last:
-                cmds.append(LoadMicroBatch(buf, **kw))
-            if not first:
-                cmds.append(RecvActivation(buf, **kw))
-            cmds.append(ForwardPass(buf, **kw))
-            if not last:
-                cmds.append(SendActivation(buf, **kw))
-        elif action.op in (Op.B, Op.I):
-            buf = slots.get((s, mb))
-            if not last:
-                cmds.append(RecvGrad(buf, **kw))
-            cmds.append((BackwardPass if action.op is Op.B else BackwardInputPass)(buf, **kw))
-            if not first:
-                cmds.append(SendGrad(buf, **kw))
-            slots.give((s, mb))
-        else:  # W
-            cmds.append(BackwardWeightPass(**kw))
-        steps.append(cmds)
+    out = {}
+    for a in actions:
+        if a.op is Op.F:
+            out[(a.stage, a.microbatch)] = slots.take((a.stage, a.microbatch))
+        elif a.op is not Op.W and (a.stage, a.microbatch) in slots.held:
+            slots.give((a.stage, a.microbatch))
+    return out, max(1, slots.next)
+
+
+_COMPUTE = {Op.F: ForwardPass, Op.B: BackwardPass}
+
+
+def _compile(schedule: Schedule, rank: int, steps: tuple[Step, ...], slot: dict) -> list[list[PipeInstruction]]:
+    """The lowered `steps` of `rank` as instruction lists, one per compute action (see the module docstring)."""
+    placement = schedule.placement
+    out: list[list[PipeInstruction]] = []
+    cmds: list[PipeInstruction] = []
+    for st in steps:
+        if st.kind == COMPUTE:
+            a = st.action
+            s, mb = a.stage, a.microbatch
+            if a.op is Op.W:
+                cmds.append(BackwardWeightPass(stage=s, microbatch=mb))
+            else:
+                need = received_message(schedule, rank, a)
+                kw = {"stage": s, "microbatch": mb, "message": None if need is None else need[1]}
+                if a.op is Op.F and (placement.prev_stage(s) is None or placement.is_last(s)):
+                    cmds.append(LoadMicroBatch(slot[(s, mb)], stage=s, microbatch=mb))
+                cmds.append(_COMPUTE.get(a.op, BackwardInputPass)(slot[(s, mb)], **kw))
+            out.append(cmds)
+            cmds = []
+            continue
+        msg = st.message
+        kw = {"stage": msg.stage, "microbatch": msg.microbatch, "message": msg, "peer": st.peer}
+        if st.kind == RECV:
+            cmds.append((RecvActivation if msg.kind == ACT else RecvGrad)(slot[(msg.stage, msg.microbatch)], **kw))
+        else:  # SEND, after its compute: the activation of the stage before msg.stage, or msg.stage's gradient
+            source = (msg.stage - 1 if msg.kind == ACT else msg.stage + 1, msg.microbatch)
+            out[-1].append((SendActivation if msg.kind == ACT else SendGrad)(slot[source], **kw))
+    return out
+
+
+def _compile_train(schedule: Schedule, rank: int, lookahead: int) -> tuple[list[list[PipeInstruction]], int]:
+    slot, buffers = _slots(schedule.ranks[rank])
+    steps = _compile(schedule, rank, lower(schedule, lookahead=lookahead).ranks[rank], slot)
     steps.append([WaitSends(), ReduceTiedGrads(), ReduceGrads(), OptimizerStep()])
-    return steps, max(1, slots.next)
+    return steps, buffers
+
+
+def inference_order(placement: Placement, micro_batches: int) -> Schedule:
+    """Forward only, microbatch-major: for mb, for each chunk of the rank in pipeline order.
+    Every dependency goes from (mb, s-1) to (mb, s), so this order never deadlocks."""
+    ranks = [[Action(Op.F, s, mb) for mb in range(micro_batches) for s in placement.stages_of(rank)]
+             for rank in range(placement.p)]
+    return Schedule(placement.p, micro_batches, placement.chunks_per_rank // placement.pipelines, placement, ranks,
+                    "full", "inference")
 
 
 def _compile_inference(placement: Placement, micro_batches: int, rank: int) -> list[list[PipeInstruction]]:
-    """Forward only, microbatch-major: for mb, for each chunk of the rank in pipeline order.
-    Every dependency goes from (mb, s-1) to (mb, s), so this order never deadlocks."""
-    steps: list[list[PipeInstruction]] = []
-    for mb in range(micro_batches):
-        for s in placement.stages_of(rank):
-            kw = {"stage": s, "microbatch": mb}
-            first, last = placement.prev_stage(s) is None, placement.is_last(s)
-            cmds: list[PipeInstruction] = []
-            if first or last:
-                cmds.append(LoadMicroBatch(0, **kw))
-            if not first:
-                cmds.append(RecvActivation(0, **kw))
-            cmds.append(ForwardPass(0, **kw))
-            if not last:
-                cmds.append(SendActivation(0, **kw))
-            steps.append(cmds)
+    """One buffer (a forward's input and output are used before the next forward) and receives
+    posted right before their consumer: the engine learns each input's shape at its first receive."""
+    schedule = inference_order(placement, micro_batches)
+    slot = {(a.stage, a.microbatch): 0 for a in schedule.ranks[rank]}
+    steps = _compile(schedule, rank, lower(schedule, forward_only=True, lookahead=0).ranks[rank], slot)
     steps.append([WaitSends()])
     return steps
 
@@ -127,13 +148,16 @@ class KoalaPipeSchedule(PipeSchedule):
     """The training instruction stream of pipeline rank `stage_id` for a Koala `Schedule`.
 
     `stages` is the number of pipeline ranks (DeepSpeed's meaning), `micro_batches` the
-    gradient accumulation steps; both must equal the schedule's p and m.
+    gradient accumulation steps; both must equal the schedule's p and m. `lookahead`: of the
+    lowering (0: every receive right before its consumer, as a step that must first learn a
+    message's shape needs).
     """
 
-    def __init__(self, schedule: Schedule, stage_id: int) -> None:
+    def __init__(self, schedule: Schedule, stage_id: int, lookahead: int = RECV_LOOKAHEAD) -> None:
         super().__init__(schedule.m, schedule.p, stage_id)
         self.schedule = schedule
-        self._steps, self._buffers = _compile_train(schedule, stage_id)
+        self.lookahead = lookahead
+        self._steps, self._buffers = _compile_train(schedule, stage_id, lookahead)
 
     def steps(self):
         yield from self._steps
@@ -155,45 +179,3 @@ class KoalaInferenceSchedule(PipeSchedule):
 
     def num_pipe_buffers(self) -> int:
         return 1
-
-
-@dataclass(frozen=True)
-class Message:
-    """One point-to-point message implied by a schedule (for order checks)."""
-
-    kind: str  # "act" or "grad"
-    stage: int  # the receiving virtual stage
-    microbatch: int
-
-
-def messages_between(schedule: Schedule, src: int, dst: int) -> tuple[list[Message], list[Message]]:
-    """(order in which rank `src` sends to `dst`, order in which `dst` receives from `src`).
-
-    Backends that match point-to-point messages by order only (NCCL) need the two equal."""
-    placement = schedule.placement
-
-    def sends(rank: int) -> list[Message]:
-        out = []
-        for a in schedule.ranks[rank]:
-            if a.op is Op.F and not placement.is_last(a.stage):
-                nxt = a.stage + 1
-                if placement.rank_of(nxt) == dst:
-                    out.append(Message("act", nxt, a.microbatch))
-            elif a.op in (Op.B, Op.I) and placement.prev_stage(a.stage) is not None:
-                prv = a.stage - 1
-                if placement.rank_of(prv) == dst:
-                    out.append(Message("grad", prv, a.microbatch))
-        return out
-
-    def recvs(rank: int) -> list[Message]:
-        out = []
-        for a in schedule.ranks[rank]:
-            if a.op is Op.F and placement.prev_stage(a.stage) is not None:
-                if placement.rank_of(a.stage - 1) == src:
-                    out.append(Message("act", a.stage, a.microbatch))
-            elif a.op in (Op.B, Op.I) and not placement.is_last(a.stage):
-                if placement.rank_of(a.stage + 1) == src:
-                    out.append(Message("grad", a.stage, a.microbatch))
-        return out
-
-    return sends(src), recvs(dst)

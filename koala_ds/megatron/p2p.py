@@ -1,39 +1,33 @@
-"""Point-to-point layer of the Megatron runtime: non-blocking sends, ordered receives, timeouts.
+"""Point-to-point layer of the Megatron runtime: non-blocking sends, posted receives, timeouts.
 
-Every message of one training step is known in advance from the schedule (`CommPlan`): for
-each ordered pair of pipeline ranks (a *channel*), the exact sequence of messages the sender
-will send. The receiver posts its receives on a channel in that same sequence, so messages
-are matched by order alone. That is what NCCL does (it ignores tags), and it is what we do on
-gloo too (every message uses tag 0), so the gloo tests exercise the rule NCCL relies on.
+The runtime interprets the lowered stream of its rank (`koala_ds.lowering`): a RECV step posts
+a receive (`P2P.post`), the compute that consumes the message waits for it (`P2P.recv`), a SEND
+step sends (`P2P.send`). The lowering orders every channel's receives as its sender sends, so
+messages are matched by order alone. That is what NCCL does (it ignores tags), and it is what
+we do on gloo too (every message uses tag 0), so the gloo tests exercise the rule NCCL relies on.
 
-Why order and not "the order the receiver needs them": when both neighbours are the same rank
-(pp=2 with two chunks per rank) one channel carries activations of one stage and gradients of
-another; the sender and the receiver can need them in different orders. Megatron-core's stock
-interleaved schedule batches them in the receiver's order and gets crossed messages on gloo.
-
-On NCCL, every channel gets its own two-rank communicator (one per direction), so that a
-pending receive from a peer never queues behind a send to that same peer on one CUDA stream.
-On gloo a channel is just (pipeline group, peer): gloo matches by source, so the directions
-cannot mix. Every wait has a deadline and raises `P2PTimeoutError` naming what it waited for.
+On NCCL, every channel gets its own two-rank communicator (one per direction, see
+`koala_ds.channels`), so that a pending receive from a peer never queues behind a send to that
+same peer on one CUDA stream. On gloo a channel is just (pipeline group, peer): gloo matches by
+source, so the directions cannot mix. Every wait has a deadline and raises `P2PTimeoutError` naming what it waited for.
 """
 from __future__ import annotations
 
 import io
 import logging
-from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from ..bounded_collectives import is_gloo, wait_work
-from ..ir import KoalaError, Op, Schedule
+from ..bounded_collectives import WaitFailure, is_gloo, wait_work
+from ..channels import ChannelGroups, schedule_channels
+from ..ir import KoalaError
+from ..lowering import ACT, GRAD, Message
 
 log = logging.getLogger(__name__)
 
-ACT = "activation"
-GRAD = "gradient"
+__all__ = ["ACT", "GRAD", "Message", "P2P", "P2PTimeoutError", "ChannelGroups", "CollectiveWaiter",
+           "schedule_channels", "wait_failed", "to_device"]
 
 
 class P2PTimeoutError(KoalaError, TimeoutError):
@@ -41,198 +35,70 @@ class P2PTimeoutError(KoalaError, TimeoutError):
     failed before its deadline (the peer closed the connection): the message says which."""
 
 
-class MessageKey(NamedTuple):
-    """One message: the `kind` of tensor for virtual `stage` and `microbatch`.
-
-    An activation message carries the input of `stage`; a gradient message carries the
-    gradient of the output of `stage`. (A named tuple: hashed and compared in C, several
-    times per action, as a dict key of the p2p layer.)"""
-
-    kind: str
-    stage: int
-    microbatch: int
-
-    def describe(self) -> str:
-        what = "input activation" if self.kind == ACT else "output gradient"
-        return f"the {what} of stage {self.stage} microbatch {self.microbatch}"
-
-
-@dataclass
-class CommPlan:
-    """Who sends what to whom, in which order, for one rank of one schedule."""
-
-    rank: int
-    #: per peer, the messages this rank receives from it, in the peer's send order
-    incoming: dict[int, list[MessageKey]] = field(default_factory=dict)
-    #: per peer, the messages this rank sends to it, in this rank's order
-    outgoing: dict[int, list[MessageKey]] = field(default_factory=dict)
-    #: message -> (peer, index in that channel's sequence)
-    recv_index: dict[MessageKey, tuple[int, int]] = field(default_factory=dict)
-
-    @classmethod
-    def build(cls, schedule: Schedule, rank: int, forward_only: bool = False) -> "CommPlan":
-        pl = schedule.placement
-        sends: dict[tuple[int, int], list[MessageKey]] = {}
-        for src, actions in enumerate(schedule.ranks):
-            for a in actions:
-                if a.op is Op.F:
-                    nxt = pl.next_stage(a.stage)
-                    if nxt is not None and pl.rank_of(nxt) != src:
-                        sends.setdefault((src, pl.rank_of(nxt)), []).append(MessageKey(ACT, nxt, a.microbatch))
-                elif a.op in (Op.B, Op.I) and not forward_only:
-                    prev = pl.prev_stage(a.stage)
-                    if prev is not None and pl.rank_of(prev) != src:
-                        sends.setdefault((src, pl.rank_of(prev)), []).append(MessageKey(GRAD, prev, a.microbatch))
-        plan = cls(rank)
-        for (src, dst), keys in sends.items():
-            if dst == rank:
-                plan.incoming[src] = keys
-                for i, key in enumerate(keys):
-                    plan.recv_index[key] = (src, i)
-            if src == rank:
-                plan.outgoing[dst] = keys
-        return plan
-
-    def channels(self) -> set[tuple[int, int]]:
-        """Ordered (src, dst) pipeline-rank pairs that carry messages, seen from this rank."""
-        return {(src, self.rank) for src in self.incoming} | {(self.rank, dst) for dst in self.outgoing}
-
-
-def schedule_channels(schedule: Schedule) -> list[tuple[int, int]]:
-    """Every ordered (src, dst) pair of pipeline ranks that some message travels on."""
-    pl = schedule.placement
-    pairs = set()
-    for s in range(pl.num_stages):
-        nxt = pl.next_stage(s)
-        if nxt is not None and pl.rank_of(s) != pl.rank_of(nxt):
-            pairs.add((pl.rank_of(s), pl.rank_of(nxt)))
-            pairs.add((pl.rank_of(nxt), pl.rank_of(s)))
-    return sorted(pairs)
-
-
-class ChannelGroups:
-    """Process groups for the channels of one pipeline group.
-
-    gloo: the pipeline group itself for every channel. NCCL (or `per_direction=True`): one
-    two-rank group per ordered pair, created collectively by every rank of the job (all
-    pipeline groups at once, in the same order everywhere), the first time a step runs."""
-
-    def __init__(self, pp_group, pairs: list[tuple[int, int]], per_direction: bool, timeout_s: float):
-        self.pp_group = pp_group
-        self.pp_ranks = dist.get_process_group_ranks(pp_group)
-        self.per_direction = per_direction
-        self._groups: dict[tuple[int, int], object] = {}
-        if per_direction:
-            self._create(pairs, timeout_s)
-
-    def _create(self, pairs: list[tuple[int, int]], timeout_s: float) -> None:
-        world = dist.get_world_size()
-        all_pp: list = [None] * world
-        dist.all_gather_object(all_pp, list(self.pp_ranks))
-        groups = sorted({tuple(g) for g in all_pp})
-        mine = tuple(self.pp_ranks)
-        for pp_ranks in groups:
-            for src, dst in pairs:
-                ranks = [pp_ranks[src], pp_ranks[dst]]
-                # new_group sorts ranks; the same two ranks get two groups, one per direction.
-                group = dist.new_group(ranks, timeout=timedelta(seconds=max(timeout_s, 60)),
-                                       group_desc=f"koala_p2p_{pp_ranks[src]}_to_{pp_ranks[dst]}")
-                if pp_ranks == mine:
-                    self._groups[(src, dst)] = group
-        log.info("created %d per-direction p2p groups for %d pipeline group(s)", len(pairs) * len(groups), len(groups))
-
-    def group(self, src: int, dst: int):
-        return self._groups.get((src, dst), self.pp_group) if self.per_direction else self.pp_group
-
-    def global_rank(self, pp_rank: int) -> int:
-        return self.pp_ranks[pp_rank]
-
-
-@dataclass
-class _Posted:
-    tensor: torch.Tensor
-    work: object | None
-
-
 class P2P:
-    """Send and receive the tensors of one step by the plan, with a timeout on every wait."""
+    """Send and receive the tensors of one step as the lowered stream says, with a timeout on every wait.
 
-    def __init__(self, plan: CommPlan, channels: ChannelGroups, recv_spec, timeout_s: float, device: torch.device,
-                 gloo: bool, timeout_source: str = "timeout_s"):
-        self.plan = plan
+    `shape`, `dtype`: of every message (megatron-core sends one fixed-shape tensor per stage)."""
+
+    def __init__(self, rank: int, channels: ChannelGroups, shape: tuple, dtype, timeout_s: float,
+                 device: torch.device, gloo: bool, timeout_source: str = "timeout_s"):
+        self.rank = rank
         self.channels = channels
-        self.recv_spec = recv_spec  # MessageKey -> (shape, dtype)
+        self.shape, self.dtype = tuple(shape), dtype
         self.timeout_s = timeout_s
         self.timeout_source = timeout_source  # the setting timeout_s came from, for messages
         self.device = device
         self.gloo = gloo
-        self._next_post = {peer: 0 for peer in plan.incoming}
-        self._posted: dict[MessageKey, _Posted] = {}
-        self._sent: dict[int, int] = {peer: 0 for peer in plan.outgoing}
-        self.pending_sends: list[tuple[MessageKey, int, object, torch.Tensor]] = []
+        self._posted: dict[Message, tuple[torch.Tensor, object, int]] = {}
+        self.pending_sends: list[tuple[Message, int, object, torch.Tensor]] = []
+        if channels is not None:  # per peer: (global rank, group to receive on, group to send on)
+            ranks = range(len(channels.pp_ranks))
+            self._peers = [(channels.global_rank(q), channels.group(q, rank), channels.group(rank, q)) for q in ranks]
 
     # -- receiving -----------------------------------------------------------------------
-    def post(self, key: MessageKey) -> None:
-        """Post the receive of `key` and of every earlier message on its channel (sender order)."""
-        if key in self._posted:
-            return
-        peer, index = self.plan.recv_index[key]
-        seq = self.plan.incoming[peer]
-        group = self.channels.group(peer, self.plan.rank)
-        src = self.channels.global_rank(peer)
-        while self._next_post[peer] <= index:
-            k = seq[self._next_post[peer]]
-            shape, dtype = self.recv_spec(k)
-            buf = torch.empty(shape, dtype=dtype, device=self.device)
-            work = dist.irecv(buf, src=src, group=group, tag=0)
-            self._posted[k] = _Posted(buf, work)
-            self._next_post[peer] += 1
+    def post(self, msg: Message, peer: int) -> None:
+        """Post the receive of `msg` from pipeline rank `peer` (the stream's RECV step)."""
+        buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        src, group, _ = self._peers[peer]
+        self._posted[msg] = (buf, dist.irecv(buf, src=src, group=group, tag=0), peer)
 
-    def recv(self, key: MessageKey) -> torch.Tensor:
-        self.post(key)
-        posted = self._posted.pop(key)
-        peer, _ = self.plan.recv_index[key]
-        self._wait(posted.work, f"receive {key.describe()} from pipeline rank {peer}")
-        return posted.tensor
+    def recv(self, msg: Message) -> torch.Tensor:
+        """Wait for the posted receive of `msg`; its tensor."""
+        buf, work, peer = self._posted.pop(msg)
+        self._wait(work, "receive", msg, peer)
+        return buf
 
     # -- sending -------------------------------------------------------------------------
-    def send(self, key: MessageKey, dst: int, tensor: torch.Tensor) -> None:
-        expected = self.plan.outgoing[dst][self._sent[dst]]
-        if expected != key:  # a bug in the runtime, never a user error
-            raise RuntimeError(f"koala p2p: rank {self.plan.rank} sends {key} to {dst} but the plan says {expected}")
-        self._sent[dst] += 1
+    def send(self, msg: Message, dst: int, tensor: torch.Tensor) -> None:
         if self.gloo and tensor.is_cuda:
             tensor = tensor.cpu()
         tensor = tensor.detach()
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
-        work = dist.isend(tensor, dst=self.channels.global_rank(dst), group=self.channels.group(self.plan.rank, dst),
-                          tag=0)
-        self.pending_sends.append((key, dst, work, tensor))
+        peer, _, group = self._peers[dst]
+        self.pending_sends.append((msg, dst, dist.isend(tensor, dst=peer, group=group, tag=0), tensor))
 
-    def reap(self) -> list[MessageKey]:
-        """Forget sends that have completed; returns their keys."""
+    def reap(self) -> list[Message]:
+        """Forget sends that have completed; returns their messages."""
         done, still = [], []
         for item in self.pending_sends:
             (done if item[2].is_completed() else still).append(item)
         self.pending_sends = still
         return [item[0] for item in done]
 
-    def wait_send(self, key: MessageKey) -> None:
+    def wait_send(self, msg: Message) -> None:
         for item in list(self.pending_sends):
-            if item[0] == key:
-                self._wait(item[2], f"send {key.describe()} to pipeline rank {item[1]}")
+            if item[0] == msg:
+                self._wait(item[2], "send", msg, item[1])
                 self.pending_sends.remove(item)
 
     def finish(self) -> None:
-        """Wait for every outstanding send; check that the plan was followed to the end."""
-        for key, dst, work, _ in self.pending_sends:
-            self._wait(work, f"send {key.describe()} to pipeline rank {dst}")
+        """Wait for every outstanding send; check that every posted receive was consumed."""
+        for msg, dst, work, _ in self.pending_sends:
+            self._wait(work, "send", msg, dst)
         self.pending_sends = []
-        left = [k for k in self._posted]
-        unsent = {d: len(seq) - self._sent[d] for d, seq in self.plan.outgoing.items() if self._sent[d] != len(seq)}
-        if left or unsent:
-            raise RuntimeError(f"koala p2p: rank {self.plan.rank} ended the step with unreceived {left} / unsent {unsent}")
+        if self._posted:
+            raise RuntimeError(f"koala p2p: rank {self.rank} ended the step with unreceived {list(self._posted)}")
 
     # -- objects (loss dicts) --------------------------------------------------------------
     def send_object(self, obj, dst_pp_rank: int) -> None:
@@ -256,24 +122,24 @@ class P2P:
         return to_device(obj, device)
 
     # -- waiting ---------------------------------------------------------------------------
-    def _wait(self, work, what: str) -> None:
+    def _wait(self, work, what: str, msg: Message | None = None, peer: int = -1) -> None:
+        """Wait for `work`; on failure raise naming `what` ("receive" / "send" of `msg` from / to
+        `peer`, or a whole phrase when msg is None). The text is built only on failure."""
         if work is None:
             return
-        done, error, elapsed = wait_work(work, self.timeout_s, self.gloo)
-        if not done:
-            raise self._failed(what, error, elapsed)
-
-    def _failed(self, what: str, error: str, elapsed: float) -> P2PTimeoutError:
-        return wait_failed(f"koala p2p: pipeline rank {self.plan.rank}", what, error, elapsed, self.timeout_s,
-                           self.timeout_source)
+        failure = wait_work(work, self.timeout_s, self.gloo)
+        if failure is not None:
+            if msg is not None:
+                what = f"{what} {msg.describe()} {'from' if what == 'receive' else 'to'} pipeline rank {peer}"
+            raise wait_failed(f"koala p2p: pipeline rank {self.rank}", what, failure, self.timeout_source)
 
 
-def wait_failed(who: str, what: str, error: str, elapsed: float, timeout_s: float, source: str) -> P2PTimeoutError:
+def wait_failed(who: str, what: str, failure: WaitFailure, source: str) -> P2PTimeoutError:
     """The error for a wait that ended without its message or collective: a timeout, or (gloo
     raising well before the deadline) a transport failure such as the peer closing the connection."""
-    cause = error.splitlines()[0][:200] if error else ""
-    if elapsed < 0.9 * timeout_s:
-        return P2PTimeoutError(f"{who} could not {what}: the connection failed after {elapsed:.1f} s, "
+    cause, timeout_s = failure.cause, failure.timeout_s
+    if failure.early:
+        return P2PTimeoutError(f"{who} could not {what}: the connection failed after {failure.elapsed:.1f} s, "
                                f"before the {timeout_s:g} s timeout (the peer closed it or crashed): {cause}")
     return P2PTimeoutError(f"{who} failed to {what} within {timeout_s:g} s (timeout from "
                            f"{source}; set it with get_forward_backward_func(timeout_s=...), "
@@ -293,10 +159,9 @@ class CollectiveWaiter:
         self.wait(work, is_gloo(group), describe)
 
     def wait(self, work, gloo: bool, describe) -> None:
-        done, error, elapsed = wait_work(work, self.timeout_s, gloo)
-        if not done:
-            raise wait_failed(self.who, f"finish {describe()} (in {self.phase})", error, elapsed, self.timeout_s,
-                              self.source)
+        failure = wait_work(work, self.timeout_s, gloo)
+        if failure is not None:
+            raise wait_failed(self.who, f"finish {describe()} (in {self.phase})", failure, self.source)
 
 
 def _to_cpu(obj):

@@ -18,9 +18,10 @@ import torch.distributed as dist
 
 from ..bounded_collectives import bounded_collectives
 from ..ir import Op, Schedule
+from ..lowering import ACT, COMPUTE, GRAD, RECV, Message, lower
 from ..timeout import DEFAULT_TIMEOUT_S, timeout_setting  # noqa: F401  (DEFAULT_TIMEOUT_S: re-exported)
 from . import resolve as _resolve
-from .p2p import ACT, GRAD, ChannelGroups, CollectiveWaiter, CommPlan, MessageKey, P2P, schedule_channels
+from .p2p import ChannelGroups, CollectiveWaiter, P2P, schedule_channels
 from .resolve import MegatronScheduleError
 from .. import wgrad
 
@@ -62,45 +63,51 @@ class _StageInfo:
 @dataclass
 class _Prepared:
     schedule: Schedule
-    actions: tuple
-    plan: CommPlan
     chunks_reading_data: tuple
-    last_weight_action: dict  # chunk -> index of its last action producing weight gradients
     stages: dict  # local stage -> _StageInfo
-    posts: tuple  # per action: the receives to post before it (see _post_plan)
+    program: tuple  # (function of _StepRunner, its arguments) per step: see _program
 
 
-def _incoming_key(a, pl, rank: int) -> MessageKey | None:
-    """The message action `a` of `rank` receives from another rank, if any."""
-    if a.op is Op.F:
-        prev = pl.prev_stage(a.stage)
-        if prev is not None and pl.rank_of(prev) != rank:
-            return MessageKey(ACT, a.stage, a.microbatch)
-    elif a.op in (Op.B, Op.I):
-        nxt = pl.next_stage(a.stage)
-        if nxt is not None and pl.rank_of(nxt) != rank:
-            return MessageKey(GRAD, a.stage, a.microbatch)
-    return None
-
-
-def _post_plan(actions: tuple, pl, rank: int, plan: CommPlan, lookahead: int) -> tuple:
-    """Per action i: the receives to post before running it, so that the messages of actions
-    i .. i + lookahead are posted. `P2P.post(key)` posts every earlier message of key's channel
-    too, so per peer only the furthest message not posted yet is listed."""
-    keys = [_incoming_key(a, pl, rank) for a in actions]
-    posted: dict[int, int] = {}  # peer -> channel index posted up to (exclusive)
+def _program(schedule: Schedule, rank: int, forward_only: bool, stages: dict) -> tuple:
+    """This rank's lowered stream (koala_ds.lowering) as (function, arguments) pairs, so that the
+    interpreter's work per step is the call: RECV posts a receive, a compute action runs with its
+    messages and stage facts at hand, SEND sends the tensor the compute before it produced. With
+    backward, the grad sync of a chunk brackets its last action producing weight gradients."""
+    steps = lower(schedule, forward_only).ranks[rank]
+    pl = schedule.placement
+    last_w = {}
+    if not forward_only:
+        for i, st in enumerate(steps):
+            if st.kind == COMPUTE and st.action.op in (Op.B, Op.W):
+                last_w[pl.chunk_of(st.action.stage)] = i
+    sync_at = {i: c for c, i in last_w.items()}
+    R = _StepRunner
     out = []
-    for i in range(len(actions)):
-        furthest: dict[int, MessageKey] = {}
-        for key in keys[i:i + 1 + lookahead]:
-            if key is None:
-                continue
-            peer, index = plan.recv_index[key]
-            if index >= posted.get(peer, 0) and (peer not in furthest or index > plan.recv_index[furthest[peer]][1]):
-                furthest[peer] = key
-        for peer, key in furthest.items():
-            posted[peer] = plan.recv_index[key][1] + 1
-        out.append(tuple(furthest.values()))
+    for i, st in enumerate(steps):
+        if st.kind == RECV:
+            out.append((R._post, (st.message, st.peer)))
+            continue
+        if st.kind != COMPUTE:  # SEND: right after the compute that produced its tensor
+            out.append((R._send, (st.message, st.peer)))
+            if i - 1 in sync_at:
+                out.append((R._sync_after, (sync_at[i - 1],)))
+            continue
+        a = st.action
+        s, mb, info = a.stage, a.microbatch, stages[a.stage]
+        if i in sync_at:
+            out.append((R._sync_before, (sync_at[i],)))
+        if a.op is Op.F:
+            remote_in = info.prev is not None and info.prev_rank != rank
+            out.append((R._forward, (s, mb, info, Message(ACT, s, mb) if remote_in else None)))
+        elif a.op is Op.W:
+            out.append((R._backward_weight, (s, mb)))
+        else:
+            remote_out = info.next is not None and info.next_rank != rank
+            grad_msg = Message(GRAD, s, mb) if remote_out else None
+            out.append((R._backward_full if a.op is Op.B else R._backward_input, (s, mb, info, grad_msg)))
+        sends_next = i + 1 < len(steps) and steps[i + 1].kind not in (COMPUTE, RECV)
+        if i in sync_at and not sends_next:  # else after that SEND
+            out.append((R._sync_after, (sync_at[i],)))
     return tuple(out)
 
 
@@ -232,7 +239,7 @@ class KoalaForwardBackward:
                                   self.timeout_source)
         with bounded_collectives(waiter):
             channels = self._channel_groups(schedule, pp_group, gloo)
-            comm = P2P(prep.plan, channels, lambda key: (tuple(shape), dtype), self.timeout_s, comm_device, gloo,
+            comm = P2P(rank, channels, shape, dtype, self.timeout_s, comm_device, gloo,
                        timeout_source=self.timeout_source)
 
             runner = _StepRunner(
@@ -291,23 +298,16 @@ class KoalaForwardBackward:
         if key in self._prepared and self._prepared[key].schedule is schedule:
             return self._prepared[key]
         pl = schedule.placement
-        actions = tuple(a for a in schedule.ranks[rank] if a.op is Op.F or not forward_only)
-        plan = CommPlan.build(schedule, rank, forward_only)
         reading = []
         for chunk, stage in enumerate(pl.stages_of(rank)):
-            order = [a.microbatch for a in actions if a.op is Op.F and a.stage == stage]
+            order = [a.microbatch for a in schedule.ranks[rank] if a.op is Op.F and a.stage == stage]
             reading.append(order != sorted(order))
-        last_w: dict = {}
-        for i, a in enumerate(actions):
-            if a.op in (Op.B, Op.W):
-                last_w[pl.chunk_of(a.stage)] = i
         stages = {}
         for chunk, stage in enumerate(pl.stages_of(rank)):
             prev, nxt = pl.prev_stage(stage), pl.next_stage(stage)
             stages[stage] = _StageInfo(chunk, prev, None if prev is None else pl.rank_of(prev),
                                        nxt, None if nxt is None else pl.rank_of(nxt), nxt is None)
-        posts = _post_plan(actions, pl, rank, plan, _StepRunner.LOOKAHEAD)
-        prep = _Prepared(schedule, actions, plan, tuple(reading), last_w, stages, posts)
+        prep = _Prepared(schedule, tuple(reading), stages, _program(schedule, rank, forward_only, stages))
         self._prepared[key] = prep
         return prep
 
@@ -321,9 +321,7 @@ class KoalaForwardBackward:
 
 
 class _StepRunner:
-    """State of one call: walks the action list of this rank."""
-
-    LOOKAHEAD = 2  # post the receives of this many upcoming actions early
+    """State of one call: runs the program of this rank (`_program`: its lowered stream)."""
 
     def __init__(self, *, mcs, schedule, prep, comm, models, iterators, config, model_type, forward_step_func,
                  num_microbatches, forward_only, collect_non_loss_data, first_val_step, cp_size, model_device, rank):
@@ -356,6 +354,8 @@ class _StepRunner:
         self.local_grads: dict = {}
         self.deferred: dict = {}
         self.deallocated: set = set()
+        self.synced: set = set()
+        self.last_out = None  # the tensor the last compute produced for the next SEND step
         self.loss_slots: dict = {}
         self.forwards_done = [0] * self.v
         self.total_num_tokens = torch.zeros([], dtype=torch.int)
@@ -392,40 +392,15 @@ class _StepRunner:
 
     # -- main loop -------------------------------------------------------------------------
     def run(self) -> None:
-        actions, posts, stages, comm = self.prep.actions, self.prep.posts, self.stages, self.comm
-        last_w = {i: c for c, i in self.prep.last_weight_action.items()}
-        synced = set()
         if not self.forward_only:
             self._disable_sync()
-        for i, a in enumerate(actions):
-            for key in posts[i]:
-                comm.post(key)
-            chunk = stages[a.stage].chunk
-            sync_now = i in last_w and not self.forward_only
-            if sync_now and self.grad_sync_funcs is None:
-                self._enable_sync()
-            if a.op is Op.F:
-                self._forward(a, chunk)
-            elif a.op is Op.B:
-                self._backward_full(a)
-            elif a.op is Op.I:
-                self._backward_input(a)
-            else:
-                self._backward_weight(a)
-            if sync_now:
-                if self.grad_sync_funcs is not None:
-                    self._enable_sync()
-                    self.grad_sync_funcs[chunk](self.models[chunk].parameters())
-                synced.add(chunk)
-                self._disable_sync()
-            if comm.pending_sends:
-                for key in comm.reap():
-                    self._maybe_deallocate(key)
+        for fn, args in self.prep.program:
+            fn(self, *args)
         if not self.forward_only:
             self._enable_sync()
             if self.grad_sync_funcs is not None:
                 for c in range(self.v):
-                    if c not in synced:
+                    if c not in self.synced:
                         self.grad_sync_funcs[c](self.models[c].parameters())
         leftovers = [k for k, d in (("inputs", self.inputs), ("deferred W", self.deferred)) if d]
         if leftovers:  # validate() rules this out; kept as a guard for hand-made schedules
@@ -436,16 +411,39 @@ class _StepRunner:
             return []
         return [item for mb in sorted(self.loss_slots) for item in self.loss_slots[mb]]
 
+    # -- communication and grad-sync steps ---------------------------------------------------
+    def _post(self, msg: Message, peer: int) -> None:
+        self.comm.post(msg, peer)
+
+    def _send(self, msg: Message, peer: int) -> None:
+        comm = self.comm
+        if comm.pending_sends:  # forget completed sends (their tensors), free sent outputs
+            for done in comm.reap():
+                self._maybe_deallocate(done)
+        tensor, self.last_out = self.last_out, None
+        comm.send(msg, peer, tensor)
+
+    def _sync_before(self, chunk: int) -> None:
+        """Before the chunk's last action producing weight gradients: DDP may reduce in it."""
+        if self.grad_sync_funcs is None:
+            self._enable_sync()
+
+    def _sync_after(self, chunk: int) -> None:
+        if self.grad_sync_funcs is not None:
+            self._enable_sync()
+            self.grad_sync_funcs[chunk](self.models[chunk].parameters())
+        self.synced.add(chunk)
+        self._disable_sync()
+
     # -- actions ---------------------------------------------------------------------------
-    def _forward(self, a, chunk: int) -> None:
-        s, mb = a.stage, a.microbatch
-        info = self.stages[s]
+    def _forward(self, s: int, mb: int, info: _StageInfo, in_msg: Message | None) -> None:
+        chunk = info.chunk
         if info.prev is None:
             input_tensor = None
-        elif info.prev_rank == self.rank:
+        elif in_msg is None:
             input_tensor = self.local_acts.pop((s, mb))
         else:
-            input_tensor = self.comm.recv(MessageKey(ACT, s, mb))
+            input_tensor = self.comm.recv(in_msg)
             if input_tensor.device != self.model_device:
                 input_tensor = input_tensor.to(self.model_device)
             input_tensor.requires_grad_(not self.forward_only)
@@ -476,16 +474,16 @@ class _StepRunner:
                     passed = passed.clone()
                 self.local_acts[(nxt, mb)] = passed.requires_grad_(not self.forward_only)
             else:
-                self.comm.send(MessageKey(ACT, nxt, mb), info.next_rank, output_tensor)
+                self.last_out = output_tensor  # the SEND step that follows sends it
         if not self.forward_only:
             self.inputs[(s, mb)] = input_tensor
             self.outputs[(s, mb)] = output_tensor
             if self.dealloc and (nxt is None or info.next_rank == self.rank):
                 self._deallocate(s, mb)
 
-    def _maybe_deallocate(self, key: MessageKey) -> None:
-        if self.dealloc and key.kind == ACT:
-            self._deallocate(self.pl.prev_stage(key.stage), key.microbatch)
+    def _maybe_deallocate(self, msg: Message) -> None:
+        if self.dealloc and msg.kind == ACT:
+            self._deallocate(self.pl.prev_stage(msg.stage), msg.microbatch)
 
     def _deallocate(self, s: int, mb: int) -> None:
         out = self.outputs.get((s, mb))
@@ -497,20 +495,10 @@ class _StepRunner:
         """deallocate_pipeline_outputs: megatron's custom_backward expects a freed output."""
         if self.dealloc and (s, mb) not in self.deallocated:
             nxt = self.pl.next_stage(s)
-            self.comm.wait_send(MessageKey(ACT, nxt, mb))
+            self.comm.wait_send(Message(ACT, nxt, mb))
             self._deallocate(s, mb)
 
-    def _output_grad(self, s: int, mb: int):
-        info = self.stages[s]
-        if info.next is None:
-            return None
-        if info.next_rank == self.rank:
-            return self.local_grads.pop((s, mb))
-        grad = self.comm.recv(MessageKey(GRAD, s, mb))
-        return grad.to(self.model_device) if grad.device != self.model_device else grad
-
-    def _send_input_grad(self, s: int, mb: int, grad) -> None:
-        info = self.stages[s]
+    def _send_input_grad(self, s: int, mb: int, info: _StageInfo, grad) -> None:
         prev = info.prev
         if prev is None:
             return
@@ -520,36 +508,41 @@ class _StepRunner:
         if info.prev_rank == self.rank:
             self.local_grads[(prev, mb)] = grad
         else:
-            self.comm.send(MessageKey(GRAD, prev, mb), info.prev_rank, grad)
+            self.last_out = grad  # the SEND step that follows sends it
 
-    def _backward_full(self, a) -> None:
-        s, mb = a.stage, a.microbatch
-        self._send_input_grad(s, mb, self._backward(s, mb))
+    def _backward_full(self, s: int, mb: int, info: _StageInfo, grad_msg: Message | None) -> None:
+        self._send_input_grad(s, mb, info, self._backward(s, mb, info, grad_msg))
         if self.wgrad is not None:
-            self.wgrad[self.stages[s].chunk].full_step_done()
+            self.wgrad[info.chunk].full_step_done()
 
-    def _backward(self, s: int, mb: int):
+    def _backward(self, s: int, mb: int, info: _StageInfo, grad_msg: Message | None):
         """megatron-core's backward_step for (s, mb); returns the input gradient."""
-        output_grad = self._output_grad(s, mb)
+        if info.next is None:
+            output_grad = None
+        elif grad_msg is None:
+            output_grad = self.local_grads.pop((s, mb))
+        else:
+            output_grad = self.comm.recv(grad_msg)
+            if output_grad.device != self.model_device:
+                output_grad = output_grad.to(self.model_device)
         self._ensure_deallocated(s, mb)
         input_tensor = self.inputs.pop((s, mb))
         output_tensor = self.outputs.pop((s, mb))
         self.deallocated.discard((s, mb))
         return self.mcs.backward_step(input_tensor, output_tensor, output_grad, self.model_type, self.config)
 
-    def _backward_input(self, a) -> None:
+    def _backward_input(self, s: int, mb: int, info: _StageInfo, grad_msg: Message | None) -> None:
         """I: megatron-core's backward_step with the weight-gradient GEMMs queued for W."""
-        s, mb = a.stage, a.microbatch
-        with self.wgrad[self.stages[s].chunk].input_step() as queue:
-            grad = self._backward(s, mb)
+        with self.wgrad[info.chunk].input_step() as queue:
+            grad = self._backward(s, mb, info, grad_msg)
         self.deferred[(s, mb)] = queue
-        self._send_input_grad(s, mb, grad)
+        self._send_input_grad(s, mb, info, grad)
 
-    def _backward_weight(self, a) -> None:
+    def _backward_weight(self, s: int, mb: int) -> None:
         config = self.config
         if config.timers is not None:
             config.timers("backward-compute", log_level=2).start()
-        self.deferred.pop((a.stage, a.microbatch)).run()
+        self.deferred.pop((s, mb)).run()
         if config.timers is not None:
             config.timers("backward-compute").stop()
 

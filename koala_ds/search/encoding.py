@@ -27,7 +27,6 @@ from typing import Sequence
 
 from ..ir import OP_INDEX, OPS, Action, KoalaError, Placement, Schedule
 from ..lowered import B, F, I, W, Lowered, action_code
-from ..sim.profile import CostProfile, StageCost
 
 #: The op indices under their older names (koala_ds.ir.OpIndex is the table).
 F_K, B_K, I_K, W_K = F, B, I, W
