@@ -436,16 +436,18 @@ class _StepRunner:
         self._disable_sync()
 
     # -- actions ---------------------------------------------------------------------------
+    def _incoming(self, local: dict, key: tuple[int, int], msg: Message | None):
+        """A stage's input (activation or gradient): from this rank's own stash when the
+        neighbour stage is local (no message), else the received message, on the model's device."""
+        if msg is None:
+            return local.pop(key)
+        tensor = self.comm.recv(msg)
+        return tensor if tensor.device == self.model_device else tensor.to(self.model_device)
+
     def _forward(self, s: int, mb: int, info: _StageInfo, in_msg: Message | None) -> None:
         chunk = info.chunk
-        if info.prev is None:
-            input_tensor = None
-        elif in_msg is None:
-            input_tensor = self.local_acts.pop((s, mb))
-        else:
-            input_tensor = self.comm.recv(in_msg)
-            if input_tensor.device != self.model_device:
-                input_tensor = input_tensor.to(self.model_device)
+        input_tensor = None if info.prev is None else self._incoming(self.local_acts, (s, mb), in_msg)
+        if in_msg is not None:
             input_tensor.requires_grad_(not self.forward_only)
         if self.param_sync_funcs is not None and self.v > 1 and self.forwards_done[chunk] == 0 \
                 and not self.forward_only:
@@ -517,14 +519,7 @@ class _StepRunner:
 
     def _backward(self, s: int, mb: int, info: _StageInfo, grad_msg: Message | None):
         """megatron-core's backward_step for (s, mb); returns the input gradient."""
-        if info.next is None:
-            output_grad = None
-        elif grad_msg is None:
-            output_grad = self.local_grads.pop((s, mb))
-        else:
-            output_grad = self.comm.recv(grad_msg)
-            if output_grad.device != self.model_device:
-                output_grad = output_grad.to(self.model_device)
+        output_grad = None if info.next is None else self._incoming(self.local_grads, (s, mb), grad_msg)
         self._ensure_deallocated(s, mb)
         input_tensor = self.inputs.pop((s, mb))
         output_tensor = self.outputs.pop((s, mb))
