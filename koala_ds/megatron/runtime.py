@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ..bounded_collectives import bounded_collectives
 from ..ir import Op, Schedule
 from ..lowering import ACT, COMPUTE, GRAD, RECV, Message, lower
-from ..timeout import DEFAULT_TIMEOUT_S, timeout_setting  # noqa: F401  (DEFAULT_TIMEOUT_S: re-exported)
+from ..timeout import timeout_setting
 from . import resolve as _resolve
 from .p2p import ChannelGroups, CollectiveWaiter, P2P, schedule_channels
 from .resolve import MegatronScheduleError
