@@ -5,7 +5,6 @@ torch = pytest.importorskip("torch")
 
 from koala_ds.ir import Action, Op, Schedule  # noqa: E402
 from koala_ds.library import get  # noqa: E402
-from torch_orders import torch_order  # noqa: E402
 
 CASES = {
     "zb-h1": [(p, m, 1) for p in (1, 2, 3, 4, 6) for m in (1, 2, 3, 5, 8, 12)],
@@ -16,8 +15,16 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def torch_order():
+    """torch.distributed.pipelining's orders, imported (~1.3 s) when a test here runs, not at collection."""
+    from torch_orders import torch_order
+
+    return torch_order
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_orders_equal_torch(name):
+def test_orders_equal_torch(name, torch_order):
     for p, m, v in CASES[name]:
         if get(name).supports(p, m, v):
             continue
@@ -40,7 +47,7 @@ def _torch_executed_1f1b(p: int, m: int) -> list[list[Action]]:
 
 
 @pytest.mark.parametrize("p,m", [(2, 2), (2, 5), (4, 4), (4, 8), (3, 7), (8, 16)])
-def test_1f1b_and_zb_h1_csv_equal_torch(p, m):
+def test_1f1b_and_zb_h1_csv_equal_torch(p, m, torch_order):
     ours = get("1f1b").compile(p, m)
     assert ours.to_torch_csv() == Schedule.from_torch_csv(
         "".join(",".join(map(str, r)) + "\n" for r in _torch_executed_1f1b(p, m))).to_torch_csv()

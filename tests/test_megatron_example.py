@@ -9,13 +9,18 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.slow  # multi-process
 ROOT = Path(__file__).resolve().parents[1]
 FLAGS = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
          "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
          "--global-batch-size", "8", "--train-iters", "6", "--lr", "3e-3", "--seed", "1234",
          "--pipeline-schedule", "koala"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _megatron_core():
+    """Imported when a test here runs, not at collection, which every xdist worker pays (~3 s)."""
+    pytest.importorskip("megatron.core")
 
 
 def free_port() -> int:

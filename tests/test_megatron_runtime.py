@@ -13,13 +13,18 @@ import sys
 
 import pytest
 
-pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.slow  # multi-process
 torch = pytest.importorskip("torch")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOL = 1e-6
 M = 4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _megatron_core():
+    """Imported when a test here runs, not at collection, which every xdist worker pays (~3 s)."""
+    pytest.importorskip("megatron.core")
 
 
 def _launch(tmp_path_factory, world: int, suite: str, port: int, timeout: int) -> list[dict]:

@@ -13,11 +13,15 @@ import time
 
 import pytest
 
-pytest.importorskip("megatron.core")
-
-from koala_ds.spawn import launch  # noqa: E402
+from koala_ds.spawn import launch
 
 TIMEOUT_S = 3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _megatron_core():
+    """Imported when a test here runs, not at collection, which every xdist worker pays (~3 s)."""
+    pytest.importorskip("megatron.core")
 
 
 def run_stopped(stop: str) -> tuple[dict, float]:

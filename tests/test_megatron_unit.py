@@ -11,7 +11,12 @@ import pytest
 from koala_ds.ir import Action, Op, Placement, schedule_from_ranks
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("megatron.core")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _megatron_core():
+    """Imported when a test here runs, not at collection, which every xdist worker pays (~3 s)."""
+    pytest.importorskip("megatron.core")
 
 
 def test_flags_parse_and_install_selects_our_function(tmp_path):

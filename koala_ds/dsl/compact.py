@@ -157,18 +157,20 @@ def peak(busy: dict[int, int], weights_placed: bool) -> int:
     """Peak activations of one rank (slot -> kind): a forward holds its activation until a W
     frees one; without W passes, each free slot frees one while an input gradient waits."""
     held = top = waiting = 0
-    for slot in range(max(busy) + 1):
-        kind = busy.get(slot)
-        if kind is None:
-            if not weights_placed and waiting:
-                held, waiting = held - 1, waiting - 1
-        elif kind in (F0, F1):
+    previous = -1
+    for slot in sorted(busy):  # the free slots between two passes are handled at once
+        if waiting and not weights_placed:
+            freed = min(slot - previous - 1, waiting)
+            held, waiting = held - freed, waiting - freed
+        previous = slot
+        kind = busy[slot]
+        if kind == F0 or kind == F1:
             held += 1
+            top = held if held > top else top
         elif kind == W:
             held -= 1
         else:
             waiting += 1
-        top = max(top, held)
     return top
 
 
