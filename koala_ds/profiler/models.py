@@ -2,7 +2,6 @@
 examples/megatron_gpt) and the layers of a DeepSpeed PipelineModule."""
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -41,9 +40,9 @@ def _init_single_process_megatron(seed: int, attention_elements: int = 1 << 22) 
     from ..spawn import free_port
 
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        # a free port given directly, not through MASTER_PORT: setting it in os.environ would hand
+        # this process's listening port to every child it starts later (EADDRINUSE there)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(1, 1)
     from ..megatron.cpu import prepare_cpu
