@@ -48,3 +48,14 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     error = item.session.stash.get(_BUILD_ERROR, None)
     if error is not None and item.get_closest_marker("deepspeed_ext"):
         pytest.fail(error, pytrace=False)
+
+
+@pytest.fixture
+def one_torch_thread():
+    """torch on one intra-op thread for the test (timings of small layers are steadier)."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

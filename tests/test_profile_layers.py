@@ -20,12 +20,7 @@ STAGE_FIELDS = ("forward", "backward_input", "backward_weight", "backward", "act
 TIME_FIELDS = ("forward", "backward_input", "backward_weight", "backward_full")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def check_format(data: dict, kinds: list[str]) -> None:

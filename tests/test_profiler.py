@@ -21,12 +21,7 @@ from koala_ds.sim import CostProfile, load_profile, simulate  # noqa: E402
 B, D, H = 16, 24, 40
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def linear_stack():
