@@ -158,3 +158,17 @@ def test_exact_full_backward_uses_the_profiles_b(factor):
     plain = SearchProblem(base, 3, 4, 1, "full")
     other = solve_exact(plain, plain.parts[0], time_limit=30, workers=1)
     assert (exact.objective < other.objective) == (factor < 1)
+
+
+def test_a_limit_equal_to_a_stage_activation_is_feasible():
+    """19.000055 MB is 1900005.5 at scale 10**5; a relative tolerance took that for exact, the
+    demand rounded up past a limit of exactly that much and the model said "infeasible"."""
+    pytest.importorskip("ortools")
+    from koala_ds.sim import StageCost
+
+    prof = CostProfile((StageCost(1.0, 1.0, 1.0, 8.5, 2.0), StageCost(1.0, 1.0, 1.0, 19.000055, 3.0)), 0.1)
+    problem = SearchProblem(prof, 2, 2, 1, "split", 19.000055)
+    exact = solve_exact(problem, problem.parts[0], time_limit=20)
+    assert exact.status == "optimal"
+    sim = simulate(exact.schedule, problem.search_profile, timeline=False)
+    assert sim.fits_memory and sim.makespan == pytest.approx(exact.objective)

@@ -70,12 +70,15 @@ class ExactResult:
         return self.status == "optimal"
 
 
-def _scale(values: list[float]) -> int:
-    for k in range(5):
+def _scale(values: list[float], max_exponent: int = 4) -> int:
+    """The smallest power of ten (up to 10**max_exponent) that makes every value an integer."""
+    for k in range(max_exponent + 1):
         sc = 10 ** k
-        if all(abs(x * sc - round(x * sc)) <= 1e-6 * max(1.0, abs(x * sc)) for x in values):
+        # within 1e-6 of the value's own magnitude, not of the scaled one: at 10**5, 19.000055 is
+        # 1900005.5, half a unit off, which a tolerance of 1e-6 x 1.9e6 took for exact
+        if all(abs(x * sc - round(x * sc)) <= 1e-6 * max(1.0, abs(x)) for x in values):
             return sc
-    return 10 ** 4
+    return 10 ** max_exponent
 
 
 def _ortools():
@@ -118,8 +121,9 @@ def _scaled(problem: SearchProblem, part: PlacementProblem) -> _Scaled:
     costs, lat = low.costs, low.latency
     durs = [lat] + [x for c in costs for x in (c.forward, c.backward_input, c.backward_weight, c.backward)]
     sc = _scale(durs)
-    msc = _scale([x for c in costs for x in (c.activation_mb, c.w_hold_mb)] +
-                 [x for x in problem.limits if x is not None])
+    # from the demands alone (a limit is a capacity: floored), exact up to 10**6: a demand rounded
+    # up past a limit of exactly that much made the model "infeasible" where 1F1B fits
+    msc = _scale([x for c in costs for x in (c.activation_mb, c.w_hold_mb, c.activation_mb - c.w_hold_mb)], 6)
     dur = {}
     for s, c in enumerate(costs):
         for op, x in ((Op.F, c.forward), (Op.I, c.backward_input), (Op.W, c.backward_weight), (Op.B, c.backward)):
