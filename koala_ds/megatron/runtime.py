@@ -320,34 +320,36 @@ class KoalaForwardBackward:
         return self._channels[key]
 
 
+@dataclass(eq=False, kw_only=True)
 class _StepRunner:
     """State of one call: runs the program of this rank (`_program`: its lowered stream)."""
 
-    def __init__(self, *, mcs, schedule, prep, comm, models, iterators, config, model_type, forward_step_func,
-                 num_microbatches, forward_only, collect_non_loss_data, first_val_step, cp_size, model_device, rank):
-        self.mcs = mcs
-        self.schedule = schedule
-        self.pl = schedule.placement
-        self.prep = prep
-        self.comm = comm
-        self.models = models
-        self.config = config
-        self.model_type = model_type
-        self.forward_step_func = forward_step_func
-        self.m = num_microbatches
-        self.forward_only = forward_only
-        self.collect_non_loss_data = collect_non_loss_data
-        self.first_val_step = first_val_step
-        self.cp_size = cp_size
-        self.model_device = model_device
-        self.rank = rank
+    mcs: object  # megatron.core.pipeline_parallel.schedules
+    schedule: Schedule
+    prep: _Prepared
+    comm: P2P
+    models: list
+    iterators: list
+    config: object  # the models' TransformerConfig
+    model_type: object
+    forward_step_func: Callable
+    num_microbatches: int
+    forward_only: bool
+    collect_non_loss_data: bool
+    first_val_step: Optional[bool]
+    cp_size: int
+    model_device: torch.device
+    rank: int
+
+    def __post_init__(self) -> None:
+        models, forward_only, config = self.models, self.forward_only, self.config
+        self.pl = self.schedule.placement
         self.v = len(models)
-        self.stages = prep.stages
         # deferred weight gradients (koala_ds.wgrad) for the chunks of a split-backward schedule
-        self.wgrad = [wgrad.prepare(mod) for mod in models] if schedule.backward == "split" and not forward_only \
-            else None
+        self.wgrad = [wgrad.prepare(mod) for mod in models] if self.schedule.backward == "split" \
+            and not forward_only else None
         self.iterators = [(_ReorderingIterator(it) if reorder and it is not None else it)
-                          for it, reorder in zip(iterators, prep.chunks_reading_data)]
+                          for it, reorder in zip(self.iterators, self.prep.chunks_reading_data)]
         self.inputs: dict = {}
         self.outputs: dict = {}
         self.local_acts: dict = {}
@@ -459,7 +461,7 @@ class _StepRunner:
         store: list = []
         first = self.forwards_done[chunk] == 0
         output_tensor, num_tokens = self.mcs.forward_step(
-            self.forward_step_func, it, self.models[chunk], self.m, input_tensor, store, self.config,
+            self.forward_step_func, it, self.models[chunk], self.num_microbatches, input_tensor, store, self.config,
             self.cp_size, self.collect_non_loss_data, None,
             is_first_microbatch=self.mcs.check_first_val_step(self.first_val_step, self.forward_only, first),
             current_microbatch=mb, vp_stage=chunk if self.v > 1 else None, is_last_stage=is_last)
