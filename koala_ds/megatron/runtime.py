@@ -320,7 +320,7 @@ class KoalaForwardBackward:
         return self._channels[key]
 
 
-@dataclass(eq=False, kw_only=True)
+@dataclass(eq=False, repr=False, kw_only=True)
 class _StepRunner:
     """State of one call: runs the program of this rank (`_program`: its lowered stream)."""
 
