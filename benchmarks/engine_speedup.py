@@ -20,7 +20,7 @@ placements, split and full backward both searched: the better one; when the sear
 faster than a library schedule, a tie included, its answer is that schedule, marked '= name'). Step time = latest end -
 earliest start over ranks of one forward_backward call (Megatron) or train_batch (DeepSpeed,
 which also reduces gradients and steps the optimizer), median of 30 steps after 2 warm-up
-steps (10 with --quick or --real; `--steps N`), each round in a new job order. m = 2p
+steps (10 with --quick, 20 with --real; `--steps N`), each round in a new job order. m = 2p
 microbatches. Why: at 1 ms ops, 4 to 8 ranks on 2 cores make one step vary by +-30%, and on this
 machine a step's time also depends on the jobs run just before it: in a fixed order two runs of
 the *same* schedule in one launch measured up to 25% apart (1f1b and a searched schedule equal
@@ -159,14 +159,16 @@ def overhead_for(overhead: float | dict, v: int) -> float:
     return overhead.get(v, overhead[1]) if isinstance(overhead, dict) else overhead
 
 
-def candidates(profile: CostProfile, p: int, m: int, budget: float, seed: int = 0, latency: float | None = None,
-               overhead: float | dict = 0.0) -> tuple[dict, float]:
+def candidates(profile: CostProfile | dict[int, CostProfile], p: int, m: int, budget: float, seed: int = 0,
+               latency: float | None = None, overhead: float | dict = 0.0) -> tuple[dict, float]:
     """{'1f1b': (schedule, model profile), 'best predefined (..)': ..., 'searched (..)': ...} and the
     memory limit. The choice (simulated makespan) uses the model of this machine: the profile with
-    the measured p2p `latency` and per-action `overhead` (the search adds it to F, I and W)."""
+    the measured p2p `latency` and per-action `overhead` (the search adds it to F, I and W).
+    `profile`: one profile (`variants` gives each v its model) or the model of each v ({v: profile
+    of p * v stages}: what the runtime runs at that v, measured)."""
     from koala_ds.search import SearchProblem, search
 
-    models = variants(profile, p)
+    models = profile if isinstance(profile, dict) else variants(profile, p)
 
     def machine(model):
         return with_latency(model, model.p2p_latency if latency is None else latency)
@@ -297,7 +299,7 @@ def main(argv=None) -> int:
     ap.add_argument("--engines", nargs="*", default=["megatron", "deepspeed"])
     ap.add_argument("--search-budget", type=float, default=5.0, metavar="S")
     ap.add_argument("--steps", type=int, default=None,
-                    help="measured steps per run, after 2 warm-up steps (default 30; 10 with --quick or --real)")
+                    help="measured steps per run, after 2 warm-up steps (default 30; 10 with --quick, 20 with --real)")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every F/I/W time (default 1)")
     ap.add_argument("--out", default=str(RESULTS), help="results folder (default benchmarks/results)")
     ap.add_argument("--overhead-only", action="store_true",
@@ -305,7 +307,7 @@ def main(argv=None) -> int:
                          "and its overhead per action; no schedule rows, no search, nothing written")
     args = ap.parse_args(argv)
     if args.steps is None:
-        args.steps = 10 if (args.quick or args.real) else 30
+        args.steps = 10 if args.quick else 20 if args.real else 30
     if args.steps < 1:
         ap.error(f"--steps must be >= 1, got {args.steps}")
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else (lambda *a: print(*a, flush=True))
@@ -432,14 +434,19 @@ def summary(rows: list[dict]) -> str:
     errs_p = [abs(r["error_profile"]) for r in rows]
     lines = [f"median |prediction error|: {statistics.median(errs):.1%} with the measured constants "
              f"(target <= 10%), {statistics.median(errs_p):.1%} with the profile alone"]
+    spread = {(r["engine"], r["profile"], r["p"]): abs(r["speedup_vs_1f1b"] - 1) for r in rows
+              if r["schedule"].endswith("(control)")}
     for r in rows:
         if r["schedule"].startswith("searched"):
             pred_gain = r["predicted_speedup_vs_1f1b"] - 1
             got = r["speedup_vs_1f1b"] - 1
             ratio = r["speedup_vs_1f1b"] / r["predicted_speedup_vs_1f1b"]
+            key = (r["engine"], r["profile"], r["p"])
+            noise = (f"; 1f1b run twice measured {spread[key]:.1%} apart (the control row): differences within that "
+                     f"are noise") if key in spread else ""
             lines.append(f"{r['engine']} {r['profile']} p={r['p']}: searched measured {r['speedup_vs_1f1b']:.3f}x vs "
                          f"predicted {r['predicted_speedup_vs_1f1b']:.3f}x over 1f1b ({ratio:.1%} of predicted; "
-                         f"gain {got:+.1%} vs {pred_gain:+.1%}; target >= 90%)")
+                         f"gain {got:+.1%} vs {pred_gain:+.1%}; target >= 90%{noise})")
     consts = sorted({(r["engine"], r["p"], r["overhead_ms"], r.get("overhead_step_ms", 0.0), r["overhead_zero_ms"],
                       r.get("cpu_ms_per_action", float("nan")), r["p2p_latency_ms"]) for r in rows})
     cores = os.cpu_count() or 1
@@ -475,7 +482,7 @@ def write_outputs(rows: list[dict], out: Path, tag: str, say, banner: str = BANN
         for r in rows:
             fh.write(json.dumps({k: v for k, v in r.items() if k != "schedule_json"}) + "\n")
     for r in rows:  # the schedules that ran, as JSON (koala simulate / show read them)
-        if r["schedule"] != "1f1b" and "schedule_json" in r:
+        if not r["schedule"].startswith("1f1b") and "schedule_json" in r:
             label = r["schedule"].split(" ")[0]
             (out / "schedules").mkdir(exist_ok=True)
             (out / "schedules" / f"{tag}-{r['engine']}-{r['profile']}-p{r['p']}-{label}.json").write_text(

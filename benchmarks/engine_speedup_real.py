@@ -5,10 +5,13 @@
 - deepspeed: a plain-torch GPT (koala_ds.profiler.models.gpt_layer_specs: embedding, blocks of
   nn.Linear / LayerNorm / SDPA, LM head) as a DeepSpeed layer list through koala_ds.deepspeed.
 
-Each model is profiled first, in a fresh process, as the runtime runs it (p * 2 virtual stages;
-v = 1 merges them pairwise): F, I and W (the layer-level split of koala_ds.wgrad) and the full
-backward B (the profile's `backward`). The simulator and the search cost B actions with B and
-split ones with I + W, so the searched row is whichever kind is faster here.
+Each model is profiled first, in a fresh process, as the runtime runs it at each v: p virtual
+stages for the v = 1 schedules and 2p for the v = 2 ones, each split into layers as the engine
+splits it at that size (merging the 2p stages pairwise is not what DeepSpeed runs at v = 1: its
+uniform partition of 10 layers is 5 + 5 on two stages but 3 + 3 + 2 + 2 on four). F, I and W
+(the layer-level split of koala_ds.wgrad) and the full backward B (the profile's `backward`).
+The simulator and the search cost B actions with B and split ones with I + W, so the searched
+row is whichever kind is faster here.
 """
 from __future__ import annotations
 
@@ -27,19 +30,23 @@ from koala_ds.sim import CostProfile  # noqa: E402
 MODEL = {"num_layers": 8, "hidden_size": 256, "num_attention_heads": 4, "seq_length": 64, "micro_batch_size": 1,
          "vocab_size": 128}
 
+#: The label of the control row (1f1b run twice).
+CONTROL = "1f1b again (control)"
+
 BANNER = ("REAL compute: a GPT on CPU (2 pipeline ranks = 2 processes on this 2-core machine): megatron-core's "
           "GPTModel through koala_ds.megatron and a plain-torch GPT layer list through koala_ds.deepspeed; each "
           "profiled first with koala_ds.profiler.")
 
 
-def _profile(engine: str, p: int) -> dict:
+def _profile(engine: str, p: int, v: int) -> dict:
+    """The profile of the p * v virtual stages the runtime runs at v (a fresh process)."""
     from koala_ds.spawn import spawn
 
     if engine == "megatron":
         return spawn("engine_runs:profile_gpt_worker", 1,
-                     dict(MODEL, p=p, v=2, warmup=2, iters=10, p2p=False), timeout_s=600)[0]
+                     dict(MODEL, p=p, v=v, warmup=2, iters=10, p2p=False), timeout_s=600)[0]
     return spawn("engine_runs:profile_deepspeed_gpt_worker", 1,
-                 {"model": MODEL, "stages": 2 * p, "warmup": 2, "iters": 10}, timeout_s=600)[0]
+                 {"model": MODEL, "stages": v * p, "warmup": 2, "iters": 10}, timeout_s=600)[0]
 
 
 def _run_jobs(engine: str, p: int, jobs: list, steps: int) -> list:
@@ -95,23 +102,27 @@ def run_real(engine: str, p: int, m: int, args, say) -> list:
     from engine_runs import step_times_ms
     from koala_ds.profiler.p2p import measure_p2p_latency
 
-    say(f"[{engine}] real GPT {MODEL}, p={p}, m={m}: profiling {2 * p} virtual stages (1 thread per process) ...")
-    prof = _profile(engine, p)
+    say(f"[{engine}] real GPT {MODEL}, p={p}, m={m}: profiling {p} and {2 * p} virtual stages (1 thread per "
+        f"process) ...")
     numel = MODEL["seq_length"] * MODEL["micro_batch_size"] * MODEL["hidden_size"]
     latency = measure_p2p_latency(numel, iters=100)
-    prof["p2p_latency"] = round(latency, 6)
     out_dir = E.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"real_gpt_profile_{engine}.json").write_text(json.dumps(prof, indent=1) + "\n")
-    profile = CostProfile.from_dict(prof, source=f"real GPT profile ({engine})")
-    say("  profile (ms): " + "; ".join(f"s{s}: F {c.forward:.2f} I {c.backward_input:.2f} W {c.backward_weight:.2f} "
-                                       f"B {c.backward:.2f}" for s, c in enumerate(profile.stages))
-        + f"; p2p {latency:.3f} ms")
+    models = {}
+    for v in (1, 2):
+        prof = dict(_profile(engine, p, v), p2p_latency=round(latency, 6))
+        (out_dir / f"real_gpt_profile_{engine}_v{v}.json").write_text(json.dumps(prof, indent=1) + "\n")
+        models[v] = CostProfile.from_dict(prof, source=f"real GPT profile ({engine}, v={v})")
+        say(f"  profile v={v} (ms): " + "; ".join(
+            f"s{s}: F {c.forward:.2f} I {c.backward_input:.2f} W {c.backward_weight:.2f} B {c.backward:.2f}"
+            for s, c in enumerate(models[v].stages)) + f"; p2p {latency:.3f} ms")
     oh, cpu = _calibrate(engine, p, m, latency, args.steps, E)
     say(f"  runtime overhead (emulated calibration): {oh['action']:.3f} ms per action + {oh['step']:.2f} ms per step; "
         f"{oh['action_v'][2]:.3f} ms per action with two chunks per rank")
-    chosen, _ = E.candidates(profile, p, m, args.search_budget, latency=latency, overhead=oh["action_v"])
-    plan = list(chosen.items())
+    chosen, _ = E.candidates(models, p, m, args.search_budget, latency=latency, overhead=oh["action_v"])
+    # the control: 1f1b a second time (its own model copy, in the same round-robin): how far apart two
+    # runs of one schedule measure here, the resolution of every speedup in the table
+    plan = list(chosen.items()) + [(CONTROL, chosen["1f1b"])]
     jobs = [{"key": label, "schedule": sched.to_dict()} for label, (sched, _) in plan]
     say(f"  running {len(jobs)} schedules on the real GPT ...")
     t0 = time.time()
