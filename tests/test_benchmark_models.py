@@ -1,0 +1,30 @@
+"""benchmarks/engine_speedup.py chooses its schedules on the model of what each runtime runs."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from koala_ds.sim import CostProfile, StageCost
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import engine_speedup as E  # noqa: E402
+
+
+def _stages(*forwards: float) -> CostProfile:
+    """Stages whose I = F, W = F / 2 and B = 1.5 F (full backward cheaper than I + W)."""
+    return CostProfile(tuple(StageCost(f, f, f / 2, 1.0, 1.0, 1.5 * f) for f in forwards), 0.0, None, "test")
+
+
+def test_each_v_is_modelled_by_its_own_profile_not_by_merging_the_finer_one():
+    # DeepSpeed's uniform split of a 10-entry layer list: 5 + 5 on two stages, 3 + 3 + 2 + 2 on
+    # four. Merged pairwise, the four-stage profile is 6 + 4: an unbalanced 1f1b.
+    v1, v2 = _stages(9.0, 9.0), _stages(4.5, 6.5, 4.5, 2.5)
+    assert [s.forward for s in E.variants(v2, 2)[1].stages] == [11.0, 7.0]  # what merging would model
+    chosen, _ = E.candidates({1: v1, 2: v2}, 2, 8, budget=0.2)
+    sched, model = chosen["1f1b"]
+    assert sched.v == 1 and model is v1
+    merged = E.predict(sched, E.variants(v2, 2)[1])
+    assert E.predict(sched, model) < merged  # the balanced split the runtime runs is faster
+    for label, (sched, model) in chosen.items():
+        assert model is {1: v1, 2: v2}[sched.v], label
