@@ -1,4 +1,8 @@
-"""Syntax tree of a Koala program. Plain frozen dataclasses; evaluation lives in `program.py`."""
+"""Syntax tree of a Koala program. Plain frozen dataclasses; evaluation lives in `program.py`.
+
+Every node is a `Node` and so carries `pos`, where it starts in the source (for messages), as
+Python's own `ast` nodes share their position attributes; the whole tree (`ProgramAst`, like
+`ast.Module`) has its file name instead."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -16,39 +20,42 @@ class Pos:
         return f"{self.file}:{self.line}:{self.col}"
 
 
+@dataclass(frozen=True)
+class Node:
+    """A piece of syntax. `pos` is keyword-only, so that a node's own fields come first:
+    `Binary("+", left, right, pos=p)`."""
+
+    pos: Pos = field(kw_only=True)
+
+
 # -- expressions ------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Num:
+class Num(Node):
     value: int
-    pos: Pos
 
 
 @dataclass(frozen=True)
-class Name:
+class Name(Node):
     id: str
-    pos: Pos
 
 
 @dataclass(frozen=True)
-class Unary:
+class Unary(Node):
     op: str  # '-' or 'not'
     operand: "Expr"
-    pos: Pos
 
 
 @dataclass(frozen=True)
-class Binary:
+class Binary(Node):
     op: str  # + - * // % == != < <= > >= and or
     left: "Expr"
     right: "Expr"
-    pos: Pos
 
 
 @dataclass(frozen=True)
-class Call:
+class Call(Node):
     fn: str
     args: tuple["Expr", ...]
-    pos: Pos
 
 
 Expr = Union[Num, Name, Unary, Binary, Call]
@@ -56,27 +63,24 @@ Expr = Union[Num, Name, Unary, Binary, Call]
 
 # -- op sequences -----------------------------------------------------------------------
 @dataclass(frozen=True)
-class OpItem:
+class OpItem(Node):
     """`F`, `B[1]`, `W`, `I@3`, `F[c]@(k+1)`, with `?` = skip when nothing is left to do."""
 
     op: str
     chunk: Expr | None
     microbatch: Expr | None
     optional: bool
-    pos: Pos
 
 
 @dataclass(frozen=True)
-class Group:
+class Group(Node):
     items: tuple["Item", ...]
-    pos: Pos
 
 
 @dataclass(frozen=True)
-class Repeat:
+class Repeat(Node):
     item: "Item"
     count: Expr
-    pos: Pos
 
 
 Item = Union[OpItem, Group, Repeat]
@@ -84,68 +88,61 @@ Item = Union[OpItem, Group, Repeat]
 
 # -- statements -------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Seq:
+class Seq(Node):
     items: tuple[Item, ...]
-    pos: Pos
 
 
 @dataclass(frozen=True)
-class Let:
+class Let(Node):
     name: str
     value: Expr
-    pos: Pos
 
 
 @dataclass(frozen=True)
-class For:
+class For(Node):
     var: str
     start: Expr
     stop: Expr
     body: tuple["Stmt", ...]
-    pos: Pos
 
 
 @dataclass(frozen=True)
-class If:
+class If(Node):
     cond: Expr
     then: tuple["Stmt", ...]
     orelse: tuple["Stmt", ...]
-    pos: Pos
 
 
 @dataclass(frozen=True)
-class Slot:
+class Slot(Node):
     """`slot EXPR`: the ops emitted after it (until the next `slot`) run at that unit-time slot."""
 
     value: Expr
-    pos: Pos
 
 
 Stmt = Union[Seq, Let, For, If, Slot]
 
 
 @dataclass(frozen=True)
-class Requirement:
+class Requirement(Node):
     """One condition of a `supports` line, with its source text for messages."""
 
     cond: Expr
     text: str
-    pos: Pos
 
 
 @dataclass(frozen=True)
-class PlacementSpec:
+class PlacementSpec(Node):
     style: str  # a named style, or "map"
     groups: tuple[tuple[Expr, ...], ...] = ()  # for map: one group of ranks per pipeline
-    pos: Pos | None = None
+    pos: Pos | None = field(default=None, kw_only=True)  # None: the implied `placement linear`
 
 
 @dataclass(frozen=True)
-class CompactSpec:
+class CompactSpec(Node):
     """`compact greedy`: reorder each rank by the slots of its ops (see `compact.py`)."""
 
     mode: str
-    pos: Pos
 
 
 @dataclass(frozen=True)

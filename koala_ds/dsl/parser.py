@@ -4,7 +4,7 @@ line with a caret, and what was expected."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..ir import OP_NAMES, KoalaError
 from . import ast as A
@@ -162,7 +162,7 @@ class _Tokens:
         left = operand()
         while self.at(op):
             pos = self.next().pos
-            left = A.Binary(op, left, operand(), pos)
+            left = A.Binary(op, left, operand(), pos=pos)
         return left
 
     def not_expr(self) -> A.Expr:
@@ -174,7 +174,7 @@ class _Tokens:
         """`op operand`: one nesting level deeper (MAX_NESTING)."""
         self.enter(self.cur)
         pos = self.next().pos
-        out = A.Unary(op, operand(), pos)
+        out = A.Unary(op, operand(), pos=pos)
         self.depth -= 1
         return out
 
@@ -182,7 +182,7 @@ class _Tokens:
         left = self.arith()
         if self.at("==", "!=", "<", "<=", ">", ">="):
             tok = self.next()
-            left = A.Binary(tok.text, left, self.arith(), tok.pos)
+            left = A.Binary(tok.text, left, self.arith(), pos=tok.pos)
             if self.at("==", "!=", "<", "<=", ">", ">="):
                 self.fail("'and' between comparisons", "chained comparison")
         return left
@@ -191,7 +191,7 @@ class _Tokens:
         left = self.term()
         while self.at("+", "-"):
             tok = self.next()
-            left = A.Binary(tok.text, left, self.term(), tok.pos)
+            left = A.Binary(tok.text, left, self.term(), pos=tok.pos)
         return left
 
     def term(self) -> A.Expr:
@@ -200,7 +200,7 @@ class _Tokens:
             tok = self.next()
             if tok.text == "/":
                 raise KoalaSyntaxError("'/' is not integer division", tok.pos, "'//'")
-            left = A.Binary(tok.text, left, self.unary(), tok.pos)
+            left = A.Binary(tok.text, left, self.unary(), pos=tok.pos)
         return left
 
     def unary(self) -> A.Expr:
@@ -212,7 +212,7 @@ class _Tokens:
         tok = self.cur
         if tok.kind == "num":
             self.next()
-            return A.Num(int(tok.text), tok.pos)
+            return A.Num(int(tok.text), pos=tok.pos)
         if tok.kind == "name" and tok.text not in KEYWORDS and tok.text not in OPS:
             self.next()
             if self.at("("):
@@ -230,8 +230,8 @@ class _Tokens:
                 if len(args) < lo or (hi is not None and len(args) > hi):
                     raise KoalaSyntaxError(f"{tok.text}() takes {lo if hi == lo else f'at least {lo}'} "
                                            f"argument(s), got {len(args)}", tok.pos)
-                return A.Call(tok.text, tuple(args), tok.pos)
-            return A.Name(tok.text, tok.pos)
+                return A.Call(tok.text, tuple(args), pos=tok.pos)
+            return A.Name(tok.text, pos=tok.pos)
         if self.at("("):
             self.enter(self.next())
             inner = self.expr()
@@ -265,7 +265,7 @@ class _Tokens:
             inner = self.items(")")
             self.expect(")", "an op or ')'")
             self.depth -= 1
-            item: A.Item = A.Group(inner, tok.pos)
+            item: A.Item = A.Group(inner, pos=tok.pos)
         elif tok.kind == "name" and tok.text in OPS:
             self.next()
             chunk = mb = None
@@ -280,12 +280,12 @@ class _Tokens:
             if self.at("?"):
                 self.next()
                 optional = True
-            item = A.OpItem(tok.text, chunk, mb, optional, tok.pos)
+            item = A.OpItem(tok.text, chunk, mb, optional, pos=tok.pos)
         else:
             self.fail("an op (F, B, I, W) or '('")
         if self.at("*"):
             pos = self.next().pos
-            item = A.Repeat(item, self.factor(), pos)
+            item = A.Repeat(item, self.factor(), pos=pos)
         return item
 
 
@@ -342,7 +342,7 @@ class Parser:
                 if rest not in COMPACT_MODES:
                     raise KoalaSyntaxError(f"bad compact mode {rest!r}", self.pos(line, rest_at + 1),
                                            " or ".join(f"'{mode}'" for mode in COMPACT_MODES))
-                compact = A.CompactSpec(rest, self.pos(line))
+                compact = A.CompactSpec(rest, pos=self.pos(line))
             elif word == "placement":
                 placement = self._placement(line, rest_at)
             elif word == "supports":
@@ -371,7 +371,7 @@ class Parser:
         style = toks.next().text
         if style != "map":
             toks.end()
-            return A.PlacementSpec(style, (), toks.toks[0].pos)
+            return A.PlacementSpec(style, pos=toks.toks[0].pos)
         groups, cur = [], []
         while toks.cur.kind != "end":
             if toks.at("|"):
@@ -383,7 +383,7 @@ class Parser:
         groups.append(tuple(cur))
         if any(not g for g in groups):
             toks.fail("the rank of every stage, e.g. 'map 0 1 2 3 | 3 2 1 0'")
-        return A.PlacementSpec("map", tuple(groups), toks.toks[0].pos)
+        return A.PlacementSpec("map", tuple(groups), pos=toks.toks[0].pos)
 
     def _supports(self, line: Line, at: int) -> list[A.Requirement]:
         toks = _Tokens(line, self.file, at)
@@ -392,7 +392,7 @@ class Parser:
             start = toks.cur.pos.col - line.indent - 1
             cond = toks.expr()
             stop = toks.cur.pos.col - line.indent - 1
-            out.append(A.Requirement(cond, line.content[start:stop].strip(), toks.toks[0].pos))
+            out.append(A.Requirement(cond, line.content[start:stop].strip(), pos=toks.toks[0].pos))
             if toks.at(","):
                 toks.next()
                 continue
@@ -409,7 +409,7 @@ class Parser:
         toks.expect("=", "'='")
         value = toks.expr()
         toks.end()
-        return A.Let(name, value, pos)
+        return A.Let(name, value, pos=pos)
 
     def _rank_header(self, line: Line) -> int | None:
         toks = _Tokens(line, self.file)
@@ -432,7 +432,7 @@ class Parser:
             stmt = self._statement(line)
             if isinstance(stmt, A.If) and i + 1 < len(children) and children[i + 1].content.split(":")[0].strip() == "else":
                 i += 1
-                stmt = A.If(stmt.cond, stmt.then, self._body(children[i], "else"), stmt.pos)
+                stmt = replace(stmt, orelse=self._body(children[i], "else"))
             out.append(stmt)
             i += 1
         return tuple(out)
@@ -447,7 +447,7 @@ class Parser:
             if line.children:
                 raise KoalaSyntaxError("both an inline body and an indented block", self.pos(line.children[0]))
             pos = toks.cur.pos
-            return (A.Seq(toks.items(), pos),)
+            return (A.Seq(toks.items(), pos=pos),)
         if not line.children:
             raise KoalaSyntaxError(f"empty {keyword!r} body", toks.cur.pos, "ops after ':' or an indented block")
         return self._block(line)
@@ -468,12 +468,12 @@ class Parser:
             toks.expect("..", "'..' (a range is written start..stop, stop excluded)")
             stop = toks.arith()
             toks.expect(":", "':'")
-            return A.For(var, start, stop, self._body(line, "for", toks), pos)
+            return A.For(var, start, stop, self._body(line, "for", toks), pos=pos)
         if toks.at("if"):
             pos = toks.next().pos
             cond = toks.expr()
             toks.expect(":", "':'")
-            return A.If(cond, self._body(line, "if", toks), (), pos)
+            return A.If(cond, self._body(line, "if", toks), (), pos=pos)
         if toks.at("slot"):
             if line.children:
                 raise KoalaSyntaxError("unexpected indented block", self.pos(line.children[0]))
@@ -482,7 +482,7 @@ class Parser:
                 toks.fail("a slot number or expression, e.g. 'slot 6 * j + r'")
             value = toks.expr()
             toks.end("end of line after the slot expression")
-            return A.Slot(value, pos)
+            return A.Slot(value, pos=pos)
         if toks.at("else"):
             toks.fail("a statement", "'else' without a matching 'if' just above")
         if toks.at("rank"):
@@ -492,7 +492,7 @@ class Parser:
         pos = toks.cur.pos
         items = toks.items()
         toks.end("an op (F, B, I, W), '(' or '*'")
-        return A.Seq(items, pos)
+        return A.Seq(items, pos=pos)
 
 
 def parse(text: str, file: str = "<string>") -> A.ProgramAst:
