@@ -172,3 +172,15 @@ def test_a_limit_equal_to_a_stage_activation_is_feasible():
     assert exact.status == "optimal"
     sim = simulate(exact.schedule, problem.search_profile, timeline=False)
     assert sim.fits_memory and sim.makespan == pytest.approx(exact.objective)
+
+
+@pytest.mark.parametrize("solver", ["solve_exact", "relaxed_bound"])
+def test_a_time_limit_that_is_not_positive_names_its_parameter(solver):
+    from koala_ds.commands.search import FLAGS
+    from koala_ds.search import exact
+    from koala_ds.search.problem import SearchError
+
+    with pytest.raises(SearchError) as exc:
+        getattr(exact, solver)(SearchProblem(_profile(3), 3, 4, 1, "split"), time_limit=0)
+    assert exc.value.parameter == "time_limit"
+    assert "--exact-time-limit must be positive, got 0" in exc.value.worded(FLAGS)

@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 #: The flag of each search parameter a `SearchError` names (`SearchError.worded`).
 FLAGS = {"p": "-p", "m": "-m", "v": "-v", "profile": "--profile", "backward": "--backward",
          "memory_limit": "--memory-limit", "placement": "--placement", "time_budget": "--time-budget",
-         "generations": "--generations", "workers": "--workers", "exact": "--exact"}
+         "generations": "--generations", "workers": "--workers", "exact": "--exact",
+         "time_limit": "--exact-time-limit"}
 
 
 def result_table(result, limit: float | None, bound: ConfigBound | None = None) -> str:

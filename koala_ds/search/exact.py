@@ -311,7 +311,7 @@ def solve_exact(problem: SearchProblem, part: PlacementProblem | None = None, hi
     relabelling argument."""
     cp_model = _ortools()
     if time_limit <= 0:
-        raise SearchError(f"exact time limit must be positive, got {time_limit}")
+        raise SearchError(f"`time_limit` must be positive, got {time_limit} (the exact model's solver time, s)", "time_limit")
     part = _part(problem, part, hint)
     t0 = time.perf_counter()
     pl, sim = part.placement, part.sim
@@ -356,7 +356,7 @@ def relaxed_bound(problem: SearchProblem, part: PlacementProblem | None = None, 
     adding ranks while time is left (module docstring). At least the placement's search bound."""
     cp_model = _ortools()
     if time_limit <= 0:
-        raise SearchError(f"relaxation time limit must be positive, got {time_limit}")
+        raise SearchError(f"`time_limit` must be positive, got {time_limit} (the relaxation bound's solver time, s)", "time_limit")
     part = _part(problem, part, hint)
     t0 = time.perf_counter()
     per_rank = jackson_bound(problem.search_profile, part.placement, part.sim.m, part.sim.backward,
