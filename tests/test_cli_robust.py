@@ -68,6 +68,14 @@ def test_output_paths_are_checked_before_anything_is_printed(capsys, tmp_path, a
     assert out == ""
 
 
+@pytest.mark.parametrize("flag,value,needle", [("--generations", "-1", "--generations must be >= 0, got -1"),
+                                               ("--workers", "0", "--workers must be >= 1, got 0")])
+def test_search_budgets_are_checked_before_anything_is_printed(capsys, tmp_path, flag, value, needle):
+    code, out, err = run(capsys, "search", "--profile", "uniform-4", "-m", "8", flag, value, "-o", tmp_path / "s.koala")
+    one_line_error(code, err, needle)
+    assert out == ""
+
+
 def test_check_output_refuses_an_unwritable_folder(tmp_path):
     folder = tmp_path / "ro"
     folder.mkdir()

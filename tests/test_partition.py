@@ -268,3 +268,17 @@ def test_a_limit_no_predefined_schedule_fits_still_gets_a_searched_split_and_sch
     static = lp.rank_static_mb(joint.partition, joint.schedule.placement)
     sim = simulate(joint.schedule, lp.stage_profile(joint.partition, 4, joint.schedule.placement))
     assert all(static[r] + sim.peak_memory_mb[r] <= 18000.0 * (1 + 1e-9) for r in range(4))
+
+
+def test_search_partition_errors_name_parameters_the_cli_words_as_flags():
+    from koala_ds.commands.search import FLAGS
+    from koala_ds.search.partition import search_partition
+    from koala_ds.search.problem import SearchError
+
+    lp = load_layer_profile("gpt-largevocab-32L")
+    for kwargs, parameter, worded in [({"time_budget": 0.0}, "time_budget", "--time-budget must be"),
+                                      ({"m": 0}, "p", "-p, -m and -v must be >= 1")]:
+        args = {"p": 4, "m": 8, **kwargs}
+        with pytest.raises(SearchError) as exc:
+            search_partition(lp, args.pop("p"), args.pop("m"), **args)
+        assert exc.value.parameter == parameter and worded in exc.value.worded(FLAGS)

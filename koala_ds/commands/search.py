@@ -203,8 +203,11 @@ def cmd_search(args: argparse.Namespace) -> int:
 def _search(args: argparse.Namespace) -> int:
     from ..search import search
 
+    from ..search.ga import check_budgets
+
     started = time.perf_counter()  # the time budget counts from here
     out = _check_args(args)
+    check_budgets(args.time_budget, args.generations, args.workers)  # before any output
     profile = partition.load_model_profile(args)
     if isinstance(profile, LayerProfile) and args.partition == "auto":
         return partition.cmd_search_auto(args, profile, out)

@@ -760,7 +760,8 @@ class _Run:
         self.try_test(fresh, self.clock.out_of_time)
 
 
-def _check_budgets(time_budget: float | None, generations: int | None, workers: int) -> None:
+def check_budgets(time_budget: float | None, generations: int | None, workers: int) -> None:
+    """SearchError naming the budget parameter `search` would refuse (front ends check first)."""
     if time_budget is not None and not (0 < time_budget < math.inf):
         raise SearchError(f"`time_budget` must be a finite number of seconds > 0, got {time_budget}", "time_budget")
     if generations is not None and generations < 0:
@@ -783,7 +784,7 @@ def search(problem: SearchProblem, *, time_budget: float | None = 10.0, generati
     binds every phase: the library schedules, the seeds (library, greedy, random orders: each
     is made and try-tested only while time is left, once one seed is in), the polish and the
     generations. Bad budgets raise `SearchError` naming the parameter (`.parameter`)."""
-    _check_budgets(time_budget, generations, workers)
+    check_budgets(time_budget, generations, workers)
     run = _Run(problem, config or GAConfig(), seed, workers, time_budget,
                time.perf_counter() if started is None else started)
     run.run(generations, Progress(progress, generations, problem.lower_bound, on_generation))

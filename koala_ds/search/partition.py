@@ -105,7 +105,7 @@ class PartitionSearch:
 
     def __init__(self, lp: LayerProfile, p: int, m: int, v: int = 1, memory_limit: float | None = None) -> None:
         if min(p, m, v) < 1:
-            raise SearchError(f"-p, -m and -v must be >= 1, got p={p} m={m} v={v}")
+            raise SearchError(f"`p`, `m` and `v` must be >= 1, got p={p} m={m} v={v}", "p", "m", "v")
         self.p, self.m, self.v, self.S = p, m, v, p * v
         lp.uniform_partition(self.S)  # enough layers for p x v stages, or a one-line error
         if memory_limit is not None:
@@ -281,14 +281,14 @@ def search_partition(lp: LayerProfile, p: int, m: int, v: int = 1, memory_limit:
                      time_budget: float = 30.0, seed: int = 0, top: int = 2) -> PartitionResult:
     """The joint search of the module docstring within about `time_budget` seconds."""
     if not (0 < time_budget < math.inf):
-        raise SearchError(f"--time-budget must be a finite number of seconds > 0, got {time_budget}")
+        raise SearchError(f"`time_budget` must be a finite number of seconds > 0, got {time_budget}", "time_budget")
     t0 = time.perf_counter()
     ps = PartitionSearch(lp, p, m, v, memory_limit)
     bound = joint_lower_bound(ps.lp, p, m, ps.placements)
     if bound.partition is None:
         raise SearchError(f"no split of {lp.source} into p x v = {ps.S} stages fits the memory limit "
                           f"({ps.limit_source}): a stage's static memory and one microbatch's activations exceed "
-                          f"its rank's limit; raise --memory-limit or -p")
+                          f"its rank's limit; raise `memory_limit` or `p`", "memory_limit", "p")
     uniform = tuple(lp.uniform_partition(ps.S))
     starts = list(dict.fromkeys(x for x in (uniform, ps.balanced(), bound.partition) if x is not None))
     climb_end = t0 + 0.3 * time_budget
@@ -313,7 +313,7 @@ def search_partition(lp: LayerProfile, p: int, m: int, v: int = 1, memory_limit:
     joint = min(answers, key=lambda a: (a.makespan, a.schedule_name != "searched")) if answers else None
     if joint is None:
         raise SearchError(f"no schedule fits the memory limit ({ps.limit_source}) on any split tried; raise "
-                          f"--memory-limit")
+                          f"`memory_limit`", "memory_limit")
     u = ps.score(uniform).best
     sb = ps.score(base_part).baseline
     return PartitionResult(
