@@ -352,7 +352,7 @@ def test_orders_that_deadlock_are_repaired_not_rejected():
 def test_repaired_random_orders_are_valid_schedules():
     import random
 
-    from koala_ds.search.ga import mutate
+    from koala_ds.search.operators import mutate
     from koala_ds.sim.simulator import Stall
 
     profile = CostProfile.uniform(8, activation_mb=10.0, w_hold_mb=2.0, p2p_latency=0.1)

@@ -158,7 +158,7 @@ def _run_exact(args, problem, result, out: Path) -> str:
 
 
 def _report(args, problem, result, out: Path, exact_line: str | None) -> None:
-    from ..search.ga import best_predefined
+    from ..search.results import best_predefined
 
     schedule = result.schedule
     bound = _table_bound(args, problem)

@@ -23,22 +23,20 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import random
-import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
-from .. import library
-from ..ir import KoalaError, Schedule
+from ..ir import Schedule
 from ..sim import SimResult, random_schedule, simulate
-from .encoding import W_K
 from .greedy import greedy_orders, policies
 from .local import LocalSearch
-from .problem import INFEASIBLE, PlacementProblem, SearchError, SearchProblem, relative_gap, weight_copies
+from .operators import crossover, mutate, tournament
+from .pool import Evaluator
+from .problem import INFEASIBLE, PlacementProblem, SearchError, SearchProblem
+from .results import LibraryRow, SearchResult, library_rows
 
 log = logging.getLogger(__name__)
 
@@ -57,334 +55,6 @@ class Individual:
     def __post_init__(self) -> None:
         if not self.key:
             self.key = (self.part, tuple(tuple(order) for order in self.orders))
-
-
-@dataclass
-class LibraryRow:
-    """One library schedule valid for the configuration, as simulated under the search's profile."""
-
-    name: str
-    schedule: Schedule | None
-    makespan: float
-    peak: float
-    bubble: float
-    fits: bool
-    note: str = ""
-    weight_copies: int = 1      # 2 for bidirectional schedules (Chimera): two copies of the weights
-    comparable: bool = True     # counts as a "predefined schedule" competitor of the search result
-
-    @property
-    def eligible(self) -> bool:
-        """Fits the memory limit and is a fair competitor (one copy of the weights, unless the
-        search itself was allowed two)."""
-        return self.fits and self.comparable
-
-
-def best_predefined(rows: Sequence[LibraryRow]) -> LibraryRow | None:
-    """The fastest library schedule that fits the limit and keeps as many copies of the weights
-    as the search was allowed (so Chimera counts only when bidirectional placements are)."""
-    ok = [r for r in rows if r.eligible]
-    return min(ok, key=lambda r: (r.makespan, r.name)) if ok else None
-
-
-@dataclass
-class SearchResult:
-    """The search's answer and what it measured."""
-
-    schedule: Schedule
-    makespan: float
-    peak: float
-    bubble: float
-    fits: bool
-    origin: str                      # which seed or generation found it
-    lower_bound: float
-    memory_limit: float | None
-    memory_limit_source: str
-    library: list[LibraryRow]
-    generations: int
-    evaluations: int
-    wall_s: float
-    stopped: str                     # lower-bound | time | generations | interrupted
-    interrupted: bool = False
-    history: list[tuple[float, float]] = field(default_factory=list)  # (seconds, best makespan)
-    per_placement: list[tuple[Schedule, float]] = field(default_factory=list)  # best of each placement and kind
-    kinds: tuple[str, ...] = ("split",)   # the backward kinds searched (two with --backward auto)
-    kind_bounds: dict[str, float] = field(default_factory=dict)  # the lower bound of each kind
-    library_skipped: list[str] = field(default_factory=list)  # library schedules not simulated: out of time
-
-    def best_for(self, placement, backward: str | None = None) -> Schedule | None:
-        """The best schedule found for `placement` (of backward kind `backward`; None: either)."""
-        found = [(ms, sched) for sched, ms in self.per_placement
-                 if sched.placement.stage_ranks == placement.stage_ranks
-                 and sched.placement.pipelines == placement.pipelines
-                 and (backward is None or sched.backward == backward)]
-        return min(found, key=lambda x: x[0])[1] if found else None
-
-    def best_of_kind(self, backward: str) -> float | None:
-        """The best makespan the search found among schedules of one backward kind."""
-        found = [ms for sched, ms in self.per_placement if sched.backward == backward]
-        return min(found) if found else None
-
-    @property
-    def gap(self) -> float:
-        return relative_gap(self.makespan, self.lower_bound)
-
-
-# -- library seeds ------------------------------------------------------------------------
-def library_rows(problem: SearchProblem, out_of_time: Callable[[float], bool] | None = None,
-                 skipped: list[str] | None = None) -> list[LibraryRow]:
-    """Every library schedule valid for (p, m, v) and the backward mode, simulated as written.
-
-    With `out_of_time` (given the seconds still needed: the next schedule, and about as much for
-    one seed and the closing work), stops when it returns True once a row is in; the names not
-    simulated go to `skipped`."""
-    rows: list[LibraryRow] = []
-    names = library.names()
-    step = 0.0
-    for i, name in enumerate(names):
-        if out_of_time is not None and rows and out_of_time(2 * step):  # the next, and a seed
-            if skipped is not None:
-                skipped += names[i:]
-            break
-        started = time.perf_counter()
-        _library_row(problem, name, rows)
-        step = time.perf_counter() - started
-    rows.sort(key=lambda r: (r.makespan, r.name))
-    return rows
-
-
-def _library_row(problem: SearchProblem, name: str, rows: list[LibraryRow]) -> None:
-    """Append the row of library schedule `name` when it is valid and simulates."""
-    try:
-        program = library.get(name)
-        reason = program.supports(problem.p, problem.m, problem.v)
-    except KoalaError as exc:
-        log.info("library %s skipped: %s", name, exc)
-        return
-    if reason is not None:
-        return
-    try:
-        schedule = program.compile(problem.p, problem.m, problem.v)
-    except KoalaError as exc:
-        log.info("library %s does not compile for p=%d m=%d v=%d: %s", name, problem.p, problem.m, problem.v,
-                 str(exc).splitlines()[0])
-        return
-    if schedule.backward == "split" and "split" not in problem.kinds:
-        return
-    try:
-        res = simulate(schedule, problem.search_profile, timeline=False)
-    except KoalaError as exc:
-        log.info("library %s does not simulate: %s", name, str(exc).splitlines()[0])
-        return
-    copies = weight_copies(schedule.placement)
-    rows.append(LibraryRow(name, schedule, res.makespan, res.peak_memory_max, res.bubble_ratio, res.fits_memory,
-                           note="2x weights" if copies > 1 else "", weight_copies=copies,
-                           comparable=copies == 1 or problem.allows_two_copies))
-
-
-# -- variation operators ------------------------------------------------------------------
-def _move(order: list[int], rng: random.Random, scale: float) -> None:
-    """Move one choice of `order` by a geometric distance (mean about `scale`)."""
-    n = len(order)
-    if n < 2:
-        return
-    i = rng.randrange(n)
-    d = max(1, int(rng.expovariate(1.0 / scale)) + 1)
-    j = i + d if rng.random() < 0.5 else i - d
-    j = min(max(j, 0), n - 1)
-    if i == j:
-        return
-    choice = order.pop(i)
-    order.insert(j, choice)
-
-
-def _swap(order: list[int], rng: random.Random) -> None:
-    """Swap two adjacent different choices of `order` (up to four tries to find them)."""
-    n = len(order)
-    if n < 2:
-        return
-    for _ in range(4):
-        i = rng.randrange(n - 1)
-        if order[i] != order[i + 1]:
-            order[i], order[i + 1] = order[i + 1], order[i]
-            return
-
-
-def _shift_w(order: list[int], rng: random.Random, chunks: int, scale: float) -> None:
-    """Move one W of `order` by a geometric distance (any choice when there is no W)."""
-    ws = [i for i, choice in enumerate(order) if choice // chunks == W_K]
-    if not ws:
-        _move(order, rng, scale)
-        return
-    i = rng.choice(ws)
-    d = max(1, int(rng.expovariate(1.0 / scale)) + 1)
-    j = min(max(i + (d if rng.random() < 0.5 else -d), 0), len(order) - 1)
-    choice = order.pop(i)
-    order.insert(j, choice)
-
-
-def mutate(orders: list[list[int]], rng: random.Random, strength: float, chunks: int) -> list[list[int]]:
-    """A copy of `orders` after about `strength` random moves, most of them on one rank."""
-    out = [list(order) for order in orders]
-    moves = max(1, int(rng.expovariate(1.0 / strength)) + 1) if strength > 1 else 1
-    focus = rng.randrange(len(out))
-    for _ in range(moves):
-        r = focus if rng.random() < 0.6 else rng.randrange(len(out))
-        x = rng.random()
-        if x < 0.4:
-            _move(out[r], rng, 2.0 + strength)
-        elif x < 0.7:
-            _swap(out[r], rng)
-        else:
-            _shift_w(out[r], rng, chunks, 2.0 + strength)
-    return out
-
-
-def crossover(a: list[list[int]], b: list[list[int]], rng: random.Random) -> list[list[int]]:
-    """Per rank: take the order of a or of b; one rank gets an order crossover (a's prefix, then
-    the rest of its choices in b's order)."""
-    child = [list(x) if rng.random() < 0.5 else list(y) for x, y in zip(a, b)]
-    r = rng.randrange(len(a))
-    x, y = a[r], b[r]
-    if x and len(x) == len(y):
-        cut = rng.randrange(len(x))
-        prefix = x[:cut]
-        counts: dict[int, int] = {}
-        for choice in prefix:
-            counts[choice] = counts.get(choice, 0) + 1
-        rest = []
-        for choice in y:
-            if counts.get(choice, 0):
-                counts[choice] -= 1
-            else:
-                rest.append(choice)
-        child[r] = prefix + rest
-    return child
-
-
-# -- parallel try-test --------------------------------------------------------------------
-_WORKER: SearchProblem | None = None
-
-
-def _exit_with_parent(parent: int) -> None:
-    """End this worker when the search process dies (kill -9 included), instead of leaving it and
-    multiprocessing's resource tracker running as orphans: Linux's parent-death signal, and a
-    thread that polls the parent elsewhere (and covers a parent that died before the call)."""
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):  # pragma: no cover - no libc prctl
-            pass
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(1)
-
-    if os.getppid() != parent:
-        os._exit(1)
-    threading.Thread(target=watch, name="koala-parent-watch", daemon=True).start()
-
-
-def _worker_init(args: tuple, parent: int | None = None) -> None:
-    global _WORKER
-    # Ctrl-C goes to the whole process group: only the search process answers it (with the best
-    # schedule so far); a worker ignores it and finishes its batch, then exits with the pool
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if parent is not None:
-        _exit_with_parent(parent)
-    profile, p, m, v, backward, limit, placements = args
-    _WORKER = SearchProblem(profile, p, m, v, backward, limit, placements)
-
-
-def _worker_eval(job: tuple[int, list[list[int]]]) -> tuple[float, float, list[list[int]]]:
-    """Try-test one (part index, orders) job in a worker: (makespan, peak, repaired orders)."""
-    assert _WORKER is not None
-    ev = _WORKER.parts[job[0]].evaluate(job[1])
-    return ev.makespan, ev.peak, ev.orders
-
-
-class _Evaluator:
-    """Try-tests (part index, orders) jobs, in this process or in a pool of `workers` processes;
-    counts them and the time they took."""
-
-    def __init__(self, problem: SearchProblem, workers: int):
-        self.problem = problem
-        self.pool = None
-        self.count = 0
-        self.seconds = 0.0  # wall time of the calls, for the mean time of one try-test
-        if workers > 1:
-            import concurrent.futures as cf
-            import multiprocessing as mp
-
-            limit = problem.memory_limit if problem.memory_limit is not None else list(problem.limits)
-            if isinstance(limit, list) and len(set(limit)) == 1:
-                limit = limit[0]
-            placements = list({(pt.placement.stage_ranks, pt.placement.pipelines): pt.placement
-                               for pt in problem.parts}.values())
-            args = (problem.profile if problem.memory_limit is not None else problem.search_profile,
-                    problem.p, problem.m, problem.v, problem.backward,
-                    limit if not isinstance(limit, list) else None, placements)
-            self.pool = cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"),
-                                               initializer=_worker_init, initargs=(args, os.getpid()))
-            self.workers = workers
-            self.started = False
-
-    def _start_workers(self) -> None:
-        """Start every worker now, with SIGINT ignored while they are created: they inherit that,
-        so a Ctrl-C while they import is not theirs either (no worker tracebacks)."""
-        self.started = True
-        if threading.current_thread() is not threading.main_thread():
-            return  # signal handlers can only be set in the main thread; the initializer still ignores SIGINT
-        old = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
-            for _ in range(self.workers):
-                self.pool.submit(os.getpid)
-        finally:
-            signal.signal(signal.SIGINT, old)
-
-    def __call__(self, jobs: list[tuple[int, list[list[int]]]], out_of_time: Callable[[], bool] | None = None
-                 ) -> list[tuple[float, float, list[list[int]]]]:
-        """The results of `jobs`, in order; with `out_of_time`, of a prefix of them: it stops
-        when that returns True (one job or one round of the pool at a time)."""
-        t0 = time.perf_counter()
-        try:
-            return self._run(jobs, out_of_time)
-        finally:
-            self.seconds += time.perf_counter() - t0
-
-    @property
-    def mean_seconds(self) -> float:
-        return self.seconds / self.count if self.count else 0.0
-
-    def _run(self, jobs: list[tuple[int, list[list[int]]]], out_of_time: Callable[[], bool] | None
-             ) -> list[tuple[float, float, list[list[int]]]]:
-        if out_of_time is not None:
-            step = 1 if self.pool is None else 2 * self.workers
-            out: list = []
-            for i in range(0, len(jobs), step):
-                if i and out_of_time():
-                    break
-                out += self._run(jobs[i:i + step], None)
-            return out
-        self.count += len(jobs)
-        if self.pool is None or len(jobs) < 4:
-            out = []
-            for part, orders in jobs:
-                ev = self.problem.parts[part].evaluate(orders)
-                out.append((ev.makespan, ev.peak, ev.orders))
-            return out
-        if not self.started:
-            self._start_workers()
-        chunk = max(1, len(jobs) // (self.workers * 2))
-        return list(self.pool.map(_worker_eval, jobs, chunksize=chunk))
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(cancel_futures=True)
-            self.pool = None
 
 
 # -- the search ---------------------------------------------------------------------------
@@ -446,7 +116,7 @@ class Population:
 class Clock:
     """The wall-clock budget, from `started` (None: no time budget)."""
 
-    def __init__(self, problem: SearchProblem, time_budget: float | None, started: float, evaluator: _Evaluator):
+    def __init__(self, problem: SearchProblem, time_budget: float | None, started: float, evaluator: Evaluator):
         self.problem = problem
         self.budget = time_budget
         self.started = started
@@ -474,7 +144,7 @@ class Polisher:
     descent. The current candidate moves to each result no worse than it (so it drifts across
     plateaus of equal makespan) and back to the best candidate when that is better."""
 
-    def __init__(self, problem: SearchProblem, cfg: GAConfig, rng: random.Random, evaluator: _Evaluator,
+    def __init__(self, problem: SearchProblem, cfg: GAConfig, rng: random.Random, evaluator: Evaluator,
                  population: Population):
         self.problem = problem
         self.cfg = cfg
@@ -606,7 +276,7 @@ class _Run:
         self.cfg = cfg
         self.workers = workers
         self.rng = random.Random(seed)
-        self.evaluator = _Evaluator(problem, workers)
+        self.evaluator = Evaluator(problem, workers)
         self.clock = Clock(problem, time_budget, started, self.evaluator)
         self.population = Population(started)
         self.polisher = Polisher(problem, cfg, self.rng, self.evaluator, self.population)
@@ -720,12 +390,12 @@ class _Run:
         pop, rng, best = self.population.members, self.rng, self.best
         out: list[Job] = []
         for _ in range(dynamics.trials):
-            a = _tournament(pop, rng)
+            a = tournament(pop, rng)
             orders = a.orders
             if rng.random() < self.cfg.crossover_rate:
                 mates = [x for x in pop if x.part == a.part and x is not a]
                 if mates:
-                    orders = crossover(a.orders, _tournament(mates, rng).orders, rng)
+                    orders = crossover(a.orders, tournament(mates, rng).orders, rng)
             chunks = self.problem.parts[a.part].placement.chunks_per_rank
             if rng.random() < 0.25 and a.part == best.part:
                 orders = mutate(best.orders, rng, 1.0, chunks)
@@ -881,13 +551,3 @@ def _library_seeds(problem: SearchProblem, rows: Sequence[LibraryRow]) -> Iterat
             if part.admits(sched):
                 yield idx, part.orders_of(sched), f"library {row.name}"
 
-
-def _tournament(pop: Sequence[Individual], rng: random.Random, k: int = 3) -> Individual:
-    """The fastest of `k` members drawn at random (with replacement)."""
-    best = None
-    for _ in range(k):
-        x = pop[rng.randrange(len(pop))]
-        if best is None or x.makespan < best.makespan:
-            best = x
-    assert best is not None
-    return best
