@@ -1,4 +1,5 @@
-"""`engine_speedup.py --real`: the same table on REAL compute, both engines, 2 pipeline ranks.
+"""`engine_speedup.py --real`: the same table on REAL compute, both engines, p pipeline ranks
+(`-p`, default 2; the GPT gets 2p layers when 8 are too few for 2p virtual stages).
 
 - megatron: the megatron-core GPT of examples/megatron_gpt (GPTModel, local layer spec, fp32)
   through koala_ds.megatron;
@@ -30,12 +31,17 @@ from koala_ds.sim import CostProfile  # noqa: E402
 MODEL = {"num_layers": 8, "hidden_size": 256, "num_attention_heads": 4, "seq_length": 64, "micro_batch_size": 1,
          "vocab_size": 128}
 
+
+def model_for(p: int) -> dict:
+    """MODEL, with at least one transformer layer per virtual stage at v = 2 (2p layers)."""
+    return dict(MODEL, num_layers=max(MODEL["num_layers"], 2 * p))
+
 #: The label of the control row (1f1b run twice).
 CONTROL = "1f1b again (control)"
 
-BANNER = ("REAL compute: a GPT on CPU (2 pipeline ranks = 2 processes on this 2-core machine): megatron-core's "
-          "GPTModel through koala_ds.megatron and a plain-torch GPT layer list through koala_ds.deepspeed; each "
-          "profiled first with koala_ds.profiler.")
+BANNER = ("REAL compute: a GPT on CPU (p pipeline ranks = p processes, one torch thread each, on {cores} cores): "
+          "megatron-core's GPTModel through koala_ds.megatron and a plain-torch GPT layer list through "
+          "koala_ds.deepspeed; each profiled first with koala_ds.profiler.").format(cores=os.cpu_count())
 
 
 def _profile(engine: str, p: int, v: int) -> dict:
@@ -44,15 +50,15 @@ def _profile(engine: str, p: int, v: int) -> dict:
 
     if engine == "megatron":
         return spawn("engine_runs:profile_gpt_worker", 1,
-                     dict(MODEL, p=p, v=v, warmup=2, iters=10, p2p=False), timeout_s=600)[0]
+                     dict(model_for(p), p=p, v=v, warmup=2, iters=10, p2p=False), timeout_s=600)[0]
     return spawn("engine_runs:profile_deepspeed_gpt_worker", 1,
-                 {"model": MODEL, "stages": v * p, "warmup": 2, "iters": 10}, timeout_s=600)[0]
+                 {"model": model_for(p), "stages": v * p, "warmup": 2, "iters": 10}, timeout_s=600)[0]
 
 
 def _run_jobs(engine: str, p: int, jobs: list, steps: int) -> list:
     from koala_ds.spawn import spawn
 
-    spec = {"jobs": jobs, "model": MODEL, "warmup": 2, "steps": steps}
+    spec = {"jobs": jobs, "model": model_for(p), "warmup": 2, "steps": steps}
     if engine == "megatron":
         return spawn("engine_runs:megatron_gpt_worker", p, spec, timeout_s=1200, pg_timeout_s=600)
     from deepspeed_jobs import launch
@@ -102,9 +108,10 @@ def run_real(engine: str, p: int, m: int, args, say) -> list:
     from engine_runs import step_times_ms
     from koala_ds.profiler.p2p import measure_p2p_latency
 
-    say(f"[{engine}] real GPT {MODEL}, p={p}, m={m}: profiling {p} and {2 * p} virtual stages (1 thread per "
+    model = model_for(p)
+    say(f"[{engine}] real GPT {model}, p={p}, m={m}: profiling {p} and {2 * p} virtual stages (1 thread per "
         f"process) ...")
-    numel = MODEL["seq_length"] * MODEL["micro_batch_size"] * MODEL["hidden_size"]
+    numel = model["seq_length"] * model["micro_batch_size"] * model["hidden_size"]
     latency = measure_p2p_latency(numel, iters=100)
     out_dir = E.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
