@@ -7,7 +7,8 @@ Each step runs as its own subprocess (its own timeout, its process group stopped
 over), so one failing or hanging step loses none of the others; the whole run stops within
 --budget seconds (default 450). Everything lands in --out (default $OUT when set, else
 gpu_check_out/): summary.md (the tables; rewritten after every step, so a run cut short keeps
-what it measured), results.json (the numbers) and raw.tar.gz (every log and profile JSON).
+what it measured), results.json (the numbers) and raw.tar.gz (every log and profile JSON, as
+raw/...: the summary's commands name them so): three files, within what comes back from $OUT.
 The summary is printed at the end. --steps a,c reruns some steps only.
 
 Steps (default sizes; estimates are for the H200 machine, from the issue's timings and FLOP counts):
@@ -60,6 +61,7 @@ import io
 import json
 import os
 import shlex
+import shutil
 import signal
 import socket
 import statistics
@@ -138,16 +140,42 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def descendants(pid: int) -> list:
+    """The processes below `pid` (from /proc; empty where there is none)."""
+    children: dict = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def stop_group(proc: subprocess.Popen) -> None:
-    """Stop the process group this script started for `proc` (torchrun's workers included)."""
+    """Stop what this script started for `proc`: its process group, then by id whatever below it
+    left that group (torchrun starts each worker in a session of its own; on SIGTERM it stops
+    them itself, and the ones still there after its grace are killed)."""
+    below = descendants(proc.pid)
     for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
-            return
+            break
         try:
             proc.wait(timeout=grace)
+            break
         except subprocess.TimeoutExpired:
+            pass
+    for pid in below:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
             pass
 
 
@@ -463,8 +491,9 @@ def main(argv=None) -> int:
         outcomes[n] = run_step(step, work, env, deadline)
         print(f"[{step.key}] {outcomes[n].status} in {outcomes[n].elapsed_s:.0f} s", flush=True)
     header.append(f"total {time.monotonic() - t_start:.0f} s (budget {a.budget:.0f} s); every log and profile in "
-                  f"raw.tar.gz (work folder {work})")
+                  f"raw.tar.gz")
     text = save(out, work, header, outcomes, meta)
+    shutil.rmtree(work, ignore_errors=True)  # all of it is in raw.tar.gz
     print(text, flush=True)
     return 0 if all(o.status == "ok" for o in outcomes) else 1
 
