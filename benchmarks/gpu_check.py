@@ -47,11 +47,13 @@ script first runs
         --target /tmp/koala-gpu-site .gpu-wheels/*.whl
 and puts /tmp/koala-gpu-site on its steps' PYTHONPATH.
 
-The one command for a session that has the device (the `run` tool; .gpu-wheels is ignored by
-git, so it must be named in carry; timeout 480 s leaves room, within 15 minutes of device time,
-to rerun failed steps with --steps):
+The one command for a session that has the device (the `run` tool). First, here, in the checkout
+the session started in (that checkout is what travels): `make gpu-wheels` (seconds; needs PyPI)
+and `python benchmarks/gpu_check.py --small` (~2 min on 2 cores). Then one call; .gpu-wheels is
+ignored by git, so it is named in carry; 480 s covers the 450 s budget and leaves, within 15
+minutes of device time, room to rerun failed steps at once with --steps while the machine is warm:
     run(command="PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py", carry=[".gpu-wheels"], timeout_s=480)
-summary.md, results.json and raw.tar.gz come back from $OUT.
+summary.md, results.json and raw.tar.gz come back from $OUT; the summary is also in the output.
 """
 from __future__ import annotations
 

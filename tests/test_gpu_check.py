@@ -31,8 +31,9 @@ def alive(pid: int) -> bool:
 
 
 # a step that hangs with a child in a session of its own, as torchrun starts its workers
-HANG = ("import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], "
-        "start_new_session=True); print('child', child.pid, flush=True); time.sleep(120)")
+HANG = ("import subprocess, sys, time; "
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True); "
+        "print('child', child.pid, flush=True); time.sleep(120)")
 
 
 @pytest.mark.timeout(120)

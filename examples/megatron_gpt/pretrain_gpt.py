@@ -9,8 +9,9 @@
 Megatron's flag names; data parallel size = world size / (TP x PP). CPU + gloo by default,
 NCCL when CUDA is present; `--distributed-backend gloo` with CUDA puts rank r on GPU
 LOCAL_RANK % device count, so every rank can share one GPU (NCCL refuses two ranks on one GPU;
-the Koala runtime stages the pipeline's CUDA tensors through the CPU for gloo). The corpus is synthetic: sequences drawn from a fixed random
-Markov chain (a learnable next-token distribution), the same for every layout and schedule.
+the Koala runtime stages the pipeline's CUDA tensors through the CPU for gloo). The corpus is
+synthetic: sequences drawn from a fixed random Markov chain (a learnable next-token
+distribution), the same for every layout and schedule.
 Weights are initialised per parameter from its global name, so every schedule, chunking and
 pipeline size starts from the same model: with the same seed, the loss of every iteration is
 the same whichever schedule runs it.
