@@ -1,5 +1,7 @@
 """examples/megatron_gpt/pretrain_gpt.py end to end: torchrun, real megatron-core GPT, gloo.
-The loss of every iteration is the same whichever schedule runs it, and it goes down."""
+The loss of every iteration is the same whichever schedule runs it, and it goes down. Also its
+--distributed-backend flag: backend and device choice (single process, no CUDA needed)."""
+import importlib.util
 import json
 import os
 import socket
@@ -9,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # multi-process
 ROOT = Path(__file__).resolve().parents[1]
 FLAGS = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
          "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
@@ -17,10 +18,57 @@ FLAGS = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", 
          "--pipeline-schedule", "koala"]
 
 
-@pytest.fixture(autouse=True, scope="module")
+@pytest.fixture()
 def _megatron_core():
     """Imported when a test here runs, not at collection, which every xdist worker pays (~3 s)."""
     pytest.importorskip("megatron.core")
+
+
+def example_module():
+    spec = importlib.util.spec_from_file_location("pretrain_gpt", ROOT / "examples/megatron_gpt/pretrain_gpt.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_distributed_backend_flag_parses_megatron_lms_choices():
+    ex = example_module()
+    assert ex.parse_args([]).distributed_backend is None
+    assert ex.parse_args(["--distributed-backend", "gloo"]).distributed_backend == "gloo"
+    assert ex.parse_args(["--distributed-backend", "nccl"]).distributed_backend == "nccl"
+    with pytest.raises(SystemExit):
+        ex.parse_args(["--distributed-backend", "mpi"])
+
+
+def test_backend_defaults_and_every_rank_on_one_gpu_over_gloo():
+    from koala_ds.ir import KoalaError
+
+    ex = example_module()
+    # no CUDA: gloo on the CPU, whatever the rank; nccl is refused in one line naming the flag
+    assert ex.distributed_setup(None, False, 1, 2, 0) == ("gloo", ex.torch.device("cpu"))
+    assert ex.distributed_setup("gloo", False, 0, 2, 0) == ("gloo", ex.torch.device("cpu"))
+    with pytest.raises(KoalaError, match="nccl needs CUDA.*use --distributed-backend gloo"):
+        ex.distributed_setup("nccl", False, 0, 2, 0)
+    # CUDA: nccl by default, one GPU per rank; gloo puts both ranks of a one-GPU machine on cuda:0
+    assert ex.distributed_setup(None, True, 1, 2, 2) == ("nccl", ex.torch.device("cuda", 1))
+    assert ex.distributed_setup("gloo", True, 1, 2, 1) == ("gloo", ex.torch.device("cuda", 0))
+    assert ex.distributed_setup("gloo", True, 3, 4, 2) == ("gloo", ex.torch.device("cuda", 1))
+    with pytest.raises(KoalaError, match="one GPU per rank: 2 ranks on this node, 1 GPU"):
+        ex.distributed_setup(None, True, 1, 2, 1)
+
+
+def test_megatron_core_schedules_refuse_gloo_with_cuda_tensors():
+    from koala_ds.ir import KoalaError
+
+    ex = example_module()
+    cuda, cpu = ex.torch.device("cuda", 0), ex.torch.device("cpu")
+    ex.check_pipeline_backend(True, 2, cuda, "gloo")  # the Koala runtime stages through the CPU
+    ex.check_pipeline_backend(False, 2, cuda, "nccl")
+    ex.check_pipeline_backend(False, 1, cuda, "gloo")  # no pipeline, nothing sent
+    with pytest.raises(KoalaError, match="--distributed-backend gloo use --pipeline-schedule koala"):
+        ex.check_pipeline_backend(False, 2, cuda, "gloo")
+    with pytest.raises(KoalaError, match="on CPU use --pipeline-schedule koala"):
+        ex.check_pipeline_backend(False, 2, cpu, "gloo")
 
 
 def free_port() -> int:
@@ -29,7 +77,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(tmp_path: Path, schedule: str, extra: list[str]) -> list[float]:
+def run(tmp_path: Path, schedule: str, extra: list[str]) -> dict:
     log = tmp_path / f"{schedule}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            str(ROOT / "examples/megatron_gpt/pretrain_gpt.py"), *FLAGS, *extra, "--koala-schedule", schedule,
@@ -40,13 +88,18 @@ def run(tmp_path: Path, schedule: str, extra: list[str]) -> list[float]:
     assert "iteration        6/       6 |" in proc.stdout + proc.stderr
     data = json.loads(log.read_text())
     assert data["schedule"] == schedule
-    return [float(x) for x in data["losses"]]
+    return data
 
 
+@pytest.mark.slow  # multi-process
 @pytest.mark.timeout(900)
-def test_same_loss_whichever_schedule_and_it_goes_down(tmp_path):
+def test_same_loss_whichever_schedule_and_it_goes_down(tmp_path, _megatron_core):
     base = run(tmp_path, "1f1b", [])
-    assert len(base) == 6 and base[-1] < base[0]
-    for schedule, extra in (("zb-v", ["--virtual-pipeline-model-parallel-size", "2"]),):
+    assert len(base["losses"]) == 6 and base["losses"][-1] < base["losses"][0]
+    assert base["backend"] == "gloo" and base["device"] == "cpu"  # the default without CUDA
+    assert len(base["iteration_ms"]) == 6 and all(t > 0 for t in base["iteration_ms"])
+    gloo = ["--distributed-backend", "gloo"]
+    for schedule, extra in (("zb-v", ["--virtual-pipeline-model-parallel-size", "2", *gloo]),):
         other = run(tmp_path, schedule, extra)
-        assert other == pytest.approx(base, rel=1e-5), schedule
+        assert other["backend"] == "gloo"
+        assert other["losses"] == pytest.approx(base["losses"], rel=1e-5), schedule

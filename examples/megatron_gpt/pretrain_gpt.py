@@ -7,8 +7,11 @@
         --pipeline-schedule koala --koala-schedule zb-h1
 
 Megatron's flag names; data parallel size = world size / (TP x PP). CPU + gloo by default,
-NCCL when CUDA is present. The corpus is synthetic: sequences drawn from a fixed random
-Markov chain (a learnable next-token distribution), the same for every layout and schedule.
+NCCL when CUDA is present; `--distributed-backend gloo` with CUDA puts rank r on GPU
+LOCAL_RANK % device count, so every rank can share one GPU (NCCL refuses two ranks on one GPU;
+the Koala runtime stages the pipeline's CUDA tensors through the CPU for gloo). The corpus is
+synthetic: sequences drawn from a fixed random Markov chain (a learnable next-token
+distribution), the same for every layout and schedule.
 Weights are initialised per parameter from its global name, so every schedule, chunking and
 pipeline size starts from the same model: with the same seed, the loss of every iteration is
 the same whichever schedule runs it.
@@ -59,7 +62,12 @@ def parse_args(argv=None):
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--log-interval", type=int, default=1)
-    g.add_argument("--loss-log", default=None, metavar="FILE", help="write the loss of every iteration as JSON")
+    g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
+                   help="the process group's backend (Megatron-LM's flag; default: nccl when CUDA is present, "
+                        "else gloo). gloo with CUDA: rank r runs on GPU LOCAL_RANK %% device count, so every "
+                        "rank can share one GPU; needs --pipeline-schedule koala when PP > 1")
+    g.add_argument("--loss-log", default=None, metavar="FILE",
+                   help="write the loss and the time (ms) of every iteration as JSON")
     add_arguments(ap)
     args = ap.parse_args(argv)
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
@@ -184,16 +192,59 @@ def pipeline_layout(args, pp: int):
 
 
 # -- main ---------------------------------------------------------------------------------------
+def distributed_setup(backend_flag, cuda: bool, local_rank: int, local_world: int, device_count: int):
+    """The process group's backend and this rank's device. --distributed-backend (Megatron-LM's
+    flag), by default nccl when CUDA is present and gloo otherwise; on CUDA rank r uses GPU
+    LOCAL_RANK % device count, so with gloo every rank can share one GPU."""
+    from koala_ds.ir import KoalaError
+
+    backend = backend_flag or ("nccl" if cuda else "gloo")
+    if not cuda:
+        if backend == "nccl":
+            raise KoalaError("--distributed-backend nccl needs CUDA, which this machine lacks: "
+                             "use --distributed-backend gloo")
+        return backend, torch.device("cpu")
+    if backend == "nccl" and local_world > device_count:
+        raise KoalaError(f"--distributed-backend nccl needs one GPU per rank: {local_world} ranks on this node, "
+                         f"{device_count} GPU(s); use --distributed-backend gloo to share GPUs")
+    return backend, torch.device("cuda", local_rank % device_count)
+
+
+def check_pipeline_backend(koala: bool, pp: int, device: torch.device, backend: str) -> None:
+    """megatron-core's own pipeline schedules send the model's tensors with torch.distributed:
+    they need CUDA, and NCCL on it. The Koala runtime runs on CPU and stages CUDA tensors
+    through the CPU for gloo."""
+    from koala_ds.ir import KoalaError
+
+    if koala or pp == 1:
+        return
+    if device.type != "cuda":
+        raise KoalaError("megatron-core's own pipeline schedules need CUDA; on CPU use --pipeline-schedule koala")
+    if backend == "gloo":
+        raise KoalaError("megatron-core's own pipeline schedules cannot send CUDA tensors over gloo: with "
+                         "--distributed-backend gloo use --pipeline-schedule koala, or --distributed-backend nccl "
+                         "(one GPU per rank)")
+
+
+def make_config(args, tp: int, pp: int, v: int):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(pipeline_model_parallel_layout=args.pipeline_model_parallel_layout,
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        use_cpu_initialization=True, pipeline_dtype=torch.float32, params_dtype=torch.float32,
+        hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=v if v > 1 else None, bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False, deallocate_pipeline_outputs=True)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(world, 1)))
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=300))
+    backend, device = distributed_setup(args.distributed_backend, cuda, int(os.environ.get("LOCAL_RANK", 0)),
+                                        int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+                                        torch.cuda.device_count() if cuda else 0)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if world % (tp * pp):
         raise SystemExit(f"world size {world} is not a multiple of TP x PP = {tp * pp}")
@@ -204,18 +255,19 @@ def main(argv=None) -> int:
         raise SystemExit("--global-batch-size must be a multiple of --micro-batch-size x data-parallel size")
     layout = pipeline_layout(args, pp)
     v = layout.virtual_pipeline_model_parallel_size
-
     report = install(args)  # routes megatron's get_forward_backward_func to the Koala runtime
+    check_pipeline_backend(report.schedule is not None, pp, device, backend)
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(world, 1)))
+    dist.init_process_group(backend, timeout=timedelta(seconds=300))
     if rank == 0:
-        print(report, flush=True)
+        print(f"{report}; process group: {backend} on {device.type}", flush=True)
     from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func  # patched by install()
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     from koala_ds.megatron.cpu import prepare_cpu
 
-    if report.schedule is None and not cuda and pp > 1:
-        raise SystemExit("megatron-core's own pipeline schedules need CUDA; on CPU use --pipeline-schedule koala")
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  virtual_pipeline_model_parallel_size=v if v > 1 else None)
     prepare_cpu(seed=args.seed)
@@ -223,41 +275,58 @@ def main(argv=None) -> int:
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         model_parallel_cuda_manual_seed(args.seed)
-    pp_rank, dp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank()
+    pp_rank = ps.get_pipeline_model_parallel_rank()
     if report.schedule is not None:
-        schedule = resolve(report.schedule, pp, m, v)
-        stages = list(schedule.placement.stages_of(pp_rank))
+        stages = list(resolve(report.schedule, pp, m, v).placement.stages_of(pp_rank))
     else:  # megatron's own placement: chunk c of rank r is stage c * pp + r
         stages = [c * pp + pp_rank for c in range(v)]
-    config = TransformerConfig(pipeline_model_parallel_layout=args.pipeline_model_parallel_layout,
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        use_cpu_initialization=True, pipeline_dtype=torch.float32, params_dtype=torch.float32,
-        hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=v if v > 1 else None, bias_dropout_fusion=False,
-        gradient_accumulation_fusion=False, deallocate_pipeline_outputs=True)
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    chunks = build_model(args, config, stages, layout, device)
-    dp_group = ps.get_data_parallel_group()
+    chunks = build_model(args, make_config(args, tp, pp, v), stages, layout, device)
+    losses, times = train(args, chunks, m, v)
+    is_logger = pp_rank == pp - 1 and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    if is_logger and args.loss_log:
+        with open(args.loss_log, "w") as fh:
+            json.dump({"schedule": report.schedule or "default", "tp": tp, "pp": pp, "dp": dp, "v": v,
+                       "backend": dist.get_backend(), "device": device.type, "losses": losses,
+                       "iteration_ms": times}, fh)
+    dist.barrier()
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+    return 0
 
+
+def train(args, chunks, m: int, v: int) -> tuple[list, list]:
+    """The training loop; the last pipeline rank's per-iteration losses and times. A time is the
+    ms of forward_backward_func and the optimizer step on this rank (the synthetic data is drawn
+    before the clock starts; CUDA is synchronised before it stops)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func  # patched by install()
+
+    pp, dp = args.pipeline_model_parallel_size, args.data_parallel_size
+    pp_rank, dp_rank, dp_group = ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank(), \
+        ps.get_data_parallel_group()
     # data-parallel gradient reduction with plain all-reduce (Megatron's DDP needs CUDA)
     for chunk in chunks:  # the runtime reads the first chunk's config
         chunk.config.finalize_model_grads_func = data_parallel_finalize(dp_group, dp)
-    params = [q for c in chunks for q in c.parameters()]
-    optimizer = torch.optim.Adam(params, lr=args.lr)
+    optimizer = torch.optim.Adam([q for c in chunks for q in c.parameters()], lr=args.lr)
     corpus = MarkovCorpus(args.vocab_size, args.seed)
     forward_backward_func = get_forward_backward_func()
     is_logger = pp_rank == pp - 1 and ps.get_tensor_model_parallel_rank() == 0 and dp_rank == 0
-    losses_log = []
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    losses_log, times = [], []
     for it in range(args.train_iters):
         t0 = time.time()
         data = corpus.microbatches(it, dp_rank, dp, m, args.micro_batch_size, args.seq_length)
         iters = [iter(data) for _ in chunks]
         optimizer.zero_grad(set_to_none=True)
+        sync()
+        t1 = time.perf_counter()
         losses = forward_backward_func(
             forward_step_func=partial(forward_step_func, args.seq_length),
             data_iterator=iters if v > 1 else iters[0], model=chunks if v > 1 else chunks[0],
             num_microbatches=m, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size)
         optimizer.step()
+        sync()
+        times.append((time.perf_counter() - t1) * 1000)
         if pp_rank == pp - 1:
             loss = torch.stack([d["lm loss"] for d in losses]).mean()
             if dp > 1:
@@ -271,14 +340,7 @@ def main(argv=None) -> int:
                       f"learning rate: {args.lr:.6E} | global batch size: {args.global_batch_size:5d} | "
                       f"lm loss: {loss.item():.6E} | tokens per second: "
                       f"{args.global_batch_size * args.seq_length / ms * 1000:.1f} |", flush=True)
-    if is_logger and args.loss_log:
-        with open(args.loss_log, "w") as fh:
-            json.dump({"schedule": report.schedule or "default", "tp": tp, "pp": pp, "dp": dp, "v": v,
-                       "losses": losses_log}, fh)
-    dist.barrier()
-    ps.destroy_model_parallel()
-    dist.destroy_process_group()
-    return 0
+    return losses_log, times
 
 
 if __name__ == "__main__":
