@@ -35,6 +35,9 @@ Steps (default sizes; estimates are for the H200 machine, from the issue's timin
   d. `koala profile deepspeed --device cuda` of a 6-layer plain-torch GPT (hidden 2048, 16 heads,
      seq 1024, vocab 1024, -p 2) through benchmarks/gpu_models.py (~45 s) -> when it first printed,
      how long it took (before the fix it printed nothing within 100 s), and its profile.
+  e. (opt-in, `--steps e`; not a GPU step) `benchmarks/engine_speedup.py --real` at p = 4 and 8 on
+     the machine's 16 cores, one torch thread per rank (issue 13's real-compute target there; ~2.5 min
+     per p): run it in the time left after a-d.
 Total estimate ~5.5 min of the machine's time (plus its start), at most --budget.
 
 What the GPU machine needs: it has no network; torch is there, deepspeed and megatron-core are
@@ -95,14 +98,16 @@ SIZES = {
     "full": {"a": dict(layers=24, hidden=2048, heads=16, seq=2048, mbs=1, p=8, warmup=2, iters=10, threads=8),
              "b": dict(layers=8, hidden=2048, heads=16, seq=2048, p=4, vocab=1024, warmup=2, iters=8, threads=8),
              "c": dict(layers=8, hidden=1024, heads=16, seq=1024, mbs=1, gbs=8, iters=20, vocab=128),
-             "d": dict(layers=6, hidden=2048, heads=16, seq=1024, vocab=1024, p=2, warmup=2, iters=10, threads=8)},
+             "d": dict(layers=6, hidden=2048, heads=16, seq=1024, vocab=1024, p=2, warmup=2, iters=10, threads=8),
+             "e": dict(p=(4, 8), steps=10)},
     "small": {"a": dict(layers=4, hidden=64, heads=4, seq=32, mbs=1, p=2, warmup=1, iters=3, threads=1),
               "b": dict(layers=4, hidden=64, heads=4, seq=32, p=2, vocab=128, warmup=1, iters=3, threads=1),
               "c": dict(layers=4, hidden=32, heads=4, seq=16, mbs=1, gbs=4, iters=4, vocab=128),
-              "d": dict(layers=2, hidden=64, heads=4, seq=32, vocab=128, p=2, warmup=1, iters=3, threads=1)},
+              "d": dict(layers=2, hidden=64, heads=4, seq=32, vocab=128, p=2, warmup=1, iters=3, threads=1),
+              "e": dict(p=(2,), steps=3)},
 }
 #: (estimate, timeout) in seconds per run of each step on the GPU machine
-TIMES = {"a": (60, 200), "b": (75, 200), "c": (35, 110), "d": (45, 180)}
+TIMES = {"a": (60, 200), "b": (75, 200), "c": (35, 110), "d": (45, 180), "e": (150, 300)}
 
 
 @dataclass
@@ -295,7 +300,25 @@ def step_d(sz: dict, device: str, work: Path) -> Step:
     return Step("d", title, est, [Run("d", cmd, timeout, env)], report)
 
 
-STEP_BUILDERS = {"a": step_a, "b": step_b, "c": step_c, "d": step_d}
+def step_e(sz: dict, device: str, work: Path) -> Step:
+    """Not a GPU step: issue 13's real-compute check at p = 4 and 8 on the machine's 16 cores (one
+    torch thread per rank), opt-in (`--steps e`) when device time is left."""
+    runs = [Run(f"e_p{p}", [sys.executable, ROOT / "benchmarks/engine_speedup.py", "--real", "-p", p, "--steps",
+                            sz["e"]["steps"], "--out", work / f"e_p{p}"], TIMES["e"][1], {"DS_ACCELERATOR": "cpu"})
+            for p in sz["e"]["p"]]
+    title = f"e. benchmarks/engine_speedup.py --real on the CPU cores, p = {', '.join(map(str, sz['e']['p']))}"
+
+    def report(w: Path, results: list):
+        parts = [(w / f"e_p{p}" / "engine_speedup_real.md") for p in sz["e"]["p"]]
+        text = "\n\n".join(f.read_text() for f in parts if f.exists())
+        if not text:
+            raise ValueError("engine_speedup.py --real wrote no table")
+        return text, {}
+
+    return Step("e", title, TIMES["e"][0] * len(runs), runs, report)
+
+
+STEP_BUILDERS = {"a": step_a, "b": step_b, "c": step_c, "d": step_d, "e": step_e}
 
 
 # -- reports ------------------------------------------------------------------------------------
@@ -453,7 +476,8 @@ def parse_args(argv=None):
                     help="output folder (default $OUT when set, else gpu_check_out)")
     ap.add_argument("--small", action="store_true", help="tiny sizes (and --device cpu): try the script anywhere")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda; cpu with --small)")
-    ap.add_argument("--steps", default="a,b,c,d", help="which steps, e.g. a,c (default a,b,c,d)")
+    ap.add_argument("--steps", default="a,b,c,d", help="which steps, e.g. a,c (default a,b,c,d; e: the real-compute "
+                    "benchmark at p = 4 and 8 on the CPU cores, opt-in)")
     ap.add_argument("--budget", type=float, default=450.0, metavar="S",
                     help="the whole run stops within this many seconds (default 450)")
     a = ap.parse_args(argv)
@@ -461,7 +485,7 @@ def parse_args(argv=None):
     a.steps = [s.strip() for s in a.steps.split(",") if s.strip()]
     bad = [s for s in a.steps if s not in STEP_BUILDERS]
     if bad:
-        ap.error(f"--steps: unknown step(s) {', '.join(bad)}; choose from a, b, c, d")
+        ap.error(f"--steps: unknown step(s) {', '.join(bad)}; choose from a, b, c, d, e")
     return a
 
 
