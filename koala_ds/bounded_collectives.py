@@ -127,6 +127,12 @@ class WaitFailure:
         return self.error.splitlines()[0][:200] if self.error else ""
 
 
+@functools.lru_cache(maxsize=16)
+def _timedelta(seconds: float) -> timedelta:
+    """`timedelta(seconds=...)`, built once per timeout (the p2p layers wait once per message)."""
+    return timedelta(seconds=seconds)
+
+
 def wait_work(work, timeout_s: float, gloo: bool) -> WaitFailure | None:
     """Wait for `work` at most `timeout_s`: None when it completed, else how it failed.
 
@@ -136,7 +142,7 @@ def wait_work(work, timeout_s: float, gloo: bool) -> WaitFailure | None:
     if gloo:
         start = time.monotonic()
         try:
-            work.wait(timedelta(seconds=timeout_s))
+            work.wait(_timedelta(timeout_s))
         except RuntimeError as exc:
             return WaitFailure(str(exc) or type(exc).__name__, time.monotonic() - start, timeout_s)
         return None

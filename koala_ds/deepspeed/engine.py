@@ -48,7 +48,7 @@ from deepspeed.runtime.pipe.module import PipelineModule
 
 from .. import wgrad
 from ..bounded_collectives import WaitFailure, wait_work
-from ..channels import ChannelGroups, schedule_channels
+from ..channels import ChannelGroups, Link, schedule_channels
 from ..ir import KoalaError, Placement, Schedule
 from ..lowering import ACT, GRAD, Message
 from ..resolve import DEEPSPEED, ScheduleFitError, check_fit, load, load_profile, resolve
@@ -250,6 +250,45 @@ def _as_list(x) -> list:
     return [x] if torch.is_tensor(x) else list(x)
 
 
+class _CommLink:
+    """Send to / receive from one peer through deepspeed.comm (what `Link` does on torch.distributed)."""
+
+    __slots__ = ("group", "peer")
+
+    def __init__(self, group, peer: int) -> None:
+        self.group, self.peer = group, peer
+
+    def isend(self, tensor, tag: int):
+        return dist.isend(tensor, self.peer, group=self.group, tag=tag)
+
+    def irecv(self, tensor, tag: int):
+        return dist.irecv(tensor, src=self.peer, group=self.group, tag=tag)
+
+
+class _ParamGradStep:
+    """Around a step that accumulates weight gradients (B, I or W): DeepSpeedEngine's backward
+    flag and the bf16 optimizer's gradient hand-over. A plain context manager (entered once per
+    backward step; a generator-based one costs several times more)."""
+
+    __slots__ = ("engine",)
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def __enter__(self) -> None:
+        engine = self.engine
+        if engine.using_bf16_optimizer:
+            engine.optimizer.clear_lp_grads()
+        engine._set_running_backward(True)
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        engine = self.engine
+        engine._set_running_backward(False)
+        if exc_type is None and engine.using_bf16_optimizer and \
+                not engine._config.bfloat16_config.immediate_grad_update:
+            engine.optimizer.update_hp_grads(clear_lp_grads=False)
+
+
 class KoalaPipelineEngine(PipelineEngine):
     """A `PipelineEngine` that runs a Koala schedule (see the module docstring).
 
@@ -316,6 +355,8 @@ class KoalaPipelineEngine(PipelineEngine):
         # to / receive from it on: the default group on gloo, one group per direction elsewhere
         self._pipe_global = [self.grid.stage_to_global(stage_id=r) for r in range(placement.p)]
         self._send_groups, self._recv_groups = self._channel_groups(schedule, placement.p, kcfg.timeout_s)
+        self._link_sets: dict[bool, list] = {}  # see _p2p_links
+        self._param_grad = _ParamGradStep(self)
         self._first_stage = 0
         self._last_stage = placement.num_stages - 1
         # split backward: the layers' weight-gradient GEMMs are queued by I and run by W (koala_ds.wgrad)
@@ -414,7 +455,16 @@ class KoalaPipelineEngine(PipelineEngine):
         self._w_state: dict[tuple[int, int], WeightGradQueue] = {}
         self._batches: list[list | None] = []  # per microbatch pulled: [batch, uses left], None once used up
         self._pending_sends: list[tuple[Any, Any, str]] = []
-        self._p2p = self._p2p_backend()
+        self._links = self._p2p_links(self._p2p_backend() is torch.distributed)
+
+    def _p2p_links(self, direct: bool) -> list:
+        """Per pipeline rank: (the link to send to it on, the link to receive from it on), on
+        torch.distributed's process groups directly (`direct`) or through deepspeed.comm; built once."""
+        if direct not in self._link_sets:
+            kind = Link if direct else _CommLink
+            self._link_sets[direct] = [(kind(self._send_groups[r], g), kind(self._recv_groups[r], g))
+                                       for r, g in enumerate(self._pipe_global)]
+        return self._link_sets[direct]
 
     def _program(self, pipe_schedule) -> tuple:
         """The instructions of `pipe_schedule` as (handler, positional arguments) pairs, built once
@@ -515,9 +565,10 @@ class KoalaPipelineEngine(PipelineEngine):
             ds_comm.cdb = inner
 
     def _p2p_backend(self):
-        """What `_isend` / `_recv` call: `torch.distributed` itself when `deepspeed.comm` would only
-        forward to it (its torch backend, comms logger off, no CPU staging of MPS tensors), which
-        saves deepspeed.comm's per-call wrappers; `deepspeed.comm` otherwise."""
+        """What `_isend` / `_recv` call: `torch.distributed`'s process groups directly
+        (`koala_ds.channels.Link`) when `deepspeed.comm` would only forward to torch.distributed
+        (its torch backend, comms logger off, no CPU staging of MPS tensors), which saves
+        deepspeed.comm's and torch.distributed's per-call wrappers; `deepspeed.comm` otherwise."""
         from deepspeed.comm import comm as ds_comm
         from deepspeed.comm.torch import TorchBackend
 
@@ -528,11 +579,11 @@ class KoalaPipelineEngine(PipelineEngine):
     def _isend(self, tensor, peer: int, tag: int, what) -> None:
         """Send to pipeline rank `peer` without waiting (WaitSends waits)."""
         tensor = tensor.detach().contiguous()
-        work = self._p2p.isend(tensor, self._pipe_global[peer], group=self._send_groups[peer], tag=tag)
+        work = self._links[peer][0].isend(tensor, tag)
         self._pending_sends.append((work, tensor, what))
 
     def _irecv(self, tensor, peer: int, tag: int):
-        return self._p2p.irecv(tensor, src=self._pipe_global[peer], group=self._recv_groups[peer], tag=tag)
+        return self._links[peer][1].irecv(tensor, tag)
 
     def _exec_wait_sends(self):
         for work, _tensor, what in self._pending_sends:
@@ -579,7 +630,9 @@ class KoalaPipelineEngine(PipelineEngine):
         """Wait for the posted receives of `message`: (its tensors, whether it is one tensor)."""
         tensors, works, is_tensor, src = self._inbox.pop(message)
         for work in works:
-            self._wait(work, lambda: f"receive {message.describe()} from rank {self._pipe_global[src]}")
+            failure = wait_work(work, self._koala_timeout_s, self._koala_gloo)
+            if failure is not None:
+                raise self._wait_failed(f"receive {message.describe()} from rank {self._pipe_global[src]}", failure)
         return tensors, is_tensor
 
     def _exec_recv_activations(self, buffer_id, stage, microbatch, message, peer):
@@ -711,23 +764,10 @@ class KoalaPipelineEngine(PipelineEngine):
         self.pipe_buffers["outputs"][buffer_id] = None
         return outputs, list(grads)
 
-    @contextmanager
-    def _param_grad_step(self):
-        """Around a step that accumulates weight gradients (B or W)."""
-        if self.using_bf16_optimizer:
-            self.optimizer.clear_lp_grads()
-        self._set_running_backward(True)
-        try:
-            yield
-        finally:
-            self._set_running_backward(False)
-        if self.using_bf16_optimizer and not self._config.bfloat16_config.immediate_grad_update:
-            self.optimizer.update_hp_grads(clear_lp_grads=False)
-
     def _exec_backward_pass(self, buffer_id, stage, microbatch, message):
         tensors, grads = self._backward_targets(buffer_id, stage, microbatch, message)
         self._activate(stage)
-        with self._param_grad_step():
+        with self._param_grad:
             torch.autograd.backward(tensors, grad_tensors=grads)
         if self._wgrad is not None:
             self._wgrad.full_step_done()
@@ -737,7 +777,7 @@ class KoalaPipelineEngine(PipelineEngine):
         """I: the full backward with the layers' weight-gradient GEMMs queued for W."""
         tensors, grads = self._backward_targets(buffer_id, stage, microbatch, message)
         self._activate(stage)
-        with self._param_grad_step(), self._wgrad.input_step() as queue:
+        with self._param_grad, self._wgrad.input_step() as queue:
             torch.autograd.backward(tensors, grad_tensors=grads)
         self._w_state[(stage, microbatch)] = queue
         self._hand_over_grads(buffer_id, stage, microbatch)
@@ -745,7 +785,7 @@ class KoalaPipelineEngine(PipelineEngine):
     def _exec_backward_weight_pass(self, stage, microbatch):
         queue = self._w_state.pop((stage, microbatch))
         self._activate(stage)
-        with self._param_grad_step():
+        with self._param_grad:
             queue.run()
 
     _INSTRUCTION_MAP = {

@@ -51,21 +51,21 @@ class P2P:
         self.gloo = gloo
         self._posted: dict[Message, tuple[torch.Tensor, object, int]] = {}
         self.pending_sends: list[tuple[Message, int, object, torch.Tensor]] = []
-        if channels is not None:  # per peer: (global rank, group to receive on, group to send on)
-            ranks = range(len(channels.pp_ranks))
-            self._peers = [(channels.global_rank(q), channels.group(q, rank), channels.group(rank, q)) for q in ranks]
+        if channels is not None:  # per peer: (the link to receive on, the link to send on)
+            self._peers = channels.links(rank)
 
     # -- receiving -----------------------------------------------------------------------
     def post(self, msg: Message, peer: int) -> None:
         """Post the receive of `msg` from pipeline rank `peer` (the stream's RECV step)."""
         buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        src, group, _ = self._peers[peer]
-        self._posted[msg] = (buf, dist.irecv(buf, src=src, group=group, tag=0), peer)
+        self._posted[msg] = (buf, self._peers[peer][0].irecv(buf), peer)
 
     def recv(self, msg: Message) -> torch.Tensor:
         """Wait for the posted receive of `msg`; its tensor."""
         buf, work, peer = self._posted.pop(msg)
-        self._wait(work, "receive", msg, peer)
+        failure = wait_work(work, self.timeout_s, self.gloo)
+        if failure is not None:
+            raise self._failed("receive", msg, peer, failure)
         return buf
 
     # -- sending -------------------------------------------------------------------------
@@ -75,8 +75,7 @@ class P2P:
         tensor = tensor.detach()
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
-        peer, _, group = self._peers[dst]
-        self.pending_sends.append((msg, dst, dist.isend(tensor, dst=peer, group=group, tag=0), tensor))
+        self.pending_sends.append((msg, dst, self._peers[dst][1].isend(tensor), tensor))
 
     def reap(self) -> list[Message]:
         """Forget sends that have completed; returns their messages."""
@@ -129,9 +128,12 @@ class P2P:
             return
         failure = wait_work(work, self.timeout_s, self.gloo)
         if failure is not None:
-            if msg is not None:
-                what = f"{what} {msg.describe()} {'from' if what == 'receive' else 'to'} pipeline rank {peer}"
-            raise wait_failed(f"koala p2p: pipeline rank {self.rank}", what, failure, self.timeout_source)
+            raise self._failed(what, msg, peer, failure)
+
+    def _failed(self, what: str, msg: Message | None, peer: int, failure: WaitFailure) -> P2PTimeoutError:
+        if msg is not None:
+            what = f"{what} {msg.describe()} {'from' if what == 'receive' else 'to'} pipeline rank {peer}"
+        return wait_failed(f"koala p2p: pipeline rank {self.rank}", what, failure, self.timeout_source)
 
 
 def wait_failed(who: str, what: str, failure: WaitFailure, source: str) -> P2PTimeoutError:

@@ -362,6 +362,8 @@ class _StepRunner:
         self.forwards_done = [0] * self.v
         self.total_num_tokens = torch.zeros([], dtype=torch.int)
         self.dealloc = bool(config.deallocate_pipeline_outputs) and not forward_only
+        # received tensors are on the p2p layer's device: moved to the model's only when it differs
+        self.move_received = self.comm.device != self.model_device
         # grad sync (DDP no_sync / grad_sync_func), as megatron-core's interleaved schedule
         nsf = config.no_sync_func
         if isinstance(nsf, list):
@@ -420,8 +422,10 @@ class _StepRunner:
     def _send(self, msg: Message, peer: int) -> None:
         comm = self.comm
         if comm.pending_sends:  # forget completed sends (their tensors), free sent outputs
-            for done in comm.reap():
-                self._maybe_deallocate(done)
+            done = comm.reap()
+            if self.dealloc:
+                for sent in done:
+                    self._maybe_deallocate(sent)
         tensor, self.last_out = self.last_out, None
         comm.send(msg, peer, tensor)
 
@@ -444,30 +448,31 @@ class _StepRunner:
         if msg is None:
             return local.pop(key)
         tensor = self.comm.recv(msg)
-        return tensor if tensor.device == self.model_device else tensor.to(self.model_device)
+        return tensor.to(self.model_device) if self.move_received else tensor
 
     def _forward(self, s: int, mb: int, info: _StageInfo, in_msg: Message | None) -> None:
-        chunk = info.chunk
+        chunk, forward_only, mcs = info.chunk, self.forward_only, self.mcs
         input_tensor = None if info.prev is None else self._incoming(self.local_acts, (s, mb), in_msg)
         if in_msg is not None:
-            input_tensor.requires_grad_(not self.forward_only)
-        if self.param_sync_funcs is not None and self.v > 1 and self.forwards_done[chunk] == 0 \
-                and not self.forward_only:
+            input_tensor.requires_grad_(not forward_only)
+        first = self.forwards_done[chunk] == 0
+        if first and self.param_sync_funcs is not None and self.v > 1 and not forward_only:
             self.param_sync_funcs[chunk](self.models[chunk].parameters())
         it = self.iterators[chunk]
         if isinstance(it, _ReorderingIterator):
             it.current = mb
         is_last = info.is_last
         store: list = []
-        first = self.forwards_done[chunk] == 0
-        output_tensor, num_tokens = self.mcs.forward_step(
+        output_tensor, num_tokens = mcs.forward_step(
             self.forward_step_func, it, self.models[chunk], self.num_microbatches, input_tensor, store, self.config,
             self.cp_size, self.collect_non_loss_data, None,
-            is_first_microbatch=self.mcs.check_first_val_step(self.first_val_step, self.forward_only, first),
+            is_first_microbatch=mcs.check_first_val_step(self.first_val_step, forward_only, first),
             current_microbatch=mb, vp_stage=chunk if self.v > 1 else None, is_last_stage=is_last)
         self.forwards_done[chunk] += 1
         if isinstance(num_tokens, torch.Tensor):
-            self.total_num_tokens = self.total_num_tokens.to(num_tokens.device) + num_tokens
+            total = self.total_num_tokens
+            self.total_num_tokens = (total if total.device == num_tokens.device else total.to(num_tokens.device)) \
+                + num_tokens
         if is_last:
             self.loss_slots[mb] = store
         nxt = info.next
@@ -476,12 +481,13 @@ class _StepRunner:
                 passed = output_tensor.detach()
                 if self.dealloc:
                     passed = passed.clone()
-                self.local_acts[(nxt, mb)] = passed.requires_grad_(not self.forward_only)
+                self.local_acts[(nxt, mb)] = passed.requires_grad_(not forward_only)
             else:
                 self.last_out = output_tensor  # the SEND step that follows sends it
-        if not self.forward_only:
-            self.inputs[(s, mb)] = input_tensor
-            self.outputs[(s, mb)] = output_tensor
+        if not forward_only:
+            key = (s, mb)
+            self.inputs[key] = input_tensor
+            self.outputs[key] = output_tensor
             if self.dealloc and (nxt is None or info.next_rank == self.rank):
                 self._deallocate(s, mb)
 
@@ -521,12 +527,13 @@ class _StepRunner:
 
     def _backward(self, s: int, mb: int, info: _StageInfo, grad_msg: Message | None):
         """megatron-core's backward_step for (s, mb); returns the input gradient."""
-        output_grad = None if info.next is None else self._incoming(self.local_grads, (s, mb), grad_msg)
-        self._ensure_deallocated(s, mb)
-        input_tensor = self.inputs.pop((s, mb))
-        output_tensor = self.outputs.pop((s, mb))
-        self.deallocated.discard((s, mb))
-        return self.mcs.backward_step(input_tensor, output_tensor, output_grad, self.model_type, self.config)
+        key = (s, mb)
+        output_grad = None if info.next is None else self._incoming(self.local_grads, key, grad_msg)
+        if self.dealloc:
+            self._ensure_deallocated(s, mb)
+            self.deallocated.discard(key)
+        return self.mcs.backward_step(self.inputs.pop(key), self.outputs.pop(key), output_grad, self.model_type,
+                                      self.config)
 
     def _backward_input(self, s: int, mb: int, info: _StageInfo, grad_msg: Message | None) -> None:
         """I: megatron-core's backward_step with the weight-gradient GEMMs queued for W."""
