@@ -303,8 +303,10 @@ def main(argv=None) -> int:
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every F/I/W time (default 1)")
     ap.add_argument("--out", default=str(RESULTS), help="results folder (default benchmarks/results)")
     ap.add_argument("--overhead-only", action="store_true",
-                    help="only the calibration runs (1f1b, m = 2p): the runtime's CPU per action at zero compute "
-                         "and its overhead per action; no schedule rows, no search, nothing written")
+                    help="only the calibration runs (1f1b, m = 2p) and 1f1b at zero compute with m = 8p: the runtime's "
+                         "CPU per action at zero compute (per step / actions, and as the slope between the two "
+                         "lengths, next to torch's and gloo's own CPU per action) and its overhead per action; no "
+                         "schedule rows, no search, nothing written")
     args = ap.parse_args(argv)
     if args.steps is None:
         args.steps = 10 if args.quick else 20 if args.real else 30
@@ -338,7 +340,7 @@ def main(argv=None) -> int:
     say(f"measured p2p latency (gloo ping-pong, one way, 64-byte message): {latency:.3f} ms; "
         f"CPU {p2p.cpu_ms_per_message:.3f} ms per message sent or received, per rank")
     if args.overhead_only:
-        return overhead_only(engines, ps, latency, args.steps, say)
+        return overhead_only(engines, ps, latency, args.steps, say, p2p.cpu_ms_per_message)
     rows = []
     for p in ps:
         m = 2 * p
@@ -401,19 +403,39 @@ def main(argv=None) -> int:
     return 0
 
 
-def overhead_only(engines: list[str], ps: list[int], latency: float, steps: int, say) -> int:
-    """--overhead-only: per engine and p, the calibration runs alone (see the module docstring)."""
+def overhead_only(engines: list[str], ps: list[int], latency: float, steps: int, say, msg_cpu_ms: float) -> int:
+    """--overhead-only: per engine and p, the calibration runs alone (see the module docstring), plus
+    1f1b at zero compute with 4 times as many microbatches: the CPU per action is also printed as
+    the slope between the two lengths (the per-step costs, such as DeepSpeed's gradient all-reduce
+    and optimizer step, cancel out), next to what torch and gloo alone cost per action here."""
     from engine_runs import cpu_ms_per_step, step_times_ms
 
+    from koala_ds.profiler.emulate import autograd_cpu_ms
+
+    pair = autograd_cpu_ms()
+    say(f"floors on this machine: torch autograd, forward + backward of a zero-cost emulated stage: {pair:.3f} ms "
+        f"CPU per F + B pair ({pair / 2:.3f} per action); gloo: {msg_cpu_ms:.3f} ms CPU per message end "
+        f"(sent or received)")
     for p in ps:
         cal_jobs, calib, one, zero = calibration_jobs(p, 2 * p, latency)
+        long = load_schedule("1f1b", p, 8 * p, 1)
+        jobs = cal_jobs + [{"key": "calibration 0 ms, 4m", "schedule": long.to_dict(), "costs": costs_of(zero, long)}]
         for engine in engines:
-            res = run_engine(engine, p, {"calibration": cal_jobs, "warmup": 2, "steps": steps}, timeout_s=1800)
+            res = run_engine(engine, p, {"calibration": jobs, "warmup": 2, "steps": steps}, timeout_s=1800)
             oh = overheads(calib, one, zero, step_times_ms(res, 2)[:len(cal_jobs)])
-            cpu = cpu_ms_per_step(res, 2)[len(cal_jobs) - 1] / calib.num_actions
+            cpu_steps = cpu_ms_per_step(res, 2)
+            cpu = cpu_steps[len(cal_jobs) - 1] / calib.num_actions
+            slope = (cpu_steps[-1] - cpu_steps[len(cal_jobs) - 1]) / (long.num_actions - calib.num_actions)
+            ends = 2 * (p - 1) / p  # message ends per action: each microbatch crosses p - 1 links twice
+            floor = pair / 2 + ends * msg_cpu_ms
             say(f"{engine} p={p}: CPU time of the runtime at zero compute: {cpu:.3f} ms per action (all ranks' "
-                f"processes, {os.cpu_count()} cores); overhead {oh['action']:.3f} ms per action + "
-                f"{oh['step']:.2f} ms per step (1 ms ops), {oh['zero']:.3f} ms per action at zero compute")
+                f"processes, {os.cpu_count()} cores; CPU per step / actions at m={2 * p}); {slope:.3f} ms per action "
+                f"as the slope between m={2 * p} and m={8 * p} (per-step costs cancel); of which torch + gloo alone "
+                f"{floor:.3f} (autograd {pair / 2:.3f} + gloo {ends:.2f} message ends x {msg_cpu_ms:.3f}), the rest "
+                f"{slope - floor:.3f} is the engine's own Python (koala's and its engine's wrappers)"
+                f"{' (below 0: the ping-pong ran under other load than the engine)' if slope < floor else ''}; overhead "
+                f"{oh['action']:.3f} ms per action + {oh['step']:.2f} ms per step (1 ms ops), {oh['zero']:.3f} ms per "
+                f"action at zero compute")
     return 0
 
 

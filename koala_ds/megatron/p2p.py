@@ -49,6 +49,7 @@ class P2P:
         self.timeout_source = timeout_source  # the setting timeout_s came from, for messages
         self.device = device
         self.gloo = gloo
+        self._proto = torch.empty(0, dtype=dtype, device=device)
         self._posted: dict[Message, tuple[torch.Tensor, object, int]] = {}
         self.pending_sends: list[tuple[Message, int, object, torch.Tensor]] = []
         if channels is not None:  # per peer: (the link to receive on, the link to send on)
@@ -57,7 +58,7 @@ class P2P:
     # -- receiving -----------------------------------------------------------------------
     def post(self, msg: Message, peer: int) -> None:
         """Post the receive of `msg` from pipeline rank `peer` (the stream's RECV step)."""
-        buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        buf = self._proto.new_empty(self.shape)  # dtype and device of the prototype, no argument parsing
         self._posted[msg] = (buf, self._peers[peer][0].irecv(buf), peer)
 
     def recv(self, msg: Message) -> torch.Tensor:

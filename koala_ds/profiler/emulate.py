@@ -128,3 +128,18 @@ class EmulatedStage(torch.nn.Module):
 def emulated_stages(profile, hidden: int = 8) -> list[EmulatedStage]:
     """One `EmulatedStage` per stage of a `koala_ds.sim.CostProfile`."""
     return [EmulatedStage(s.forward, s.backward_input, s.backward_weight, hidden) for s in profile.stages]
+
+
+def autograd_cpu_ms(hidden: int = 8, seq: int = 2, iters: int = 300, warmup: int = 20) -> float:
+    """CPU time (ms, this thread) of one forward + full backward of a zero-cost `EmulatedStage`
+    through torch autograd, the activation [seq, 1, hidden]: what torch alone costs per F + B
+    pair of the emulated runs, before any engine code (the floor of an engine's CPU per pair)."""
+    stage = EmulatedStage(0.0, 0.0, 0.0, hidden)
+    x = torch.zeros(seq, 1, hidden)
+    grad = torch.ones(seq, 1, hidden)
+    for k in range(warmup + iters):
+        if k == warmup:
+            start = time.thread_time()
+        inp = x.detach().requires_grad_()
+        torch.autograd.backward([stage(inp)], grad_tensors=[grad])
+    return (time.thread_time() - start) * 1000.0 / iters
