@@ -721,7 +721,8 @@ class KoalaPipelineEngine(PipelineEngine):
         inputs = buffers["inputs"][buffer_id]
         self._activate(stage)
         outputs = DeepSpeedEngine.forward(self, inputs)
-        if not self.module.training:
+        module = self.module  # a submodule: nn.Module.__getattr__ on every lookup
+        if not module.training:
             ds_checkpointing.reset()
         if stage != self._last_stage:
             buffers["outputs"][buffer_id] = outputs
@@ -731,24 +732,26 @@ class KoalaPipelineEngine(PipelineEngine):
                 if not torch.is_grad_enabled():
                     buffers["outputs"][buffer_id] = None
         else:
-            if self._compute_loss and self.module.loss_fn is not None:
-                loss = self.module.loss_fn(outputs, self.pipe_buffers["labels"][buffer_id])
+            if self._compute_loss and module.loss_fn is not None:
+                loss = module.loss_fn(outputs, buffers["labels"][buffer_id])
             else:
                 loss = outputs
-            self.pipe_buffers["labels"][buffer_id] = None
+            buffers["labels"][buffer_id] = None
             if self.eval_return_logits:
                 self.outputs = outputs
             detached = loss.detach() if torch.is_tensor(loss) else [x.detach() for x in loss]
             self.fwd_outputs.append(detached)
+            total = self.total_loss
             if torch.is_tensor(loss):
-                self.total_loss = detached.clone() if self.total_loss is None else self.total_loss + detached
+                total = detached.clone() if total is None else total + detached
             else:
-                self.total_loss = [d.clone() for d in detached] if self.total_loss is None else \
-                    [a + d for a, d in zip(self.total_loss, detached)]
+                total = [d.clone() for d in detached] if total is None else [a + d for a, d in zip(total, detached)]
+            # a tensor or a list, never a parameter, buffer or module: skip nn.Module.__setattr__'s checks
+            object.__setattr__(self, "total_loss", total)
             if torch.is_grad_enabled():
-                self.pipe_buffers["losses"][buffer_id] = loss
+                buffers["losses"][buffer_id] = loss
         if not torch.is_grad_enabled():
-            self.pipe_buffers["inputs"][buffer_id] = None
+            buffers["inputs"][buffer_id] = None
 
     def _backward_targets(self, buffer_id: int, stage: int, microbatch: int, message):
         """(tensors to differentiate, their gradients or None) for the stage's backward; the
