@@ -281,7 +281,7 @@ class _ParamGradStep:
             engine.optimizer.clear_lp_grads()
         engine._set_running_backward(True)
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(self, exc_type, *_exc_info) -> None:
         engine = self.engine
         engine._set_running_backward(False)
         if exc_type is None and engine.using_bf16_optimizer and \
