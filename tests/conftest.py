@@ -11,6 +11,7 @@ those tests fail at once with its one-line reason; the other tests still run.
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -59,3 +60,42 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+def _destroy_process_groups() -> None:
+    """megatron-core's parallel state (when imported) and torch.distributed's default group."""
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is not None:
+        ps.destroy_model_parallel()
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _group_initialised() -> bool:
+    dist = sys.modules.get("torch.distributed")  # never imports torch for a test that did not
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind(request):
+    """A test that initialises torch.distributed in this process must destroy its group: every
+    later test in the process (an xdist worker runs hundreds) would see it, e.g.
+    koala_ds.errors.process_rank takes the rank from it instead of $RANK. A test that leaves
+    one fails here, and the group is destroyed so that the tests after it still run clean."""
+    before = _group_initialised()
+    yield
+    if not before and _group_initialised():
+        _destroy_process_groups()
+        pytest.fail(f"{request.node.nodeid} left a torch.distributed process group initialised: destroy it "
+                    f"(tests/conftest.py's single_process_megatron fixture does for megatron-core)", pytrace=False)
+
+
+@pytest.fixture
+def single_process_megatron():
+    """For a test that builds megatron-core modules in this process (koala_ds.profiler.models
+    sets up megatron-core's parallel state on a one-rank gloo group): the state and the group
+    are destroyed after the test."""
+    pytest.importorskip("megatron.core")
+    yield
+    _destroy_process_groups()

@@ -1,6 +1,8 @@
 """The exact CP-SAT solver against the simulator and the GA (small cases)."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 pytest.importorskip("ortools")
@@ -75,19 +77,29 @@ def _in_order(schedule) -> bool:
     return True
 
 
-@pytest.mark.parametrize("style", ["vshape", "interleaved"])
-def test_microbatch_order_loses_nothing_and_the_bound_holds(style):
-    # two chunks per rank under a tight limit: the cross-chunk memory terms of the bound apply.
-    # The default model runs every stage's ops in microbatch order (relabelling argument in
-    # koala_ds/search/exact.py); the model with free orders proves the same optimum.
+@functools.lru_cache(maxsize=None)
+def _two_chunks_tight(style: str):
+    """p=2, m=4, v=2 under 0.6 x 1F1B's peak: the problem, the GA's result (30 generations,
+    seed 0) and CP-SAT's in-order optimum from its hint. Computed once per module: two tests
+    ask for the same vshape case (results are only read)."""
     from koala_ds.search import one_f_one_b_peak
     profile = _profile(4)
     limit = 0.6 * one_f_one_b_peak(profile, 2, 4, 2)
     problem = SearchProblem(profile, 2, 4, 2, "split", limit, placement=style)
     part = problem.parts[0]
     ga = search(problem, time_budget=None, generations=30, seed=0)
-    free = solve_exact(problem, part, hint=ga.best_for(part.placement), time_limit=60, workers=2, in_order=False)
     ordered = solve_exact(problem, part, hint=ga.best_for(part.placement), time_limit=60, workers=2)
+    return problem, ga, ordered
+
+
+@pytest.mark.parametrize("style", ["vshape", "interleaved"])
+def test_microbatch_order_loses_nothing_and_the_bound_holds(style):
+    # two chunks per rank under a tight limit: the cross-chunk memory terms of the bound apply.
+    # The default model runs every stage's ops in microbatch order (relabelling argument in
+    # koala_ds/search/exact.py); the model with free orders proves the same optimum.
+    problem, ga, ordered = _two_chunks_tight(style)
+    part = problem.parts[0]
+    free = solve_exact(problem, part, hint=ga.best_for(part.placement), time_limit=60, workers=2, in_order=False)
     assert free.status == "optimal" and ordered.status == "optimal"
     assert ordered.objective == pytest.approx(free.objective, abs=1e-9)
     assert part.lower_bound <= free.objective + 1e-9
@@ -100,13 +112,10 @@ def test_microbatch_order_loses_nothing_and_the_bound_holds(style):
 def test_relaxed_bound_adds_ranks_until_its_optimum_is_a_schedule():
     # V-shape, tight memory: the search's bound is well below the optimum; the relaxation with
     # one rank kept one-action-at-a-time is not yet a schedule, with both it is the optimum
-    from koala_ds.search import one_f_one_b_peak
     from koala_ds.search.exact import relaxed_bound
-    profile = _profile(4)
-    problem = SearchProblem(profile, 2, 4, 2, "split", 0.6 * one_f_one_b_peak(profile, 2, 4, 2), placement="vshape")
+    problem, ga, exact = _two_chunks_tight("vshape")
     part = problem.parts[0]
-    hint = search(problem, time_budget=None, generations=30, seed=0).best_for(part.placement)
-    exact = solve_exact(problem, part, hint=hint, time_limit=60, workers=2)
+    hint = ga.best_for(part.placement)
     rb = relaxed_bound(problem, part, hint=hint, time_limit=60, workers=1)  # one worker: the same ranks every run
     assert exact.status == "optimal"
     assert rb.optimal and rb.machines == (0, 1)

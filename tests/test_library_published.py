@@ -184,10 +184,9 @@ def v_reference(kind: str, p: int, m: int) -> list[list[tuple[str, int, int]]]:
         return out if split else out[:5]
 
     def peak(times):
-        ev = events(times)
-        busy = {t: k for t, k, _ in ev}
+        busy = {t: k for k, ts in enumerate(times) for t in ts}  # as events(): at one slot the last kind wins
         cur = top = pend = 0
-        for s in range(ev[-1][0] + 1):
+        for s in range(max(busy) + 1):
             k = busy.get(s)
             if k is None:
                 if len(times) == 4 and pend:

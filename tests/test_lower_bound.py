@@ -16,18 +16,29 @@ from koala_ds.sim import CostProfile, StageCost, lower_bound, lower_bound_for, r
 TOL = 1e-9  # floating-point rounding: the bound and the makespan add the same numbers in different orders
 
 time_ = st.floats(0.0, 4.0, allow_nan=False).map(lambda x: round(x, 3))
+# Strategies are built once here, not inside the composites on every example: Hypothesis
+# validates and labels each new strategy object, which cost more than the test's own work.
+_activation = st.floats(0.0, 100.0, allow_nan=False)
+_fraction = st.floats(0.0, 1.0)
+# the profile's full backward B: absent (I + W), or measured: an absolute time, or a factor of I + W
+_full_backward = st.one_of(st.none(), time_.map(lambda t: (t, None)), st.floats(0.3, 1.3).map(lambda f: (None, f)))
 
 
 @st.composite
-def profiles(draw, n: int):
+def _profiles(draw, n: int):
     stages = []
     for _ in range(n):
-        act = draw(st.floats(0.0, 100.0, allow_nan=False))
+        act = draw(_activation)
         i, w = draw(time_), draw(time_)
-        # the profile's full backward B: absent (I + W), or measured: below I, between, above I + W
-        b = draw(st.one_of(st.none(), time_, st.floats(0.3, 1.3).map(lambda f: round(f * (i + w), 3))))
-        stages.append(StageCost(draw(time_), i, w, act, act * draw(st.floats(0.0, 1.0)), b))
+        # B absent, or measured: below I, between, above I + W
+        b = draw(_full_backward)
+        if b is not None:
+            b = b[0] if b[1] is None else round(b[1] * (i + w), 3)
+        stages.append(StageCost(draw(time_), i, w, act, act * draw(_fraction), b))
     return CostProfile(tuple(stages), draw(time_) / 4)
+
+
+profiles = functools.lru_cache(maxsize=None)(_profiles)  # one strategy object per n
 
 
 def assert_not_beaten(schedule, profile, memory_limit=None):
@@ -44,16 +55,21 @@ def assert_not_beaten(schedule, profile, memory_limit=None):
     return bound
 
 
+_styles = st.sampled_from(["linear", "interleaved", "vshape", "bidirectional"])
+_backwards = st.sampled_from(["full", "split"])
+_split_probabilities = st.sampled_from([0.0, 0.5, 1.0])
+_seeds = st.integers(0, 2 ** 31)
+
+
 @st.composite
 def random_cases(draw):
-    style = draw(st.sampled_from(["linear", "interleaved", "vshape", "bidirectional"]))
+    style = draw(_styles)
     p = draw(st.integers(1, 4))
     v = 1 if style in ("linear", "bidirectional") else draw(st.integers(1, 3))
     placement = Placement.named(style, p, v)
     m = draw(st.integers(1, 7))
-    backward = draw(st.sampled_from(["full", "split"]))
-    schedule = random_schedule(placement, m, backward, seed=draw(st.integers(0, 2 ** 31)),
-                               split_probability=draw(st.sampled_from([0.0, 0.5, 1.0])))
+    backward = draw(_backwards)
+    schedule = random_schedule(placement, m, backward, seed=draw(_seeds), split_probability=draw(_split_probabilities))
     return schedule, draw(profiles(placement.num_stages))
 
 

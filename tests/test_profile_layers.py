@@ -46,7 +46,7 @@ def loosely_equal(a: float, b: float) -> bool:
     return b / 2.5 <= a <= b * 2.5
 
 
-def test_megatron_gpt_layers_sum_to_the_stage_profile():
+def test_megatron_gpt_layers_sum_to_the_stage_profile(single_process_megatron):
     pytest.importorskip("megatron.core")
     from koala_ds.profiler.models import megatron_gpt_stages, profile_megatron_gpt, profile_megatron_gpt_layers
 

@@ -213,7 +213,7 @@ def _megatron_linear(fusion: bool, monkeypatch):
 
 
 @pytest.mark.parametrize("fusion", [False, True])
-def test_megatron_linear_split_keeps_main_grad_semantics(fusion, monkeypatch):
+def test_megatron_linear_split_keeps_main_grad_semantics(fusion, monkeypatch, single_process_megatron):
     lin = _megatron_linear(fusion, monkeypatch)
     xs = [torch.randn(5, 2, 8) for _ in range(3)]
     gs = [torch.randn(5, 2, 16) for _ in range(3)]

@@ -169,7 +169,7 @@ def test_prepare_keeps_the_first_bound_and_refuses_another():
         wgrad.prepare(mod, max_hold=None)
 
 
-def test_megatron_stage_under_the_profilers_hooks_keeps_what_the_plan_keeps():
+def test_megatron_stage_under_the_profilers_hooks_keeps_what_the_plan_keeps(single_process_megatron):
     """The profiler measures memory with saved-tensor hooks, under which saved weights come back
     as new objects: the megatron-core linears must still find their plan (by the parameter)."""
     pytest.importorskip("megatron.core")

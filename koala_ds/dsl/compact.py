@@ -33,6 +33,7 @@ The rule, as the authors' generator applies it:
 """
 from __future__ import annotations
 
+import bisect
 from typing import NamedTuple, Sequence
 
 from ..ir import KoalaError
@@ -153,12 +154,16 @@ def place_weights_per_chunk(timeline: Timeline) -> list[tuple[int, str, int, int
 
 
 # -- memory -----------------------------------------------------------------------------------
-def peak(busy: dict[int, int], weights_placed: bool) -> int:
+def peak(busy: dict[int, int], weights_placed: bool, slots: Sequence[int] | None = None,
+         stop_above: int | None = None) -> int:
     """Peak activations of one rank (slot -> kind): a forward holds its activation until a W
-    frees one; without W passes, each free slot frees one while an input gradient waits."""
+    frees one; without W passes, each free slot frees one while an input gradient waits.
+    `slots`: busy's slots in order, when the caller keeps them sorted; `stop_above`: return as
+    soon as the peak exceeds it (the caller only asks whether it fits)."""
     held = top = waiting = 0
     previous = -1
-    for slot in sorted(busy):  # the free slots between two passes are handled at once
+    stop = stop_above if stop_above is not None else float("inf")
+    for slot in slots if slots is not None else sorted(busy):  # the free slots between two passes at once
         if waiting and not weights_placed:
             freed = min(slot - previous - 1, waiting)
             held, waiting = held - freed, waiting - freed
@@ -166,7 +171,10 @@ def peak(busy: dict[int, int], weights_placed: bool) -> int:
         kind = busy[slot]
         if kind == F0 or kind == F1:
             held += 1
-            top = held if held > top else top
+            if held > top:
+                top = held
+                if top > stop:
+                    return top
         elif kind == W:
             held -= 1
         else:
@@ -223,15 +231,28 @@ def _name(kind: int, index: int) -> str:
 WARMUP, STEADY, COOLDOWN = "warm-up", "steady", "cool-down"
 
 
-def _earliest(timelines: list[Timeline], r: int, kind: int, j: int, p: int) -> int:
-    """The first slot after every input of the pass, at their current slots."""
+def _gradient_slots(timeline: Timeline) -> list[int]:
+    """The slots of one rank's input gradients (I of either chunk), in slot order."""
+    return sorted(slot for (k, _), slot in timeline.items() if k in (I1, I0))
+
+
+def _earliest(timelines: list[Timeline], r: int, kind: int, j: int, p: int, grads: list[int] | None = None) -> int:
+    """The first slot after every input of the pass, at their current slots (`grads`: rank
+    r's `_gradient_slots` at their current slots, when the caller has them)."""
     last = -1
     for dep_rank, dep_kind, dep_j in inputs(r, kind, j, p):
         last = max(last, timelines[dep_rank][(dep_kind, dep_j)])
     if kind == W:  # after the rank's j-th input gradient, in current slot order
-        grads = sorted(slot for (k, _), slot in timelines[r].items() if k in (I1, I0))
-        last = max(last, grads[j])
+        last = max(last, (grads if grads is not None else _gradient_slots(timelines[r]))[j])
     return last + 1
+
+
+def _move(busy: dict[int, int], order: list[int], old: int, new: int, kind: int) -> None:
+    """Move the pass at slot `old` to the free slot `new`, in `busy` and in its sorted slots."""
+    del busy[old]
+    busy[new] = kind
+    del order[bisect.bisect_left(order, old)]
+    bisect.insort(order, new)
 
 
 def _compact(timelines: list[Timeline], m: int, move_warmup: bool) -> list[Timeline]:
@@ -239,9 +260,11 @@ def _compact(timelines: list[Timeline], m: int, move_warmup: bool) -> list[Timel
     p = len(timelines)
     weights_placed = any(key[0] == W for tl in timelines for key in tl)
     busy = [_by_slot(tl) for tl in timelines]
-    limit = max(peak(b, weights_placed) for b in busy)
+    order = [sorted(b) for b in busy]  # busy's slots, kept sorted as passes move
+    limit = max(peak(b, weights_placed, o) for b, o in zip(busy, order))
     out = [dict(tl) for tl in timelines]
     taken: list[set[int]] = [set() for _ in range(p)]  # slots of passes already walked
+    grads: list[list[int] | None] = [None] * p  # per rank, _gradient_slots(out[r]) until an I moves
     phase = WARMUP
     for slot, r, kind, j in _walk_order(timelines):
         if phase == WARMUP and kind == I0 and r == 0:
@@ -252,21 +275,22 @@ def _compact(timelines: list[Timeline], m: int, move_warmup: bool) -> list[Timel
             taken[r].add(slot)
             continue
         final = slot
-        for candidate in range(_earliest(out, r, kind, j, p), slot):
+        if kind == W and grads[r] is None:
+            grads[r] = _gradient_slots(out[r])
+        for candidate in range(_earliest(out, r, kind, j, p, grads[r]), slot):
             if candidate in taken[r]:
                 continue
-            del busy[r][slot]
-            busy[r][candidate] = kind
-            fits = peak(busy[r], weights_placed) <= limit
-            del busy[r][candidate]
-            busy[r][slot] = kind
+            _move(busy[r], order[r], slot, candidate, kind)
+            fits = peak(busy[r], weights_placed, order[r], stop_above=limit) <= limit
+            _move(busy[r], order[r], candidate, slot, kind)
             if fits:
                 final = candidate
                 break
         if final != slot:
-            del busy[r][slot]
-            busy[r][final] = kind
+            _move(busy[r], order[r], slot, final, kind)
             out[r][(kind, j)] = final
+            if kind in (I1, I0):
+                grads[r] = None
         taken[r].add(final)
     return out
 
