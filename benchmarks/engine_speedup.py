@@ -103,7 +103,9 @@ def scaled(profile: CostProfile, k: float) -> CostProfile:
     if k == 1:
         return profile
     st = tuple(dataclasses.replace(s, forward=s.forward * k, backward_input=s.backward_input * k,
-                                   backward_weight=s.backward_weight * k) for s in profile.stages)
+                                   backward_weight=s.backward_weight * k,
+                                   backward_full=None if s.backward_full is None else s.backward_full * k)
+               for s in profile.stages)
     return dataclasses.replace(profile, stages=st)
 
 
@@ -477,6 +479,10 @@ def summary(rows: list[dict]) -> str:
                      f"(1 ms ops; {c0:.3f} ms per action at zero compute, of which CPU {cpu:.3f} ms per action; "
                      f"{p} ranks share {cores} cores: p x CPU / cores = {p * cpu / cores:.3f} ms); "
                      f"gloo p2p latency {lat:.3f} ms one way")
+    scales = sorted({(r["engine"], r["p"], r["v"], r["scale"]) for r in rows if r.get("scale", 1.0) != 1.0})
+    for e, p, v, k in scales:
+        lines.append(f"{e} p={p} v={v}: predictions use the profile x{k:.3f} (fitted on library schedules run on the "
+                     f"real model: the stages' speed inside the pipeline, and this machine's drift since profiling)")
     msgs = {r.get("p2p_cpu_ms_per_message") for r in rows} - {None}
     if msgs:
         msg = max(msgs)
