@@ -630,9 +630,7 @@ class KoalaPipelineEngine(PipelineEngine):
         """Wait for the posted receives of `message`: (its tensors, whether it is one tensor)."""
         tensors, works, is_tensor, src = self._inbox.pop(message)
         for work in works:
-            failure = wait_work(work, self._koala_timeout_s, self._koala_gloo)
-            if failure is not None:
-                raise self._wait_failed(f"receive {message.describe()} from rank {self._pipe_global[src]}", failure)
+            self._wait(work, lambda: f"receive {message.describe()} from rank {self._pipe_global[src]}")
         return tensors, is_tensor
 
     def _exec_recv_activations(self, buffer_id, stage, microbatch, message, peer):

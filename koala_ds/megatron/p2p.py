@@ -64,9 +64,7 @@ class P2P:
     def recv(self, msg: Message) -> torch.Tensor:
         """Wait for the posted receive of `msg`; its tensor."""
         buf, work, peer = self._posted.pop(msg)
-        failure = wait_work(work, self.timeout_s, self.gloo)
-        if failure is not None:
-            raise self._failed("receive", msg, peer, failure)
+        self._wait(work, "receive", msg, peer)
         return buf
 
     # -- sending -------------------------------------------------------------------------
@@ -129,12 +127,9 @@ class P2P:
             return
         failure = wait_work(work, self.timeout_s, self.gloo)
         if failure is not None:
-            raise self._failed(what, msg, peer, failure)
-
-    def _failed(self, what: str, msg: Message | None, peer: int, failure: WaitFailure) -> P2PTimeoutError:
-        if msg is not None:
-            what = f"{what} {msg.describe()} {'from' if what == 'receive' else 'to'} pipeline rank {peer}"
-        return wait_failed(f"koala p2p: pipeline rank {self.rank}", what, failure, self.timeout_source)
+            if msg is not None:
+                what = f"{what} {msg.describe()} {'from' if what == 'receive' else 'to'} pipeline rank {peer}"
+            raise wait_failed(f"koala p2p: pipeline rank {self.rank}", what, failure, self.timeout_source)
 
 
 def wait_failed(who: str, what: str, failure: WaitFailure, source: str) -> P2PTimeoutError:
