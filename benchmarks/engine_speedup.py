@@ -132,18 +132,19 @@ def predict(schedule: Schedule, profile: CostProfile, overhead_ms: float = 0.0) 
     return Simulator(profile, schedule.placement, schedule.m, schedule.backward).makespan(schedule.ranks)
 
 
+def solve_increasing(f, target: float, lo: float, hi: float, iters: int = 50) -> float:
+    """x in [lo, hi] with f(x) == target for an increasing f: bisection, `iters` halvings."""
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
+    return (lo + hi) / 2
+
+
 def fit_overhead(schedule: Schedule, profile: CostProfile, measured: float) -> float:
     """The per-action overhead c (ms) with predict(schedule, profile, c) == measured."""
-    lo, hi = 0.0, 50.0
     if predict(schedule, profile, 0.0) >= measured:
         return 0.0
-    for _ in range(50):
-        mid = (lo + hi) / 2
-        if predict(schedule, profile, mid) < measured:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
+    return solve_increasing(lambda c: predict(schedule, profile, c), measured, 0.0, 50.0)
 
 
 # -- choosing the schedules ------------------------------------------------------------------------
@@ -238,14 +239,7 @@ def overheads(calib: Schedule, one: CostProfile, zero: CostProfile, steps: list[
         return predict(calib, one, c) - predict(half, one, c)
 
     target = t_full - t_half
-    lo, hi = 0.0, 50.0
-    if diff(0.0) >= target:
-        c = 0.0
-    else:
-        for _ in range(50):
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if diff(mid) < target else (lo, mid)
-        c = (lo + hi) / 2
+    c = 0.0 if diff(0.0) >= target else solve_increasing(diff, target, 0.0, 50.0)
     k = t_full - predict(calib, one, c)
     if k < 0:  # no per-step cost visible: one constant
         c, k = fit_overhead(calib, one, t_full), 0.0

@@ -110,13 +110,10 @@ def _calibrate_real(engine: str, p: int, m: int, models: dict, latency: float, o
     times = step_times_ms(_run_jobs(engine, p, jobs, steps), 2)
     factors = {}
     for (v, sched), t in zip(scheds.items(), times):
-        target, c = statistics.median(t) - oh["step"], oh["action_v"][v]
-        lo, hi = 0.2, 5.0
-        for _ in range(40):
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if E.predict(sched, E.with_latency(E.scaled(models[v], mid), latency), c) < target \
-                else (lo, mid)
-        factors[v] = (lo + hi) / 2
+        c = oh["action_v"][v]
+        factors[v] = E.solve_increasing(
+            lambda k: E.predict(sched, E.with_latency(E.scaled(models[v], k), latency), c),
+            statistics.median(t) - oh["step"], 0.2, 5.0, iters=40)
     return factors
 
 

@@ -68,7 +68,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -82,6 +81,7 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from koala_ds.outputs import atomic_write  # noqa: E402
+from koala_ds.spawn import free_port  # noqa: E402
 
 WHEELS = ROOT / ".gpu-wheels"
 SITE = Path(tempfile.gettempdir()) / "koala-gpu-site"
@@ -141,12 +141,6 @@ class RunResult:
 
 
 # -- running ------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def descendants(pid: int) -> list:
     """The processes below `pid` (from /proc; empty where there is none)."""
     children: dict = {}

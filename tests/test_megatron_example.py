@@ -4,12 +4,13 @@ The loss of every iteration is the same whichever schedule runs it, and it goes 
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from koala_ds.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAGS = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
@@ -69,12 +70,6 @@ def test_megatron_core_schedules_refuse_gloo_with_cuda_tensors():
         ex.check_pipeline_backend(False, 2, cuda, "gloo")
     with pytest.raises(KoalaError, match="on CPU use --pipeline-schedule koala"):
         ex.check_pipeline_backend(False, 2, cpu, "gloo")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(tmp_path: Path, schedule: str, extra: list[str]) -> dict:

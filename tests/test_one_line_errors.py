@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 
 from koala_ds.errors import USER_ERROR_EXIT, run_main
 from koala_ds.ir import KoalaError
+from koala_ds.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 P4_ONLY = """schedule p4only
@@ -161,12 +161,6 @@ def test_megatron_install_says_nothing_alarming_when_megatron_training_is_absent
 
 
 # -- one multi-process run: the DeepSpeed example with a schedule made for other microbatches ----
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.deepspeed_ext
 @pytest.mark.timeout(300)
@@ -177,7 +171,7 @@ def test_deepspeed_example_user_error_is_one_line_on_one_rank(tmp_path):
 
     path = tmp_path / "m4.json"
     path.write_text(load_schedule("1f1b", 2, 4).to_json())
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
@@ -247,7 +241,7 @@ def _koala_run(tmp_path, kind: str) -> subprocess.CompletedProcess:
     script.write_text(SCRIPT)
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    cmd = [sys.executable, "-m", "koala_ds.torchrun", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+    cmd = [sys.executable, "-m", "koala_ds.torchrun", "--nproc-per-node", "2", "--master-port", str(free_port()),
            str(script), kind]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
 
@@ -291,7 +285,7 @@ def test_examples_bad_flag_through_koala_run_is_one_line(tmp_path, example):
     """An argparse error printed a usage block on every rank, then torchrun's summary."""
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    cmd = [sys.executable, "-m", "koala_ds.torchrun", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+    cmd = [sys.executable, "-m", "koala_ds.torchrun", "--nproc-per-node", "2", "--master-port", str(free_port()),
            str(ROOT / example), "--train-iters" if "megatron" in example else "--steps", "x"]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180, cwd=tmp_path)
     assert done.returncode == USER_ERROR_EXIT, done.stderr[-3000:]
