@@ -492,7 +492,8 @@ class _StepRunner:
                 self._deallocate(s, mb)
 
     def _maybe_deallocate(self, msg: Message) -> None:
-        if self.dealloc and msg.kind == ACT:
+        """After a completed send (deallocate_pipeline_outputs only): free the activation it sent."""
+        if msg.kind == ACT:
             self._deallocate(self.pl.prev_stage(msg.stage), msg.microbatch)
 
     def _deallocate(self, s: int, mb: int) -> None:
@@ -502,8 +503,8 @@ class _StepRunner:
             self.deallocated.add((s, mb))
 
     def _ensure_deallocated(self, s: int, mb: int) -> None:
-        """deallocate_pipeline_outputs: megatron's custom_backward expects a freed output."""
-        if self.dealloc and (s, mb) not in self.deallocated:
+        """deallocate_pipeline_outputs only: megatron's custom_backward expects a freed output."""
+        if (s, mb) not in self.deallocated:
             nxt = self.pl.next_stage(s)
             self.comm.wait_send(Message(ACT, nxt, mb))
             self._deallocate(s, mb)
