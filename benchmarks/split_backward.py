@@ -7,7 +7,10 @@ Models (each split into -p stages, profiled by koala_ds.profiler exactly as the 
 F, I (backward with weight-gradient GEMMs queued, koala_ds.wgrad), W (the queue) and B):
 - megatron: the megatron-core GPT of examples/megatron_gpt (local spec, fp32);
 - torch: a plain-torch GPT block stack (nn.Linear, LayerNorm, scaled_dot_product_attention);
-- deepspeed: the same blocks as a DeepSpeed layer list (LayerSpec), partitioned by DeepSpeed.
+- deepspeed: the same blocks as a DeepSpeed layer list (LayerSpec), partitioned by DeepSpeed,
+  with W as the DeepSpeed runtime runs it (weight gradients added into .grad by their GEMMs);
+- deepspeed-autograd (opt-in): the same, with W accumulated through autograd as the Megatron
+  runtime does (`--models deepspeed,deepspeed-autograd` compares the two in one run).
 The target of issue 13: (I + W) / B <= 1.15 on CPU at hidden 512 on every stage with an input
 gradient, <= 1.10 on CUDA at hidden 2048; W-hold <= 0.75 x activation (the hold policy,
 `--max-w-hold`, koala_ds.wgrad.prepare(max_hold=...); "W FLOPs" is the share of the covered
@@ -51,7 +54,8 @@ def profile(a, model: str):
         stages = [s.to(a.device) for s in torch_stages(a)]
         return profile_stages(stages, ids.to(a.device), loss_fn=loss, **common)
     specs = gpt_layer_specs(a.num_layers, a.hidden_size, a.num_attention_heads, a.seq_length, a.vocab_size)
-    return profile_pipeline_module(specs, ids, a.p, partition_method="parameters", loss_fn=loss, **common)
+    return profile_pipeline_module(specs, ids, a.p, partition_method="parameters", loss_fn=loss,
+                                   direct_wgrad=model != "deepspeed-autograd", **common)
 
 
 def rows(model: str, result) -> list:

@@ -16,7 +16,13 @@ computes grad_input AND grad_weight on every call. So the split is made at the l
   (chunk, microbatch). The graph is freed as after any backward: after I only the queue is held.
 - W is `queue.run()`: the queued GEMMs, accumulated through autograd's own gradient
   accumulators, so `.grad`, `main_grad`, and the hooks of DDP / DeepSpeed see what they would
-  see in a full backward.
+  see in a full backward. A runtime that knows no hook sits on the gradient accumulators
+  (DeepSpeed's pipeline engine: its hooks are post-accumulate-grad hooks, which are visible)
+  runs W with `direct=True`: each `nn.Linear` weight gradient is then added into `.grad` by
+  its GEMM (`addmm_`), layer by layer while the data is in cache, instead of being written
+  whole and added afterwards (which cost W about twice B - I on a CPU); a weight with a tensor
+  hook or a post-accumulate-grad hook, or a GEMM in another dtype (autocast), still goes
+  through autograd.
 - A full backward (B) outside `deferring()` computes everything at once, as before.
 - The hold policy (`prepare(model, max_hold=0.75)`, `koala_ds.wgrad_policy`): W may hold at
   most that fraction of the chunk's activation; the covered layers with the most held bytes per
@@ -65,6 +71,7 @@ class WeightGradQueue:
     held: list = field(default_factory=list)  # the tensors the work keeps alive (for the profiler)
     te_modules: list = field(default_factory=list)  # TE modules whose backward_dw() W calls
     kept: set = field(default_factory=set)  # id() of weights the hold policy computes in I
+    direct: bool = False  # add nn.Linear weight gradients into .grad in their GEMM (see the module doc)
 
     def defers(self, weight) -> bool:
         """Whether this I step queues the weight gradient of `weight` (else it is computed now)."""
@@ -82,6 +89,8 @@ class WeightGradQueue:
         """W: compute the queued weight gradients and accumulate them as autograd would."""
         pairs: dict = {}
         for work in self.work:
+            if self.direct and isinstance(work, LinearWgrad) and work.accumulate():
+                continue
             for param, grad in work() or ():
                 prev = pairs.get(id(param))
                 pairs[id(param)] = (param, grad if prev is None else prev[1] + grad)
@@ -119,6 +128,33 @@ def _fold(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+@dataclass
+class LinearWgrad:
+    """One deferred `nn.Linear` weight gradient: grad_out^T x, folded over the leading dims."""
+
+    param: torch.Tensor
+    grad_out: torch.Tensor
+    x: torch.Tensor
+
+    def __call__(self) -> list:
+        return [(self.param, _fold(self.grad_out).t().matmul(_fold(self.x)).to(self.param.dtype))]
+
+    def accumulate(self) -> bool:
+        """Add the gradient into `.grad` in the GEMM itself; False (nothing done) where autograd
+        must do it: a tensor hook or post-accumulate-grad hook on the weight, or another dtype."""
+        param = self.param
+        if param._backward_hooks or getattr(param, "_post_accumulate_grad_hooks", None) \
+                or not self.grad_out.dtype == self.x.dtype == param.dtype:
+            return False
+        grad_out, x = _fold(self.grad_out).t(), _fold(self.x)
+        with torch.no_grad():
+            if param.grad is None:
+                param.grad = grad_out.matmul(x)
+            else:
+                param.grad.addmm_(grad_out, x)
+        return True
+
+
 class _Linear(torch.autograd.Function):
     """F.linear whose weight gradient is queued when an I step is running."""
 
@@ -146,7 +182,7 @@ class _Linear(torch.autograd.Function):
             if queue is None or not queue.defers(param):
                 grad_w = _fold(grad_out).t().matmul(_fold(x)).to(param.dtype)
             else:
-                queue.add(lambda: [(param, _fold(grad_out).t().matmul(_fold(x)).to(param.dtype))], x, grad_out)
+                queue.add(LinearWgrad(param, grad_out, x), x, grad_out)
         return grad_x, grad_w, grad_b
 
 
@@ -302,12 +338,14 @@ class Prepared:
         return self.plan.deferred_fraction() if self.plan.flops_total else None
 
     @contextlib.contextmanager
-    def input_step(self) -> Iterator[WeightGradQueue]:
+    def input_step(self, direct: bool = False) -> Iterator[WeightGradQueue]:
         """An I step of this chunk: a full backward run inside this defers the weight gradients
-        (of the layers the hold policy defers; the others compute theirs in it)."""
+        (of the layers the hold policy defers; the others compute theirs in it). `direct`: its W
+        adds nn.Linear weight gradients into `.grad` in their GEMM (only where no hook sits on
+        the weights' gradient accumulators: see the module doc)."""
         with deferring() as queue:
             queue.te_modules.extend(self.te_modules)
-            queue.kept = self.plan.kept
+            queue.kept, queue.direct = self.plan.kept, direct
             yield queue
 
     def full_step_done(self) -> None:

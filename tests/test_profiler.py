@@ -89,10 +89,10 @@ def test_emulated_stage_measures_its_sleep_times():
     costs = [(1.0, 3.0, 6.0), (3.0, 4.0, 8.0)]
     result = profile_stages([EmulatedStage(*c) for c in costs], torch.randn(2, 1, 8), warmup=2, iters=5,
                             full_backward=False)
-    st = result.to_dict()["stages"]
-    assert _near(st[0]["backward_input"], 3.0) and _near(st[0]["backward_weight"], 6.0), st[0]
+    st = result.stages  # the fastest sample again: the profile's medians move with the machine's load
+    assert _near(min(st[0].backward_input), 3.0) and _near(min(st[0].backward_weight), 6.0), st[0]
     for name, want in zip(("forward", "backward_input", "backward_weight"), costs[1]):
-        assert _near(st[1][name], want), (name, st[1])
+        assert _near(min(getattr(st[1], name)), want), (name, st[1])
 
 
 def test_pipeline_module_layers_are_partitioned_like_deepspeed():

@@ -40,8 +40,9 @@ def _reference(mod, xs, gs, needs_input_grad):
     return grads, dxs
 
 
+@pytest.mark.parametrize("direct", [False, True])
 @pytest.mark.parametrize("first_stage", [False, True])
-def test_linear_stack_split_equals_full_backward_and_defers_the_weights(first_stage):
+def test_linear_stack_split_equals_full_backward_and_defers_the_weights(first_stage, direct):
     torch.manual_seed(0)
     mod = _Branchy().double()
     xs = [torch.randn(2, 3, 6, dtype=torch.double) for _ in range(3)]
@@ -52,7 +53,7 @@ def test_linear_stack_split_equals_full_backward_and_defers_the_weights(first_st
     queues, dxs = [], []
     for x, g in zip(xs, gs):  # every I first, then every W (as a zero-bubble schedule may)
         xx = x.clone().requires_grad_(not first_stage)
-        with prepared.input_step() as queue:
+        with prepared.input_step(direct=direct) as queue:
             mod(xx).backward(g)
         queues.append(queue)
         dxs.append(xx.grad)
@@ -78,21 +79,49 @@ def test_a_full_backward_after_prepare_is_unchanged():
         assert torch.allclose(p.grad, r, rtol=1e-12, atol=1e-12)
 
 
-def test_weight_gradients_go_through_the_accumulators_hooks():
-    """DDP and DeepSpeed watch the AccumulateGrad nodes: W must pass through them."""
+@pytest.mark.parametrize("direct", [False, True])
+def test_weight_gradients_go_through_the_accumulators_hooks(direct):
+    """DDP and DeepSpeed watch the AccumulateGrad nodes: W must pass through them (a weight with
+    a visible hook does so under direct=True too; its gradient is added once per W)."""
     mod = torch.nn.Linear(4, 4)
-    seen = []
+    seen, doubled = [], []
     def hook(p):
         if p.grad is not None:
             seen.append(p.grad.clone())
 
     mod.weight.register_post_accumulate_grad_hook(hook)
+    mod.bias.register_hook(lambda g: g * 2)
+    mod.register_forward_hook(lambda m, i, o: doubled.append(o))
     prepared = wgrad.prepare(mod, max_hold=None)
-    with prepared.input_step() as queue:
-        mod(torch.randn(3, 4)).sum().backward()
+    with prepared.input_step(direct=direct) as queue:
+        (mod(torch.randn(3, 4)) + mod(torch.randn(3, 4))).sum().backward()  # the weight used twice
     assert seen == [] and mod.weight.grad is None
     queue.run()
     assert len(seen) == 1 and torch.equal(seen[0], mod.weight.grad)
+    assert torch.equal(mod.bias.grad, torch.full((4,), 12.0))  # 2 x (3 + 3) rows through the tensor hook
+
+
+def test_direct_weight_gradients_are_added_in_the_gemm_not_through_autograd():
+    """direct=True (what the DeepSpeed runtime runs): a hook-free weight's gradient is added into
+    .grad in place by its GEMM; nothing passes the AccumulateGrad node (whose hooks are not
+    visible: that is why only a runtime that knows none are there may ask for it)."""
+    torch.manual_seed(3)
+    mod = torch.nn.Linear(5, 3)
+    node_calls = []
+    node = mod.weight.view_as(mod.weight).grad_fn.next_functions[0][0]
+    node.register_hook(lambda *a: node_calls.append(1))
+    x = torch.randn(4, 5)
+    mod(x).sum().backward()  # a full backward goes through the node
+    assert node_calls == [1]
+    first = mod.weight.grad.clone()
+    storage = mod.weight.grad.data_ptr()
+    prepared = wgrad.prepare(mod, max_hold=None)
+    with prepared.input_step(direct=True) as queue:
+        mod(x).sum().backward()
+    after_i = len(node_calls)  # autograd runs the node in I too (with no weight gradient)
+    queue.run()
+    assert len(node_calls) == after_i and mod.weight.grad.data_ptr() == storage  # added in place, no autograd
+    assert torch.allclose(mod.weight.grad, 2 * first, rtol=1e-6, atol=1e-6)
 
 
 class _FusedAccumulation(torch.autograd.Function):

@@ -778,7 +778,9 @@ class KoalaPipelineEngine(PipelineEngine):
         """I: the full backward with the layers' weight-gradient GEMMs queued for W."""
         tensors, grads = self._backward_targets(buffer_id, stage, microbatch, message)
         self._activate(stage)
-        with self._param_grad, self._wgrad.input_step() as queue:
+        # W adds the weight gradients into .grad in their GEMMs: DeepSpeed's own gradient hooks are
+        # post-accumulate-grad hooks, which koala_ds.wgrad sees (such weights go through autograd)
+        with self._param_grad, self._wgrad.input_step(direct=True) as queue:
             torch.autograd.backward(tensors, grad_tensors=grads)
         self._w_state[(stage, microbatch)] = queue
         self._hand_over_grads(buffer_id, stage, microbatch)

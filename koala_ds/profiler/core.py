@@ -200,10 +200,12 @@ def _default_loss(output):
 
 def measure_stage(module, make_input: Callable[[], Any], *, is_last: bool, loss_fn=None, warmup: int = 2,
                   iters: int = 10, device=None, full_backward: bool = True, seed: int = 0,
-                  max_hold=DEFAULT) -> StageMeasurement:
+                  max_hold=DEFAULT, direct_wgrad: bool = False) -> StageMeasurement:
     """Measure one stage. `make_input()` returns a fresh input (a tensor, or a tuple of
     arguments for the first stage); the stage's input gradient is computed when it requires grad.
-    `max_hold`: the hold policy of `koala_ds.wgrad.prepare` (default: its default, as the runtimes)."""
+    `max_hold`: the hold policy of `koala_ds.wgrad.prepare` (default: its default, as the runtimes).
+    `direct_wgrad`: W adds weight gradients into `.grad` in their GEMMs, as the DeepSpeed runtime
+    runs it (`koala_ds.wgrad.Prepared.input_step`)."""
     import torch
 
     from .. import wgrad
@@ -234,7 +236,7 @@ def measure_stage(module, make_input: Callable[[], Any], *, is_last: bool, loss_
         return torch.randn(out.shape, generator=gen).to(out.device, out.dtype)
 
     def backward_input(out, grad):
-        with deferral.input_step() as queue:
+        with deferral.input_step(direct=direct_wgrad) as queue:
             out.backward(grad)
         return queue
 
@@ -289,7 +291,7 @@ def profile_stages(stage_modules: Sequence, sample_input, *, loss_fn: Callable |
                    iters: int = 10, device=None, p2p: bool | float = False, p2p_timeout_s: float = 120.0,
                    memory_limit_mb: float | None = None, full_backward: bool = True, name: str = "profile",
                    description: str = "", progress: Callable[[int, int], None] | None = None,
-                   max_hold=DEFAULT) -> ProfileResult:
+                   max_hold=DEFAULT, direct_wgrad: bool = False) -> ProfileResult:
     """Profile a model split into pipeline stages (one module per virtual stage, in order).
 
     `sample_input` is the first stage's input (a tensor, or a tuple of arguments); each later
@@ -298,7 +300,8 @@ def profile_stages(stage_modules: Sequence, sample_input, *, loss_fn: Callable |
     `p2p`: False (p2p_latency 0), True (measure it with a 2-process gloo ping-pong for the
     largest stage-boundary tensor), or a number (ms) to write as is. `progress(s, n)` is called
     before stage s of n is measured. `max_hold`: what W may hold, as a fraction of a stage's
-    activation (`koala_ds.wgrad.prepare`; default 0.75, as the runtimes). Returns a `ProfileResult`
+    activation (`koala_ds.wgrad.prepare`; default 0.75, as the runtimes). `direct_wgrad`: W as
+    the DeepSpeed runtime runs it (`measure_stage`). Returns a `ProfileResult`
     (`.to_dict()` / `.write(path)` give a profile v1 JSON that `koala_ds.sim.load_profile` reads)."""
     import torch
 
@@ -323,7 +326,8 @@ def profile_stages(stage_modules: Sequence, sample_input, *, loss_fn: Callable |
                 return base.clone().requires_grad_(base.is_floating_point())
         try:
             meas = measure_stage(module, make_input, is_last=is_last, loss_fn=loss_fn, warmup=warmup, iters=iters,
-                                 device=device, full_backward=full_backward, seed=s, max_hold=max_hold)
+                                 device=device, full_backward=full_backward, seed=s, max_hold=max_hold,
+                                 direct_wgrad=direct_wgrad)
         except NotOneTensor as exc:
             raise ValueError(f"stage {s} returns {exc}: stages must pass one tensor on") from None
         results.append(meas)

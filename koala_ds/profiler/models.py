@@ -328,6 +328,7 @@ def profile_pipeline_module(module_or_layers, sample_input, num_stages: int, par
     stages = pipeline_module_stages(module_or_layers, num_stages, partition_method)
     stages, sample_input, loss_fn = _on_device(module_or_layers, stages, sample_input, loss_fn, kwargs)
     kwargs.setdefault("name", f"deepspeed-pipeline-S{num_stages}")
+    kwargs.setdefault("direct_wgrad", True)  # W as the DeepSpeed runtime runs it
     result = profile_stages(stages, sample_input, loss_fn=loss_fn, **kwargs)
     result.extra_meta.update({"model": "deepspeed PipelineModule", "partition_method": partition_method})
     return result
@@ -375,6 +376,7 @@ def profile_pipeline_module_layers(module_or_layers, sample_input, loss_fn=None,
     infos = pipeline_module_layer_infos(module_or_layers, stages)
     stages, sample_input, loss_fn = _on_device(module_or_layers, stages, sample_input, loss_fn, kwargs)
     kwargs.setdefault("name", f"deepspeed-pipeline-{len(specs)}-layers")
+    kwargs.setdefault("direct_wgrad", True)  # W as the DeepSpeed runtime runs it
     result = profile_layers(stages, infos, sample_input, loss_fn=loss_fn, **kwargs)
     result.extra_meta.update({"model": "deepspeed PipelineModule",
                               "partition": "KoalaPipelineModule(parts=...) or pipeline.koala.parts"})
