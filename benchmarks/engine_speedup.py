@@ -17,7 +17,8 @@ Per (engine, profile, p), three rows: 1f1b; the best predefined schedule (librar
 engine runs: one pipeline, by simulated makespan, among those that fit the memory limit: the
 profile's, else 1F1B's peak); the searched schedule (koala_ds.search, short budget, one-pipeline
 placements, split and full backward both searched: the better one; when the search finds nothing
-faster than a library schedule, a tie included, its answer is that schedule, marked '= name'). Step time = latest end -
+faster than a library schedule, a tie included, its answer is that schedule, marked '= name';
+`--min-gain PCT` keeps 1f1b unless a schedule is predicted more than PCT% faster). Step time = latest end -
 earliest start over ranks of one forward_backward call (Megatron) or train_batch (DeepSpeed,
 which also reduces gradients and steps the optimizer), median of 30 steps after 2 warm-up
 steps (10 with --quick, 20 with --real; `--steps N`), each round in a new job order. m = 2p
@@ -163,12 +164,15 @@ def overhead_for(overhead: float | dict, v: int) -> float:
 
 
 def candidates(profile: CostProfile | dict[int, CostProfile], p: int, m: int, budget: float, seed: int = 0,
-               latency: float | None = None, overhead: float | dict = 0.0) -> tuple[dict, float]:
+               latency: float | None = None, overhead: float | dict = 0.0, min_gain: float = 0.0
+               ) -> tuple[dict, float]:
     """{'1f1b': (schedule, model profile), 'best predefined (..)': ..., 'searched (..)': ...} and the
     memory limit. The choice (simulated makespan) uses the model of this machine: the profile with
     the measured p2p `latency` and per-action `overhead` (the search adds it to F, I and W).
     `profile`: one profile (`variants` gives each v its model) or the model of each v ({v: profile
-    of p * v stages}: what the runtime runs at that v, measured)."""
+    of p * v stages}: what the runtime runs at that v, measured). `min_gain` (a fraction): the
+    searched row is 1f1b unless a schedule is predicted faster than it by more than that
+    (`koala search --min-gain`, applied within each search and across v and backward kinds)."""
     from koala_ds.search import SearchProblem, search
 
     models = profile if isinstance(profile, dict) else variants(profile, p)
@@ -196,7 +200,7 @@ def candidates(profile: CostProfile | dict[int, CostProfile], p: int, m: int, bu
     for v, model in models.items():
         for backward in ("split", "full"):  # split backward costs one more action per microbatch
             problem = SearchProblem(with_overhead(machine(model), overhead_for(overhead, v)), p, m, v, backward, limit)
-            result = search(problem, time_budget=budget, seed=seed)
+            result = search(problem, time_budget=budget, seed=seed, min_gain=min_gain)
             # the search's answer: a library schedule when nothing faster was found (a tie included)
             sched = result.schedule
             if sched.placement.pipelines == 1:
@@ -204,6 +208,8 @@ def candidates(profile: CostProfile | dict[int, CostProfile], p: int, m: int, bu
                 searched.append((predict(sched, machine(model), overhead_for(overhead, v)), v, sched.with_name("searched"),
                                  model, same))
     ms, v, sched, model, same = min(searched, key=lambda r: r[0])
+    if ms * (1 + min_gain) >= one[0]:   # no predicted gain above min_gain: keep 1f1b
+        ms, v, sched, model, same = one[0], 1, one[3].with_name("searched"), one[4], "1f1b"
     label = (f"searched ({sched.placement.describe()}, {sched.backward}{', v=2' if v == 2 else ''}"
              f"{f' = {same}' if same else ''})")
     return {"1f1b": (one[3], one[4]), f"best predefined ({best[1]}{', v=2' if best[2] == 2 else ''})": (best[3], best[4]),
@@ -256,7 +262,8 @@ def choose_jobs(cfg: dict, calib_steps: list[list[float]]) -> dict:
     jobs, plan = [], []
     for name in cfg["profiles"]:
         base = scaled(load_profile(name), cfg["scale"])
-        chosen, _ = candidates(base, p, m, cfg["budget"], latency=latency, overhead=oh["action"])
+        chosen, _ = candidates(base, p, m, cfg["budget"], latency=latency, overhead=oh["action"],
+                               min_gain=cfg.get("min_gain", 0.0) / 100)
         for label, (sched, model) in chosen.items():
             raw = variants(base, p)[sched.v]  # the emulated stages sleep the profile as written
             jobs.append({"key": f"{name}/{label}", "schedule": sched.to_dict(), "costs": costs_of(raw, sched)})
@@ -296,6 +303,9 @@ def main(argv=None) -> int:
     ap.add_argument("--search-budget", type=float, default=5.0, metavar="S")
     ap.add_argument("--steps", type=int, default=None,
                     help="measured steps per run, after 2 warm-up steps (default 30; 10 with --quick, 20 with --real)")
+    ap.add_argument("--min-gain", type=float, default=None, metavar="PCT",
+                    help="the searched row keeps 1f1b unless a schedule is predicted more than PCT%% faster "
+                         "(koala search --min-gain; default 0, 3 with --real: the model's resolution on real compute)")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every F/I/W time (default 1)")
     ap.add_argument("--out", default=str(RESULTS), help="results folder (default benchmarks/results)")
     ap.add_argument("--overhead-only", action="store_true",
@@ -346,7 +356,7 @@ def main(argv=None) -> int:
                 f"profile and v), then every run round-robin with the calibration runs ...")
             t0 = time.time()
             cfg = {"p": p, "m": m, "latency": latency, "profiles": profiles, "scale": args.scale,
-                   "budget": args.search_budget}
+                   "budget": args.search_budget, "min_gain": args.min_gain or 0.0}
             spec = {"calibration": cal_jobs, "chooser": "engine_speedup:choose_jobs", "chooser_args": cfg,
                     "warmup": 2, "steps": args.steps}
             res = run_engine(engine, p, spec, timeout_s=1800)

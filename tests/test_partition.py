@@ -247,6 +247,8 @@ def test_cli_search_auto_with_a_bundled_layer_profile(tmp_path, capsys):
     (["simulate", "1f1b", "--profile", "gpt-largevocab-32L", "-m", "8"], "-p is needed"),
     (["search", "--profile", "gpt-largevocab-32L", "-p", "4", "-m", "8", "--partition", "auto", "--exact"],
      "--exact needs one split"),
+    (["search", "--profile", "gpt-largevocab-32L", "-p", "4", "-m", "8", "--partition", "auto", "--min-gain", "3"],
+     "--min-gain needs one split"),
     (["search", "--profile", "gpt-largevocab-32L", "-p", "4", "-m", "8", "--partition", "9,9,9,9"], "sum to 36"),
 ])
 def test_cli_errors_are_one_line_naming_the_option(tmp_path, capsys, argv, message):

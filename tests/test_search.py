@@ -624,3 +624,34 @@ def test_search_errors_name_the_parameter_and_the_cli_the_flag(tmp_path, capsys,
     assert err.startswith("koala search: error: ") and err.count("\n") == 1
     assert cli_text in err and "`" not in err
     assert not out.exists()
+
+
+def test_min_gain_keeps_the_known_schedule_unless_a_gain_exceeds_it():
+    """A predicted gain within the model's error should not replace the known schedule: with
+    min_gain the answer is 1f1b unless something is predicted faster by more than that."""
+    problem = _problem(4, 8, backward="auto")
+    plain = search(problem, time_budget=None, generations=2, seed=0)
+    one = next(row for row in plain.library if row.name == "1f1b")
+    gain = one.makespan / plain.makespan - 1
+    assert gain > 0.05 and not plain.origin.endswith("1f1b")   # the case: something clearly beats 1f1b
+    kept = search(problem, time_budget=None, generations=2, seed=0, min_gain=gain * 1.01)
+    assert kept.origin == "library 1f1b" and kept.makespan == pytest.approx(one.makespan)
+    assert kept.schedule.same_order(library.get("1f1b").compile(4, 8, 1))
+    taken = search(problem, time_budget=None, generations=2, seed=0, min_gain=gain * 0.99)
+    assert taken.makespan == pytest.approx(plain.makespan)
+    with pytest.raises(SearchError) as err:
+        search(problem, time_budget=None, generations=1, min_gain=-0.1)
+    assert err.value.parameters == ("min_gain",)
+
+
+def test_cli_min_gain_says_what_it_kept(tmp_path, capsys):
+    out = tmp_path / "best.koala"
+    assert main(["search", "--profile", "uniform-4", "-m", "8", "--generations", "2", "--quiet",
+                 "--min-gain", "90", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "found by library 1f1b" in text and "kept 1f1b (--min-gain 90)" in text, text
+    with pytest.raises(SystemExit) as exc:
+        main(["search", "--profile", "uniform-4", "-m", "8", "--min-gain", "x", "-o", str(out)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--min-gain" in err[0], err

@@ -92,6 +92,8 @@ def _check_auto(args: argparse.Namespace) -> None:
                              f"--partition to search the schedules of one split")
     if args.exact:
         raise KoalaError("--exact needs one split: give --partition N,N,... instead of auto")
+    if getattr(args, "min_gain", 0.0):
+        raise KoalaError("--min-gain needs one split: give --partition N,N,... instead of auto")
 
 
 def cmd_search_auto(args: argparse.Namespace, lp: LayerProfile, out: Path) -> int:

@@ -10,7 +10,7 @@ from pathlib import Path
 from ..dsl import print_schedule
 from ..ir import KoalaError
 from ..outputs import atomic_write, check_output
-from . import positive_float
+from . import nonnegative_float, positive_float
 from .bounds import ConfigBound, from_problem
 from .model import GANTT_SUFFIXES
 from . import partition
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 FLAGS = {"p": "-p", "m": "-m", "v": "-v", "profile": "--profile", "backward": "--backward",
          "memory_limit": "--memory-limit", "placement": "--placement", "time_budget": "--time-budget",
          "generations": "--generations", "workers": "--workers", "exact": "--exact",
-         "time_limit": "--exact-time-limit"}
+         "time_limit": "--exact-time-limit", "min_gain": "--min-gain"}
 
 
 def result_table(result, limit: float | None, bound: ConfigBound | None = None) -> str:
@@ -137,7 +137,9 @@ def _run_exact(args, problem, result, out: Path) -> str:
         (f", backward {part.backward}" if len(problem.kinds) > 1 else "")
     ex = solve_exact(problem, part, hint=schedule, time_limit=args.exact_time_limit,
                      workers=max(1, args.workers), seed=args.seed)
-    if ex.schedule is not None and ex.makespan is not None and ex.makespan < result.makespan - 1e-9:
+    # a known schedule kept by --min-gain is replaced only by one faster by more than that
+    margin = 1 + args.min_gain / 100 if result.origin.startswith("library ") else 1
+    if ex.schedule is not None and ex.makespan is not None and ex.makespan * margin < result.makespan - 1e-9:
         schedule = ex.schedule.with_name("searched")
         _write(out, schedule, problem.profile.source)
         res = simulate(schedule, problem.search_profile, timeline=False)
@@ -187,6 +189,11 @@ def _report(args, problem, result, out: Path, exact_line: str | None) -> None:
         speed = f"{best.makespan / result.makespan:.3f}x" if result.makespan > 0 else "-"
         print(f"best predefined schedule that fits: {best.name} {best.makespan:.6g} ms; searched is "
               f"{speed} its speed")
+    if args.min_gain and result.origin.startswith("library ") and result.per_placement:
+        found = min(ms for _, ms in result.per_placement)
+        if found < result.makespan - 1e-9:
+            print(f"kept {result.origin.removeprefix('library ')} (--min-gain {args.min_gain:g}): the fastest "
+                  f"schedule found, {found:.6g} ms, is {result.makespan / found:.3f}x its speed")
     if exact_line:
         print(exact_line)
     print(f"wrote {out}")
@@ -224,7 +231,7 @@ def _search(args: argparse.Namespace) -> int:
               f"{', '.join(pl.describe() for pl in problem.placements or [])}, "
               f"budget {args.time_budget:g} s" + (f" / {args.generations} generations" if args.generations else ""))
     result = search(problem, time_budget=args.time_budget, generations=args.generations, seed=args.seed,
-                    workers=args.workers, progress=not args.quiet, started=started)
+                    workers=args.workers, progress=not args.quiet, started=started, min_gain=args.min_gain / 100)
     # write first: an interrupted search still leaves the best schedule so far on disk
     _write(out, result.schedule, profile.source)
     exact_line = _run_exact(args, problem, result, out) if args.exact and not result.interrupted else None
@@ -270,6 +277,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--exact-time-limit", type=positive_float, default=60.0, metavar="S",
                    help="time limit of --exact (default 60 s); where it does not prove the optimum, a "
                         "relaxation bound gets as long again")
+    p.add_argument("--min-gain", type=nonnegative_float, default=0.0, metavar="PCT",
+                   help="keep the known schedule (1f1b when it fits, else the fastest fitting predefined one) "
+                        "unless a schedule is predicted more than PCT%% faster (default 0; about the model's "
+                        "error on your hardware, e.g. 3)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("-o", "--output", required=True, metavar="best.koala", help="write the result here")
     p.add_argument("--gantt", metavar="best.png", help="also draw a Gantt chart of the result")

@@ -430,8 +430,10 @@ class _Run:
         self.try_test(fresh, self.clock.out_of_time)
 
 
-def check_budgets(time_budget: float | None, generations: int | None, workers: int) -> None:
+def check_budgets(time_budget: float | None, generations: int | None, workers: int, min_gain: float = 0.0) -> None:
     """SearchError naming the budget parameter `search` would refuse (front ends check first)."""
+    if not (0 <= min_gain < math.inf):
+        raise SearchError(f"`min_gain` must be a finite fraction >= 0, got {min_gain}", "min_gain")
     if time_budget is not None and not (0 < time_budget < math.inf):
         raise SearchError(f"`time_budget` must be a finite number of seconds > 0, got {time_budget}", "time_budget")
     if generations is not None and generations < 0:
@@ -442,8 +444,8 @@ def check_budgets(time_budget: float | None, generations: int | None, workers: i
 
 def search(problem: SearchProblem, *, time_budget: float | None = 10.0, generations: int | None = None,
            seed: int = 0, workers: int = 1, progress: bool = False, config: GAConfig | None = None,
-           on_generation: Callable[[int, float], None] | None = None, started: float | None = None
-           ) -> SearchResult:
+           on_generation: Callable[[int, float], None] | None = None, started: float | None = None,
+           min_gain: float = 0.0) -> SearchResult:
     """Search the schedule space of `problem`; the best schedule found within the budgets.
 
     Deterministic for a given `seed` when `time_budget` is None (a generation budget) or does
@@ -453,29 +455,43 @@ def search(problem: SearchProblem, *, time_budget: float | None = 10.0, generati
     The time budget counts from `started` (a `time.perf_counter()` value; default: now) and
     binds every phase: the library schedules, the seeds (library, greedy, random orders: each
     is made and try-tested only while time is left, once one seed is in), the polish and the
-    generations. Bad budgets raise `SearchError` naming the parameter (`.parameter`)."""
-    check_budgets(time_budget, generations, workers)
+    generations. Bad budgets raise `SearchError` naming the parameter (`.parameter`).
+
+    `min_gain` (a fraction, default 0): the answer is 1f1b (when it is valid and fits), else the
+    fastest fitting library schedule, unless a schedule is predicted faster than it by more than
+    this: 0.03 keeps the known schedule for any predicted gain within 3%, a model's typical error
+    on real hardware (see docs/search.md)."""
+    check_budgets(time_budget, generations, workers, min_gain)
     run = _Run(problem, config or GAConfig(), seed, workers, time_budget,
                time.perf_counter() if started is None else started)
     run.run(generations, Progress(progress, generations, problem.lower_bound, on_generation))
-    return _result(run)
+    return _result(run, min_gain)
 
 
-def _answer(run: _Run) -> tuple[Schedule, Schedule, SimResult, str]:
-    """(the answer, the best candidate's own schedule, the answer simulated, where it came from):
-    the best candidate, or the fastest fitting library seed when that is no slower (the decoder
-    takes microbatches in order, so a library order that does not may still win; and on a tie
-    the known schedule is the better answer: nothing faster was found)."""
+def _answer(run: _Run, min_gain: float) -> tuple[Schedule, Schedule, SimResult, str]:
+    """(the answer, the best candidate's own schedule, the answer simulated, where it came from).
+    From the simplest up, 1f1b, the fastest other fitting library seed, the best candidate: each
+    replaces the one before only when faster by more than `min_gain` (a fraction). At 0 a tie
+    keeps the known schedule (nothing faster was found), and a library order may still win: the
+    decoder takes microbatches in order, and some library orders do not."""
     problem, best = run.problem, run.best
     part = problem.parts[best.part]
     own = part.schedule(part.evaluate(best.orders).codes, "searched")   # the repaired orders' codes
-    schedule, res, origin = own, part.sim.run(own.ranks, timeline=False), best.origin
-    fit_lib = sorted((row for row in run.library_seeds if row.fits), key=lambda r: (r.makespan, r.name))
-    if fit_lib and fit_lib[0].makespan <= res.makespan + 1e-9 and fit_lib[0].schedule is not None:
-        schedule = fit_lib[0].schedule
-        res = simulate(schedule, problem.search_profile, timeline=False)
-        origin = f"library {fit_lib[0].name}"
-    return schedule, own, res, origin
+    own_res = part.sim.run(own.ranks, timeline=False)
+    fit_lib = sorted((row for row in run.library_seeds if row.fits and row.schedule is not None),
+                     key=lambda r: (r.name != "1f1b", r.makespan, r.name))
+    options = fit_lib[:1] if fit_lib and fit_lib[0].name == "1f1b" else []
+    others = [row for row in fit_lib if row.name != "1f1b"]
+    options += others[:1] + [None]  # None: the best candidate
+    chosen = None
+    for row in options:
+        makespan = own_res.makespan if row is None else row.makespan
+        if chosen is None or makespan * (1 + min_gain) < chosen[0] - 1e-9:
+            chosen = (makespan, row)
+    row = chosen[1]
+    if row is None:
+        return own, own, own_res, best.origin
+    return row.schedule, own, simulate(row.schedule, problem.search_profile, timeline=False), f"library {row.name}"
 
 
 def _per_placement(run: _Run, own: Schedule) -> list[tuple[Schedule, float]]:
@@ -492,9 +508,9 @@ def _per_placement(run: _Run, own: Schedule) -> list[tuple[Schedule, float]]:
     return out
 
 
-def _result(run: _Run) -> SearchResult:
+def _result(run: _Run, min_gain: float = 0.0) -> SearchResult:
     problem, lb = run.problem, run.problem.lower_bound
-    schedule, own, res, origin = _answer(run)
+    schedule, own, res, origin = _answer(run, min_gain)
     schedule = schedule.with_name("searched")
     schedule.meta["description"] = (f"found by koala search: makespan {res.makespan:.6g} ms under "
                                     f"{problem.profile.source}, lower bound {lb:.6g} ms")
