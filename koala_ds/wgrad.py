@@ -105,6 +105,23 @@ class WeightGradQueue:
         self.te_modules.clear()
 
 
+_PLAIN_FORWARD = False  # inside plain_forward(): DeferrableLinear runs torch's own linear
+
+
+@contextlib.contextmanager
+def plain_forward() -> Iterator[None]:
+    """A forward as an unprepared model runs it: `DeferrableLinear` calls torch's own linear
+    (no custom Function), so its backward computes every gradient at once, deferring nothing.
+    Exact either way; the profiler uses it to time the forward a full-backward schedule runs
+    (the runtimes prepare a model only for split schedules)."""
+    global _PLAIN_FORWARD
+    old, _PLAIN_FORWARD = _PLAIN_FORWARD, True
+    try:
+        yield
+    finally:
+        _PLAIN_FORWARD = old
+
+
 def active_queue() -> WeightGradQueue | None:
     """The queue of the I step running now, or None (a full backward: compute everything)."""
     return _ACTIVE
@@ -190,7 +207,7 @@ class DeferrableLinear(torch.nn.Linear):
     """`torch.nn.Linear` whose weight gradient an I step defers (what `prepare` makes of one)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled():
+        if _PLAIN_FORWARD or not torch.is_grad_enabled():
             out = torch.nn.functional.linear(x, self.weight, self.bias)
         else:
             out = _Linear.apply(x, self.weight, self.bias)

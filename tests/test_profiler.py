@@ -222,3 +222,23 @@ def test_single_process_megatron_leaves_no_master_port_for_children(monkeypatch,
     _init_single_process_megatron(1)
     assert dist.is_initialized() and dist.get_world_size() == 1
     assert sorted(k for k in ("MASTER_ADDR", "MASTER_PORT") if k in os.environ) == []
+
+
+def test_profile_forward_is_the_plain_forward_and_i_carries_the_deferrals_extra():
+    """A full-backward schedule runs an unprepared model; a split one the deferrable forward.
+    The profile's F is the former; the difference (never negative) is charged to I."""
+    from koala_ds.profiler.core import StageMeasurement
+
+    m = StageMeasurement(forward=[10.0, 11.0, 12.0], backward_input=[5.0] * 3, backward_weight=[4.0] * 3,
+                         backward_full=[8.0] * 3, forward_full=[9.0, 10.0, 10.5])
+    assert m.costs() == (10.0, 6.0, 4.0, 8.0)
+    m.forward_full = [13.0] * 3   # noise may make the plain forward slower: I is never lowered
+    assert m.costs() == (13.0, 5.0, 4.0, 8.0)
+    assert StageMeasurement(forward=[2.0], backward_input=[1.0], backward_weight=[1.0]).costs() == (2.0, 1.0, 1.0, None)
+    torch.manual_seed(0)
+    stack = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16))
+    meas = measure_stage(stack, lambda: torch.randn(4, 16, requires_grad=True), is_last=False, warmup=1, iters=3)
+    assert len(meas.forward_full) == 3 and len(meas.backward_full) == 3
+    sleeping = measure_stage(EmulatedStage(0.1, 0.1, 0.1), lambda: torch.randn(2, 1, 8, requires_grad=True),
+                             is_last=False, warmup=1, iters=2)
+    assert sleeping.forward_full == []   # no nn.Linear: the one forward is what both kinds run

@@ -333,3 +333,24 @@ def test_megatron_runtime_accepts_gradient_accumulation_fusion_with_a_split_sche
     deferred = SimpleNamespace(gradient_accumulation_fusion=False, defer_embedding_wgrad_compute=True)
     with pytest.raises(MegatronScheduleError, match="defer_embedding_wgrad_compute"):
         KoalaForwardBackward._check_config(deferred, split=True, forward_only=False, p=2)
+
+
+def test_plain_forward_runs_torchs_own_linear_and_stays_exact():
+    """Inside plain_forward() a prepared nn.Linear runs as an unprepared one (what a
+    full-backward schedule runs): no custom Function, and even an I step then defers nothing."""
+    torch.manual_seed(4)
+    mod = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    x = torch.randn(5, 4)
+    mod(x).sum().backward()
+    ref = [p.grad.clone() for p in mod.parameters()]
+    mod.zero_grad(set_to_none=True)
+    prepared = wgrad.prepare(mod, max_hold=None)
+    assert "_Linear" in type(mod(x).grad_fn).__name__   # deferrable outside
+    with wgrad.plain_forward():
+        out = mod(x)
+    assert "_Linear" not in type(out.grad_fn).__name__ and out.grad_fn.name().startswith("Addmm")
+    with prepared.input_step() as queue:
+        out.sum().backward()
+    assert not queue.work   # nothing to defer: the native backward computed the weight gradients
+    for p, r in zip(mod.parameters(), ref):
+        assert torch.allclose(p.grad, r, rtol=1e-6, atol=1e-7)

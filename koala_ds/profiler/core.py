@@ -44,6 +44,10 @@ class StageMeasurement:
     backward_input: list[float] = field(default_factory=list)
     backward_weight: list[float] = field(default_factory=list)
     backward_full: list[float] = field(default_factory=list)
+    # F before a full backward, where the stage has nn.Linear layers: those run torch's own linear
+    # then, as in an unprepared model (koala_ds.wgrad.plain_forward), the model a full-backward
+    # schedule runs; `forward` is the deferrable F a split schedule runs
+    forward_full: list[float] = field(default_factory=list)
     activation_bytes: int = 0
     w_hold_bytes: int = 0
     output_shape: tuple = ()
@@ -57,6 +61,16 @@ class StageMeasurement:
     def median(self, name: str) -> float:
         values = getattr(self, name)
         return statistics.median(values) if values else 0.0
+
+    def costs(self) -> tuple[float, float, float, float | None]:
+        """(F, I, W, B) as the runtimes run them: F the forward of a full-backward schedule; what a
+        deferrable forward costs over it (>= 0) is charged to I, so F + I + W is a split
+        microbatch's cost and F + B a full one's. B is None when not measured."""
+        f, i, w = (self.median(k) for k in ("forward", "backward_input", "backward_weight"))
+        if self.forward_full:
+            plain = self.median("forward_full")
+            f, i = plain, i + max(0.0, f - plain)
+        return f, i, w, (self.median("backward_full") if self.backward_full else None)
 
 
 class ProfileFile:
@@ -92,13 +106,12 @@ class ProfileResult(ProfileFile):
         stages = []
         for m in self.stages:
             act = m.activation_bytes / MIB
-            entry = {"forward": round(m.median("forward"), 6),
-                     "backward_input": round(m.median("backward_input"), 6),
-                     "backward_weight": round(m.median("backward_weight"), 6),
+            f, i, w, b = m.costs()
+            entry = {"forward": round(f, 6), "backward_input": round(i, 6), "backward_weight": round(w, 6),
                      "activation_mb": round(act, 9),
                      "w_hold_mb": round(min(act, m.w_hold_bytes / MIB), 9)}
-            if m.backward_full:
-                entry["backward"] = round(m.median("backward_full"), 6)
+            if b is not None:
+                entry["backward"] = round(b, 6)
             stages.append(entry)
         meta = {"tool": "koala profile", "device": self.device, "timer": "cuda events" if self.device.startswith("cuda")
                 else "wall clock (time.perf_counter)", "statistic": "median per microbatch after warm-up",
@@ -212,6 +225,9 @@ def measure_stage(module, make_input: Callable[[], Any], *, is_last: bool, loss_
 
     loss_fn = loss_fn or _default_loss
     deferral = wgrad.prepare(module, max_hold=max_hold)
+    # nn.Linear layers run torch's own linear before a full backward (an unprepared model)
+    plain_linears = any(isinstance(mod, wgrad.DeferrableLinear) for mod in module.modules())
+    plain = wgrad.plain_forward if plain_linears else contextlib.nullcontext
     params = [p for p in module.parameters() if p.requires_grad]
     timer = _Timer(device)
     meas = StageMeasurement()
@@ -257,12 +273,15 @@ def measure_stage(module, make_input: Callable[[], Any], *, is_last: bool, loss_
             meas.backward_input.append(i_ms)
             meas.backward_weight.append(w_ms)
         if full_backward:
-            args, out, _ = forward(None)
+            with plain():
+                args, out, f_full = forward(None)
             t = timer.start()
             out.backward(grad)
             b_ms = timer.stop(t)
             if keep:
                 meas.backward_full.append(b_ms)
+                if plain_linears:
+                    meas.forward_full.append(f_full)
             del args, out
     # memory: one more microbatch with saved_tensors_hooks
     tracker = SavedTensorTracker(params)
