@@ -4,7 +4,9 @@
     python benchmarks/split_backward.py --device cuda --hidden-size 2048 --num-layers 24 --seq-length 2048 -p 8
 
 Models (each split into -p stages, profiled by koala_ds.profiler exactly as the runtimes run
-F, I (backward with weight-gradient GEMMs queued, koala_ds.wgrad), W (the queue) and B):
+F, I (backward with weight-gradient GEMMs queued, koala_ds.wgrad), W (the queue) and B; F is the
+forward a full-backward schedule runs and I carries what the split's deferrable forward costs
+over it, shown apart as "split F extra"):
 - megatron: the megatron-core GPT of examples/megatron_gpt (local spec, fp32);
 - torch: a plain-torch GPT block stack (nn.Linear, LayerNorm, scaled_dot_product_attention);
 - deepspeed: the same blocks as a DeepSpeed layer list (LayerSpec), partitioned by DeepSpeed,
@@ -64,7 +66,9 @@ def rows(model: str, result) -> list:
         f, i, w, b = m.costs()  # as in the profile: a deferrable forward's extra cost is charged to I
         act, hold = m.activation_bytes / 2 ** 20, m.w_hold_bytes / 2 ** 20
         share = "-" if m.w_flops_deferred is None else f"{100 * m.w_flops_deferred:.0f}%"
-        out.append((model, s, "yes" if m.input_grad else "no", f, i, w, b, (i + w) / b, act, hold, hold / act, share))
+        extra = m.median("forward") - f if m.forward_full else 0.0   # the deferrable forward over the plain one
+        out.append((model, s, "yes" if m.input_grad else "no", f, i, w, b, (i + w) / b, act, hold, hold / act, share,
+                    extra))
     return out
 
 
@@ -95,11 +99,11 @@ def main(argv=None) -> int:
           f"max W-hold {a.max_w_hold}; "
           f"median of {a.iters} microbatches (ms, MiB)")
     head = ("model", "stage", "input grad", "F", "I", "W", "B", "(I+W)/B", "act MiB", "W-hold MiB", "hold/act",
-            "W FLOPs")
+            "W FLOPs", "split F extra (in I)")
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for r in table:
         print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.2f} | {r[4]:.2f} | {r[5]:.2f} | {r[6]:.2f} | {r[7]:.3f} | "
-              f"{r[8]:.1f} | {r[9]:.1f} | {r[10]:.2f} | {r[11]} |")
+              f"{r[8]:.1f} | {r[9]:.1f} | {r[10]:.2f} | {r[11]} | {r[12]:+.2f} |")
     split = [r[7] for r in table if r[2] == "yes"]
     print(f"worst (I+W)/B over stages with an input gradient: {max(split):.3f}; "
           f"worst W-hold / activation: {max(r[10] for r in table):.2f}")
