@@ -122,6 +122,12 @@ def plain_forward() -> Iterator[None]:
         _PLAIN_FORWARD = old
 
 
+def full_backward_forwards(schedule, rank: int) -> frozenset:
+    """(stage, microbatch) of the B actions of `rank` in `schedule`: a split schedule may run some
+    backwards whole (dualpipe-v does); their forwards need no deferral (`plain_forward`)."""
+    return frozenset((a.stage, a.microbatch) for a in schedule.ranks[rank] if a.op.value == "B")
+
+
 def active_queue() -> WeightGradQueue | None:
     """The queue of the I step running now, or None (a full backward: compute everything)."""
     return _ACTIVE

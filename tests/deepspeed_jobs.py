@@ -385,10 +385,11 @@ def hang_worker(rank: int, world: int, spec: dict) -> dict:
     return {"error": None, "elapsed": time.perf_counter() - start, "refused": refused}
 
 
-def allreduce_worker(rank: int, world: int, spec: dict) -> float:
-    """One allreduce through deepspeed.comm (DeepSpeed's CPU shared-memory path)."""
+def allreduce_worker(rank: int, world: int, spec: dict) -> float | list:
+    """One allreduce through deepspeed.comm (DeepSpeed's CPU shared-memory path): its result, or
+    with spec["port"] [result, the job's MASTER_PORT] (its shared-memory buffers are named by it)."""
     from deepspeed import comm as dist
 
     t = torch.ones(spec.get("size", 4))
     dist.all_reduce(t)
-    return float(t[0])
+    return [float(t[0]), os.environ["MASTER_PORT"]] if spec.get("port") else float(t[0])

@@ -226,12 +226,12 @@ def test_launcher_removes_deepspeeds_shared_memory_buffers():
     # (~66 MB each) behind; without the launcher's clean-up a test run fills /dev/shm job by job
     import glob
 
-    pattern = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_*"
-    before = set(glob.glob(pattern))
-    values = [r["value"] for r in launch("deepspeed_jobs:allreduce_worker", 2, {"size": 4},
+    # (only this job's buffers, named by its port: other jobs may run at the same time)
+    values = [r["value"] for r in launch("deepspeed_jobs:allreduce_worker", 2, {"size": 4, "port": True},
                                          timeout_s=100)]
-    assert values == [2.0, 2.0]
-    assert set(glob.glob(pattern)) <= before
+    assert [v[0] for v in values] == [2.0, 2.0]
+    port = values[0][1]
+    assert glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*") == []
 
 
 @pytest.mark.timeout(60)

@@ -354,3 +354,18 @@ def test_plain_forward_runs_torchs_own_linear_and_stays_exact():
     assert not queue.work   # nothing to defer: the native backward computed the weight gradients
     for p, r in zip(mod.parameters(), ref):
         assert torch.allclose(p.grad, r, rtol=1e-6, atol=1e-7)
+
+
+def test_full_backward_forwards_are_the_b_actions_of_a_split_schedule():
+    """dualpipe-v runs some backwards whole: the runtimes run those microbatches' forwards plain."""
+    from koala_ds import library
+    from koala_ds.ir import Op
+
+    sched = library.get("dualpipe-v").compile(4, 8, 2)
+    assert sched.backward == "split"
+    for rank in range(4):
+        found = wgrad.full_backward_forwards(sched, rank)
+        assert found == {(a.stage, a.microbatch) for a in sched.ranks[rank] if a.op is Op.B}
+    assert any(wgrad.full_backward_forwards(sched, rank) for rank in range(4))
+    zb = library.get("zb-h1").compile(4, 8, 1)
+    assert not any(wgrad.full_backward_forwards(zb, rank) for rank in range(4))

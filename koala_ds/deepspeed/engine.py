@@ -361,6 +361,8 @@ class KoalaPipelineEngine(PipelineEngine):
         self._last_stage = placement.num_stages - 1
         # split backward: the layers' weight-gradient GEMMs are queued by I and run by W (koala_ds.wgrad)
         self._wgrad = wgrad.prepare(self.module) if schedule.backward == "split" else None
+        # the forwards of microbatches whose backward is a full B run as an unprepared model would
+        self._plain_forwards = wgrad.full_backward_forwards(schedule, self.stage_id) if self._wgrad else frozenset()
         # the first step learns the messages' shapes at their first receive, so its receives come
         # right before their consumers; later steps post them early (koala_ds.lowering)
         self._first_sched = KoalaPipeSchedule(schedule, self.stage_id, lookahead=0)
@@ -718,7 +720,11 @@ class KoalaPipelineEngine(PipelineEngine):
             buffers["inputs"][buffer_id] = self._mail.pop(Message(ACT, stage, microbatch))
         inputs = buffers["inputs"][buffer_id]
         self._activate(stage)
-        outputs = DeepSpeedEngine.forward(self, inputs)
+        if (stage, microbatch) in self._plain_forwards:
+            with wgrad.plain_forward():
+                outputs = DeepSpeedEngine.forward(self, inputs)
+        else:
+            outputs = DeepSpeedEngine.forward(self, inputs)
         module = self.module  # a submodule: nn.Module.__getattr__ on every lookup
         if not module.training:
             ds_checkpointing.reset()

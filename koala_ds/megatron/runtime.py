@@ -348,6 +348,8 @@ class _StepRunner:
         # deferred weight gradients (koala_ds.wgrad) for the chunks of a split-backward schedule
         self.wgrad = [wgrad.prepare(mod) for mod in models] if self.schedule.backward == "split" \
             and not forward_only else None
+        # the forwards of microbatches whose backward is a full B run as an unprepared model would
+        self.plain_forwards = wgrad.full_backward_forwards(self.schedule, self.rank) if self.wgrad else frozenset()
         self.iterators = [(_ReorderingIterator(it) if reorder and it is not None else it)
                           for it, reorder in zip(self.iterators, self.prep.chunks_reading_data)]
         self.inputs: dict = {}
@@ -463,11 +465,12 @@ class _StepRunner:
             it.current = mb
         is_last = info.is_last
         store: list = []
-        output_tensor, num_tokens = mcs.forward_step(
-            self.forward_step_func, it, self.models[chunk], self.num_microbatches, input_tensor, store, self.config,
-            self.cp_size, self.collect_non_loss_data, None,
-            is_first_microbatch=mcs.check_first_val_step(self.first_val_step, forward_only, first),
-            current_microbatch=mb, vp_stage=chunk if self.v > 1 else None, is_last_stage=is_last)
+        with wgrad.plain_forward() if (s, mb) in self.plain_forwards else contextlib.nullcontext():
+            output_tensor, num_tokens = mcs.forward_step(
+                self.forward_step_func, it, self.models[chunk], self.num_microbatches, input_tensor, store,
+                self.config, self.cp_size, self.collect_non_loss_data, None,
+                is_first_microbatch=mcs.check_first_val_step(self.first_val_step, forward_only, first),
+                current_microbatch=mb, vp_stage=chunk if self.v > 1 else None, is_last_stage=is_last)
         self.forwards_done[chunk] += 1
         if isinstance(num_tokens, torch.Tensor):
             total = self.total_num_tokens
