@@ -211,6 +211,93 @@ def _default_loss(output):
     return output.float().mean() if output.dim() else output.float()
 
 
+@dataclass
+class _StageRun:
+    """One stage under measurement: its forward, I, W and B steps (see `measure_stage`)."""
+
+    module: Any
+    make_input: Callable[[], Any]
+    is_last: bool
+    loss_fn: Callable
+    timer: _Timer
+    deferral: Any  # koala_ds.wgrad.Prepared
+    direct_wgrad: bool
+    gen: Any  # torch.Generator for the output gradients
+    plain_linears: bool  # nn.Linear layers: they run torch's own linear before a full backward
+
+    def forward(self, tracker=None, plain: bool = False):
+        from .. import wgrad
+
+        x = self.make_input()
+        args = x if isinstance(x, tuple) else (x,)
+        hooks = tracker.hooks() if tracker is not None else contextlib.nullcontext()
+        with hooks, (wgrad.plain_forward() if plain and self.plain_linears else contextlib.nullcontext()):
+            t = self.timer.start()
+            out = self.module(*args)
+            if self.is_last:
+                out = self.loss_fn(out)
+            ms = self.timer.stop(t)
+        return args, out, ms
+
+    def output_grad(self, out):
+        import torch
+
+        if self.is_last:
+            return None
+        if not isinstance(out, torch.Tensor):
+            raise NotOneTensor(type(out).__name__)
+        return torch.randn(out.shape, generator=self.gen).to(out.device, out.dtype)
+
+    def backward_input(self, out, grad):
+        with self.deferral.input_step(direct=self.direct_wgrad) as queue:
+            out.backward(grad)
+        return queue
+
+    def timed(self, step: Callable[[], Any]) -> tuple[Any, float]:
+        t = self.timer.start()
+        result = step()
+        return result, self.timer.stop(t)
+
+    def time_one(self, meas: StageMeasurement | None, full_backward: bool) -> None:
+        """One microbatch split (F, I, W), then, with `full_backward`, whole (F, B); recorded
+        into `meas` (None: a warm-up). No hooks: Python callbacks would slow the steps down."""
+        args, out, f_ms = self.forward()
+        grad = self.output_grad(out)
+        queue, i_ms = self.timed(lambda: self.backward_input(out, grad))
+        del args, out
+        _, w_ms = self.timed(queue.run)
+        if meas is not None:
+            meas.forward.append(f_ms)
+            meas.backward_input.append(i_ms)
+            meas.backward_weight.append(w_ms)
+        if full_backward:
+            args, out, f_full = self.forward(plain=True)
+            _, b_ms = self.timed(lambda: out.backward(grad))
+            if meas is not None:
+                meas.backward_full.append(b_ms)
+                if self.plain_linears:
+                    meas.forward_full.append(f_full)
+
+    def memory(self, meas: StageMeasurement, params: list) -> None:
+        """One more microbatch with saved_tensors_hooks: activation, W-hold, output, input gradient."""
+        import torch
+
+        tracker = SavedTensorTracker(params)
+        args, out, _ = self.forward(tracker)
+        grad = self.output_grad(out)
+        if not self.is_last:
+            meas.output_shape, meas.output_dtype = tuple(out.shape), str(out.dtype).replace("torch.", "")
+            meas.output_numel = out.numel()
+            meas.output_bytes = out.numel() * out.element_size()
+        meas.input_grad = len(args) == 1 and isinstance(args[0], torch.Tensor) and args[0].requires_grad
+        meas.activation_bytes = tracker.saved_bytes()
+        queue = self.backward_input(out, grad)
+        del args, out
+        gc.collect()
+        meas.w_hold_bytes = tracker.saved_bytes(alive_only=True) + queue.held_bytes()
+        queue.run()
+
+
 def measure_stage(module, make_input: Callable[[], Any], *, is_last: bool, loss_fn=None, warmup: int = 2,
                   iters: int = 10, device=None, full_backward: bool = True, seed: int = 0,
                   max_hold=DEFAULT, direct_wgrad: bool = False) -> StageMeasurement:
@@ -223,82 +310,14 @@ def measure_stage(module, make_input: Callable[[], Any], *, is_last: bool, loss_
 
     from .. import wgrad
 
-    loss_fn = loss_fn or _default_loss
     deferral = wgrad.prepare(module, max_hold=max_hold)
-    # nn.Linear layers run torch's own linear before a full backward (an unprepared model)
-    plain_linears = any(isinstance(mod, wgrad.DeferrableLinear) for mod in module.modules())
-    plain = wgrad.plain_forward if plain_linears else contextlib.nullcontext
-    params = [p for p in module.parameters() if p.requires_grad]
-    timer = _Timer(device)
+    run = _StageRun(module, make_input, is_last, loss_fn or _default_loss, _Timer(device), deferral, direct_wgrad,
+                    torch.Generator(device="cpu").manual_seed(seed),
+                    any(isinstance(mod, wgrad.DeferrableLinear) for mod in module.modules()))
     meas = StageMeasurement()
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-
-    def forward(tracker):
-        x = make_input()
-        args = x if isinstance(x, tuple) else (x,)
-        with (tracker.hooks() if tracker is not None else contextlib.nullcontext()):
-            t = timer.start()
-            out = module(*args)
-            if is_last:
-                out = loss_fn(out)
-            ms = timer.stop(t)
-        return args, out, ms
-
-    def output_grad(out):
-        if is_last:
-            return None
-        if not isinstance(out, torch.Tensor):
-            raise NotOneTensor(type(out).__name__)
-        return torch.randn(out.shape, generator=gen).to(out.device, out.dtype)
-
-    def backward_input(out, grad):
-        with deferral.input_step(direct=direct_wgrad) as queue:
-            out.backward(grad)
-        return queue
-
-    # timing: no hooks (Python callbacks per saved tensor would slow F and the backward down)
     for k in range(warmup + iters):
-        keep = k >= warmup
-        args, out, f_ms = forward(None)
-        grad = output_grad(out)
-        t = timer.start()
-        queue = backward_input(out, grad)
-        i_ms = timer.stop(t)
-        del args, out
-        t = timer.start()
-        queue.run()
-        w_ms = timer.stop(t)
-        if keep:
-            meas.forward.append(f_ms)
-            meas.backward_input.append(i_ms)
-            meas.backward_weight.append(w_ms)
-        if full_backward:
-            with plain():
-                args, out, f_full = forward(None)
-            t = timer.start()
-            out.backward(grad)
-            b_ms = timer.stop(t)
-            if keep:
-                meas.backward_full.append(b_ms)
-                if plain_linears:
-                    meas.forward_full.append(f_full)
-            del args, out
-    # memory: one more microbatch with saved_tensors_hooks
-    tracker = SavedTensorTracker(params)
-    args, out, _ = forward(tracker)
-    grad = output_grad(out)
-    if not is_last:
-        meas.output_shape, meas.output_dtype = tuple(out.shape), str(out.dtype).replace("torch.", "")
-        meas.output_numel = out.numel()
-        meas.output_bytes = out.numel() * out.element_size()
-    meas.input_grad = len(args) == 1 and isinstance(args[0], torch.Tensor) and args[0].requires_grad
-    meas.activation_bytes = tracker.saved_bytes()
-    queue = backward_input(out, grad)
-    del args, out
-    gc.collect()
-    meas.w_hold_bytes = tracker.saved_bytes(alive_only=True) + queue.held_bytes()
-    queue.run()
-    del queue
+        run.time_one(meas if k >= warmup else None, full_backward)
+    run.memory(meas, [p for p in module.parameters() if p.requires_grad])
     module.zero_grad(set_to_none=True)
     fraction = deferral.deferred_fraction()
     meas.w_flops_deferred = None if fraction is None else round(fraction, 6)
