@@ -409,7 +409,9 @@ def test_launcher_patch_applies_and_the_flag_reaches_the_engine(tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{copy}{os.pathsep}{REPO}", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
            "TORCH_EXTENSIONS_DIR": str(DEFAULT_EXTENSIONS_DIR)}
     env.pop("DS_PIPELINE_SCHEDULE", None)
-    port = str(29500 + os.getpid() % 1000)
+    from koala_ds.spawn import free_port
+
+    port = str(free_port())
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", port,
            "--pipeline_schedule", "koala", "--koala_schedule", "zb-h1", str(script)]
     try:

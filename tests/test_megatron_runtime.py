@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+from koala_ds.spawn import free_port
+
 pytestmark = pytest.mark.slow  # multi-process
 torch = pytest.importorskip("torch")
 
@@ -28,6 +30,7 @@ def _megatron_core():
 
 
 def _launch(tmp_path_factory, world: int, suite: str, port: int, timeout: int) -> list[dict]:
+    # a free port, not a fixed one: under xdist two workers may each launch a suite at once
     out = tmp_path_factory.mktemp(suite) / "result.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run([sys.executable, os.path.join(HERE, "megatron_worker.py"), "--world", str(world),
@@ -39,12 +42,12 @@ def _launch(tmp_path_factory, world: int, suite: str, port: int, timeout: int) -
 
 @pytest.fixture(scope="module")
 def pp2(tmp_path_factory):
-    return _launch(tmp_path_factory, 2, "pp2", 29611, 400)
+    return _launch(tmp_path_factory, 2, "pp2", free_port(), 400)
 
 
 @pytest.fixture(scope="module")
 def pp4(tmp_path_factory):
-    return _launch(tmp_path_factory, 4, "pp4", 29631, 600)
+    return _launch(tmp_path_factory, 4, "pp4", free_port(), 600)
 
 
 def _entries(ranks, topology):

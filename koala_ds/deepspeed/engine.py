@@ -304,23 +304,7 @@ class KoalaPipelineEngine(PipelineEngine):
             raise KoalaConfigError("KoalaPipelineEngine needs model=<a deepspeed.pipe.PipelineModule> (keyword)")
         config_class = ensure_config_class(kwargs)
         # Everything below is checked before any communication (the parent's __init__ talks).
-        placement = module_placement(model)
-        m = config_class.gradient_accumulation_steps
-        kcfg = KoalaPipelineConfig.from_pipeline_section(config_class.pipeline)
-        spec = koala_schedule if koala_schedule is not None else kcfg.schedule
-        if spec is None:
-            if placement.chunks_per_rank != 1:
-                raise KoalaConfigError('the model holds several chunks per rank: name a schedule in '
-                                       '"pipeline": {"koala": {"schedule": ...}} (e.g. interleaved-1f1b, zb-v)')
-            spec = "1f1b"
-        shown = spec.name if isinstance(spec, Schedule) else str(spec)
-        if koala_schedule is not None:
-            source = f"koala_schedule={shown!r}"
-        elif kcfg.schedule is not None:
-            source = f'"pipeline.koala.schedule" = {shown!r} (or {ENV_KOALA_SCHEDULE})'
-        else:
-            source = f"the default schedule {shown!r}"
-        schedule = resolve(spec, placement.p, m, placement.chunks_per_rank, DEEPSPEED, source, placement)
+        schedule, placement, kcfg = self._resolve_schedule(model, config_class, koala_schedule)
         self._check_config(config_class)
         if kcfg.parts is not None:
             try:
@@ -343,6 +327,36 @@ class KoalaPipelineEngine(PipelineEngine):
         if self.dynamic_shape:
             raise KoalaConfigError("the Koala engine exchanges activation shapes once per stage boundary: "
                                    "build the PipelineModule with dynamic_shape=False")
+        self._init_koala_state(schedule, placement, kcfg)
+        self._koala_ready = True
+        if self.global_rank == 0:
+            logger.info("Koala schedule %r: p=%d m=%d v=%d backward=%s, %d buffers on rank 0",
+                        schedule.name, schedule.p, schedule.m, schedule.v, schedule.backward,
+                        self._train_sched.num_pipe_buffers())
+
+    @staticmethod
+    def _resolve_schedule(model, config_class, koala_schedule) -> tuple[Schedule, Placement, "KoalaPipelineConfig"]:
+        """The schedule to run (fitted to the model's placement and m), before any communication."""
+        placement = module_placement(model)
+        m = config_class.gradient_accumulation_steps
+        kcfg = KoalaPipelineConfig.from_pipeline_section(config_class.pipeline)
+        spec = koala_schedule if koala_schedule is not None else kcfg.schedule
+        if spec is None:
+            if placement.chunks_per_rank != 1:
+                raise KoalaConfigError('the model holds several chunks per rank: name a schedule in '
+                                       '"pipeline": {"koala": {"schedule": ...}} (e.g. interleaved-1f1b, zb-v)')
+            spec = "1f1b"
+        shown = spec.name if isinstance(spec, Schedule) else str(spec)
+        if koala_schedule is not None:
+            source = f"koala_schedule={shown!r}"
+        elif kcfg.schedule is not None:
+            source = f'"pipeline.koala.schedule" = {shown!r} (or {ENV_KOALA_SCHEDULE})'
+        else:
+            source = f"the default schedule {shown!r}"
+        return resolve(spec, placement.p, m, placement.chunks_per_rank, DEEPSPEED, source, placement), placement, kcfg
+
+    def _init_koala_state(self, schedule: Schedule, placement: Placement, kcfg) -> None:
+        """The runtime's state, once the parent engine is set up."""
         try:  # how wait_work waits: gloo's wait(timeout), else polling until the deadline
             self._koala_gloo = "gloo" in str(torch.distributed.get_backend()).lower()
         except (RuntimeError, ValueError):
@@ -375,11 +389,6 @@ class KoalaPipelineEngine(PipelineEngine):
         self._meta_sent: set[int] = set()
         self._grad_specs: dict[int, list] = {}  # stage -> shapes of its output's gradients
         self._reset_step_state()
-        self._koala_ready = True
-        if self.global_rank == 0:
-            logger.info("Koala schedule %r: p=%d m=%d v=%d backward=%s, %d buffers on rank 0",
-                        schedule.name, schedule.p, schedule.m, schedule.v, schedule.backward,
-                        self._train_sched.num_pipe_buffers())
 
     # -- set-up checks ------------------------------------------------------------------
     @staticmethod

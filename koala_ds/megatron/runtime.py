@@ -154,6 +154,31 @@ def _message_shape(config, seq_length: int, micro_batch_size: int, cp_size: int,
     return shape
 
 
+def _comm_setting(config, pp_group, model) -> tuple:
+    """(message dtype, gloo?, the model's device, the device messages travel on)."""
+    p = pp_group.size()
+    dtype = config.pipeline_dtype
+    if dtype is None and p > 1:
+        raise MegatronScheduleError("config.pipeline_dtype must be set for pipeline parallelism "
+                                    "(TransformerConfig(pipeline_dtype=...), e.g. torch.float32)")
+    gloo = (dist.get_backend(pp_group) if p > 1 else "gloo") == "gloo"
+    model_device = next((q.device for q in model.parameters()), torch.device("cpu"))
+    comm_device = torch.device("cpu") if gloo else (model_device if model_device.type == "cuda"
+                                                    else torch.device("cuda", torch.cuda.current_device()))
+    return dtype, gloo, model_device, comm_device
+
+
+def _losses_to_last_rank(schedule: Schedule, comm, losses: list, rank: int, p: int, model_device) -> list:
+    """Megatron-LM reads the losses on the last pipeline rank; a V-shape computes them elsewhere."""
+    holder = schedule.placement.rank_of(schedule.num_stages - 1)
+    if holder == p - 1:
+        return losses
+    if rank == holder:
+        comm.send_object(losses, p - 1)
+        return []
+    return comm.recv_object(holder, model_device) if rank == p - 1 else losses
+
+
 class KoalaForwardBackward:
     """Callable with megatron-core's forward_backward_func keyword signature."""
 
@@ -224,15 +249,7 @@ class KoalaForwardBackward:
 
         shape = _message_shape(config, decoder_seq_length or seq_length, micro_batch_size, cp_group.size(),
                                tp_group.size(), adjust_tensor_shapes_fn)
-        dtype = config.pipeline_dtype
-        if dtype is None and p > 1:
-            raise MegatronScheduleError("config.pipeline_dtype must be set for pipeline parallelism "
-                                        "(TransformerConfig(pipeline_dtype=...), e.g. torch.float32)")
-        backend = dist.get_backend(pp_group) if p > 1 else "gloo"
-        gloo = backend == "gloo"
-        model_device = next((q.device for q in models[0].parameters()), torch.device("cpu"))
-        comm_device = torch.device("cpu") if gloo else (model_device if model_device.type == "cuda"
-                                                        else torch.device("cuda", torch.cuda.current_device()))
+        dtype, gloo, model_device, comm_device = _comm_setting(config, pp_group, models[0])
         # every blocking collective of the call (finalize_model_grads_func's all-reduces, grad / param
         # sync, timers' barriers, ...) waits at most the pipeline timeout, as the p2p waits do
         waiter = CollectiveWaiter(f"koala runtime: rank {dist.get_rank()} (pipeline rank {rank})", self.timeout_s,
@@ -259,13 +276,7 @@ class KoalaForwardBackward:
             runner.run()
             losses = runner.losses()
             comm.finish()
-            # megatron-LM reads the losses on the last pipeline rank; a V-shape puts the loss elsewhere
-            if schedule.placement.rank_of(schedule.num_stages - 1) != p - 1:
-                if holds_last:
-                    comm.send_object(losses, p - 1)
-                    losses = []
-                elif rank == p - 1:
-                    losses = comm.recv_object(schedule.placement.rank_of(schedule.num_stages - 1), model_device)
+            losses = _losses_to_last_rank(schedule, comm, losses, rank, p, model_device)
 
             if config.finalize_model_grads_func is not None and not forward_only:
                 mcs.finish_embedding_wgrad_compute(config, embedding_module, holds_last, tp_group)
