@@ -125,11 +125,7 @@ def variants(profile: CostProfile, p: int) -> dict[int, CostProfile]:
 # -- prediction ----------------------------------------------------------------------------------
 def predict(schedule: Schedule, profile: CostProfile, overhead_ms: float = 0.0) -> float:
     """Simulated makespan (async sends) with `overhead_ms` added to every action (F, I, W, B)."""
-    if overhead_ms:  # B is one action: it gets the overhead once (not as I + W, twice)
-        st = tuple(dataclasses.replace(s, forward=s.forward + overhead_ms, backward_input=s.backward_input + overhead_ms,
-                                       backward_weight=s.backward_weight + overhead_ms,
-                                       backward_full=s.backward + overhead_ms) for s in profile.stages)
-        profile = dataclasses.replace(profile, stages=st)
+    profile = with_overhead(profile, overhead_ms)
     return Simulator(profile, schedule.placement, schedule.m, schedule.backward).makespan(schedule.ranks)
 
 
@@ -150,9 +146,13 @@ def fit_overhead(schedule: Schedule, profile: CostProfile, measured: float) -> f
 
 # -- choosing the schedules ------------------------------------------------------------------------
 def with_overhead(profile: CostProfile, overhead_ms: float) -> CostProfile:
+    """`overhead_ms` added to every action: F, I, W and B (B is one action: once, not as I + W
+    twice, so a profile without `backward` gets one with B = I + W + overhead)."""
+    if not overhead_ms:
+        return profile
     st = tuple(dataclasses.replace(s, forward=s.forward + overhead_ms, backward_input=s.backward_input + overhead_ms,
                                    backward_weight=s.backward_weight + overhead_ms,
-                                   backward_full=None if s.backward_full is None else s.backward_full + overhead_ms)
+                                   backward_full=s.backward + overhead_ms)
                for s in profile.stages)
     return dataclasses.replace(profile, stages=st)
 

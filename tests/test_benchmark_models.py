@@ -28,3 +28,16 @@ def test_each_v_is_modelled_by_its_own_profile_not_by_merging_the_finer_one():
     assert E.predict(sched, model) < merged  # the balanced split the runtime runs is faster
     for label, (sched, model) in chosen.items():
         assert model is {1: v1, 2: v2}[sched.v], label
+
+
+def test_the_search_and_the_prediction_charge_a_full_backward_one_overhead():
+    """B is one action: with a per-action overhead it costs I + W + overhead, not I + W + 2 x
+    overhead, also where the profile gives no B (the search's model once charged it twice)."""
+    no_b = CostProfile(tuple(StageCost(2.0, 2.0, 1.0, 1.0, 1.0) for _ in range(2)), 0.0, None, "test")
+    model = E.with_overhead(no_b, 0.5)
+    assert all(s.backward == 2.0 + 1.0 + 0.5 and s.forward == 2.5 for s in model.stages)
+    from koala_ds.library import load_schedule
+    from koala_ds.sim import Simulator
+
+    one = load_schedule("1f1b", 2, 4, 1)
+    assert E.predict(one, no_b, 0.5) == Simulator(model, one.placement, 4, one.backward).makespan(one.ranks)
