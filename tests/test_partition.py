@@ -45,6 +45,7 @@ def write(tmp_path, data) -> str:
     (lambda d: d["layers"][1].update(param_mb="big"), "layers[1].param_mb"),
     (lambda d: d["layers"][1].update(colour=1), "layers[1]"),
     (lambda d: d.update(optimizer_bytes_per_param_byte=-3), "optimizer_bytes_per_param_byte"),
+    (lambda d: d.update(action_overhead="x"), "action_overhead"),
     (lambda d: d.update(stages=[]), "'stages' and 'layers'"),
     (lambda d: d.update(version=2), "'version'"),
     (lambda d: d.pop("p2p_latency"), "'p2p_latency'"),
@@ -284,3 +285,11 @@ def test_search_partition_errors_name_parameters_the_cli_words_as_flags():
         with pytest.raises(SearchError) as exc:
             search_partition(lp, args.pop("p"), args.pop("m"), **args)
         assert exc.value.parameter == parameter and worded in exc.value.worded(FLAGS)
+
+
+def test_action_overhead_is_added_once_per_stage_not_per_layer():
+    plain, extra = LayerProfile.from_dict(tiny()), LayerProfile.from_dict(tiny(action_overhead=0.5))
+    a, b = plain.stage_cost(range(0, 3)), extra.stage_cost(range(0, 3))   # three layers, one stage
+    assert (b.forward, b.backward_input, b.backward_weight, b.backward) == \
+        (a.forward + 0.5, a.backward_input + 0.5, a.backward_weight + 0.5, a.backward + 0.5)
+    assert LayerProfile.from_dict(extra.to_dict()) == extra

@@ -165,14 +165,16 @@ def test_koala_profile_megatron_gpt_cli(tmp_path):
     out = tmp_path / "gpt.json"
     proc = subprocess.run([sys.executable, "-m", "koala_ds.cli", "profile", "megatron-gpt", "--num-layers", "2",
                            "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8", "-p", "2",
-                           "--warmup", "1", "--iters", "2", "--p2p-latency", "0.05", "-o", str(out)],
+                           "--warmup", "1", "--iters", "2", "--p2p-latency", "0.05", "--action-overhead", "0.3",
+                           "-o", str(out)],
                           capture_output=True, text=True, timeout=110,
                           env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     prof = load_profile(out)
     assert prof.num_stages == 2 and prof.p2p_latency == 0.05
     data = json.loads(out.read_text())
-    assert data["meta"]["model"] == "megatron-gpt"
+    assert data["meta"]["model"] == "megatron-gpt" and data["action_overhead"] == 0.3
+    assert prof.stages[0].forward == pytest.approx(data["stages"][0]["forward"] + 0.3)  # loading adds it
     # seq 8 x micro-batch 2 x hidden 16 fp32 crosses the stage boundary
     assert data["meta"]["stages"][0]["output_shape"] == [8, 2, 16]
     for st in prof.stages:

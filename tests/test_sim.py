@@ -13,6 +13,7 @@ from koala_ds import library
 from koala_ds.cli import main
 from koala_ds.ir import Action, Op, Placement, Schedule, ScheduleError
 from koala_ds.sim import CostProfile, Simulator, StageCost, load_profile, random_schedule, simulate
+from koala_ds.sim.profile import ProfileError
 from koala_ds.validate import validate
 
 A = Action.parse
@@ -103,6 +104,26 @@ def test_hand_computed_1f1b_uses_the_profiles_full_backward():
     assert r.busy == pytest.approx((4.4, 9))
     # the same order with B = I + W (no field) is the 14 ms of the hand-computed case above
     assert simulate(s, two_stage_profile()).makespan == 14
+
+
+def test_action_overhead_is_added_once_to_every_action():
+    """`action_overhead` (the runtime's cost per action): F, I, W and B each get it once, a B
+    without the profile's `backward` too (it is one action, not I and W)."""
+    data = two_stage_profile().to_dict()
+    data["stages"][1]["backward"] = 2.5
+    base = CostProfile.from_dict(data)
+    data["action_overhead"] = 0.25
+    prof = CostProfile.from_dict(data)
+    for a, b in zip(base.stages, prof.stages):
+        assert (b.forward, b.backward_input, b.backward_weight, b.backward) == \
+            (a.forward + 0.25, a.backward_input + 0.25, a.backward_weight + 0.25, a.backward + 0.25)
+    assert prof.stages[0].backward == 1.5 + 0.5 + 0.25   # no `backward` in the file: I + W + one overhead
+    s = sched(Placement.named("linear", 2), 2, ["0F0 0F1 0B0 0B1", "1F0 1B0 1F1 1B1"])
+    assert simulate(s, prof).makespan > simulate(s, base).makespan
+    assert CostProfile.from_dict(prof.to_dict()) == prof   # written back folded, read back the same
+    data["action_overhead"] = -1
+    with pytest.raises(ProfileError, match="action_overhead"):
+        CostProfile.from_dict(data, source="p.json")
 
 
 def test_split_actions_keep_i_and_w_when_b_is_given():

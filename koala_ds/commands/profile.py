@@ -34,6 +34,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=10, help="microbatches measured per stage; the median counts (default 10)")
     p.add_argument("--p2p-latency", type=nonnegative_float, default=None, metavar="MS",
                    help="write this p2p latency instead of measuring it (2-process gloo ping-pong)")
+    p.add_argument("--action-overhead", type=nonnegative_float, default=None, metavar="MS",
+                   help="write the runtime's cost per action on top of the measured compute (Python, launch, "
+                        "messages' CPU): simulate and search add it to every F, I, W and B; matters when stage "
+                        "times are a few ms or less (measure it: benchmarks/engine_speedup.py --overhead-only)")
     p.add_argument("--p2p-timeout", type=positive_float, default=120.0, metavar="S", help="deadline of the ping-pong (default 120 s)")
     p.add_argument("--memory-limit", type=positive_float, default=None, metavar="MB", help="write this per-rank memory limit")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -86,10 +90,22 @@ def _share(fraction) -> str:
     return f"{'-':>7}" if fraction is None else f"{100 * fraction:>6.0f}%"
 
 
+def _with_overhead(args, data: dict) -> dict:
+    """--action-overhead into the profile (a top-level field, after `p2p_latency`)."""
+    if args.action_overhead is None:
+        return data
+    out = {}
+    for key, value in data.items():
+        out[key] = value
+        if key == "p2p_latency":
+            out["action_overhead"] = args.action_overhead
+    return out
+
+
 def _finish(args, result) -> int:
     from ..sim import CostProfile
 
-    data = result.to_dict()
+    data = _with_overhead(args, result.to_dict())
     CostProfile.from_dict(data, source=args.output)  # what we write must load
     atomic_write(args.output, dumps_json(data, indent=1) + "\n", "-o")
     print(f"{'stage':>5}  {'F ms':>9}  {'I ms':>9}  {'W ms':>9}  {'B ms':>9}  {'(I+W)/B':>7}  {'act MiB':>9}  "
@@ -100,7 +116,8 @@ def _finish(args, result) -> int:
         print(f"{s:>5}  {st['forward']:>9.4g}  {st['backward_input']:>9.4g}  {st['backward_weight']:>9.4g}  "
               f"{b if b is not None else float('nan'):>9.4g}  {ratio}  {st['activation_mb']:>9.4g}  {st['w_hold_mb']:>10.4g}"
               f"  {_share(meta.get('w_flops_deferred'))}")
-    print(f"p2p latency {data['p2p_latency']:.4g} ms ({data['meta']['p2p_latency']}); timer: {data['meta']['timer']}")
+    print(f"p2p latency {data['p2p_latency']:.4g} ms ({data['meta']['p2p_latency']}); timer: {data['meta']['timer']}"
+          + (f"; action overhead {data['action_overhead']:g} ms (given)" if "action_overhead" in data else ""))
     print(f"wrote {args.output}; next: koala search --profile {args.output} -m <microbatches> -o best.koala"
           + (f" -v {args.v}" if args.v > 1 else ""))
     return 0
@@ -110,7 +127,7 @@ def _finish_layers(args, result) -> int:
     from ..profiler.layers import stage_shaped
     from ..sim import CostProfile
 
-    data = result.to_dict()
+    data = _with_overhead(args, result.to_dict())
     CostProfile.from_dict(stage_shaped(data), source=args.output)  # every entry carries valid stage fields
     atomic_write(args.output, dumps_json(data, indent=1) + "\n", "-o")
     print(f"{'layer':<14} {'kind':<11} {'F ms':>9}  {'I ms':>9}  {'W ms':>9}  {'B ms':>9}  {'act MiB':>9}  "

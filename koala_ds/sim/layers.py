@@ -29,14 +29,15 @@ from typing import Any, Sequence
 
 from ..ir import Placement
 from .profile import (PROFILE_VERSION, CostProfile, ProfileError, StageCost, _number, check_header,
-                      check_latency_and_limit, resolve_profile)
+                      check_latency_and_limit, resolve_profile, with_action_overhead)
 
 log = logging.getLogger(__name__)
 
 LAYER_FIELDS = ("forward", "backward_input", "backward_weight", "activation_mb", "w_hold_mb", "output_mb")
 OPTIONAL_LAYER_FIELDS = ("name", "kind", "backward", "param_mb")
 LAYER_KINDS = ("embedding", "transformer", "output", "other")
-TOP_FIELDS = ("version", "layers", "p2p_latency", "memory_limit_mb", "optimizer_bytes_per_param_byte")
+TOP_FIELDS = ("version", "layers", "p2p_latency", "memory_limit_mb", "optimizer_bytes_per_param_byte",
+              "action_overhead")
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class LayerProfile:
     memory_limit_mb: float | tuple[float, ...] | None = None
     optimizer_bytes_per_param_byte: float = 0.0
     source: str = "<layer profile>"
+    action_overhead: float = 0.0  # ms per action, added once to each stage's F, I, W and B (see sim.profile)
 
     @property
     def num_layers(self) -> int:
@@ -102,9 +104,10 @@ class LayerProfile:
         """The cost of a stage made of these layers: sums of their costs."""
         ls = [self.layers[i] for i in layers]
         full = sum(x.backward for x in ls) if any(x.backward_full is not None for x in ls) else None
-        return StageCost(sum(x.forward for x in ls), sum(x.backward_input for x in ls),
+        cost = StageCost(sum(x.forward for x in ls), sum(x.backward_input for x in ls),
                          sum(x.backward_weight for x in ls), sum(x.activation_mb for x in ls),
                          sum(x.w_hold_mb for x in ls), full)
+        return with_action_overhead(cost, self.action_overhead) if self.action_overhead else cost
 
     def rank_static_mb(self, partition: Sequence[int], placement: Placement) -> list[float]:
         """Static memory (MB) of each rank under `partition` and `placement`."""
@@ -168,7 +171,8 @@ class LayerProfile:
         elif limit is not None:
             limit = float(limit)
         return cls(layers, float(data["p2p_latency"]), limit,
-                   float(data.get("optimizer_bytes_per_param_byte", 0.0)), source)
+                   float(data.get("optimizer_bytes_per_param_byte", 0.0)), source,
+                   float(data.get("action_overhead", 0.0)))
 
     def to_dict(self) -> dict:
         out: dict[str, Any] = {"version": PROFILE_VERSION, "layers": [_layer_dict(x) for x in self.layers],
@@ -178,6 +182,8 @@ class LayerProfile:
             out["memory_limit_mb"] = list(lim) if isinstance(lim, tuple) else lim
         if self.optimizer_bytes_per_param_byte:
             out["optimizer_bytes_per_param_byte"] = self.optimizer_bytes_per_param_byte
+        if self.action_overhead:
+            out["action_overhead"] = self.action_overhead
         return out
 
 

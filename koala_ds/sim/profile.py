@@ -14,7 +14,11 @@ frees all of it. A full B takes `backward` when the stage gives it (optional: th
 full backward, which on real hardware is often less than I + W) and `backward_input +
 backward_weight` otherwise; no relation between B and I + W is imposed. `p2p_latency` is paid
 on every dependency between stages on different ranks. `memory_limit_mb` (a number or one per
-rank) is optional. Loading validates everything; every error names the file and the field.
+rank) is optional. `action_overhead` (optional, ms, default 0) is what the runtime costs per
+action on top of the compute the stage times measure (its Python, the launch, the CPU side of
+messages): loading adds it to every F, I, W and B (B is one action: it gets it once, so a
+profile without `backward` gets B = I + W + action_overhead). Loading validates everything;
+every error names the file and the field.
 """
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ PROFILE_VERSION = 1
 STAGE_FIELDS = ("forward", "backward_input", "backward_weight", "activation_mb", "w_hold_mb")
 #: Optional per-stage fields: `backward`, the full backward's time (default I + W).
 OPTIONAL_STAGE_FIELDS = ("backward",)
-TOP_FIELDS = ("version", "stages", "p2p_latency", "memory_limit_mb")
+TOP_FIELDS = ("version", "stages", "p2p_latency", "memory_limit_mb", "action_overhead")
 #: Free-form top-level fields that are kept out of validation (the profiler writes its notes there).
 FREE_FIELDS = ("name", "description", "meta")
 
@@ -73,6 +77,12 @@ class StageCost:
         if self.backward_full is not None:
             out["backward"] = self.backward_full
         return out
+
+
+def with_action_overhead(cost: StageCost, overhead: float) -> StageCost:
+    """`cost` with `overhead` ms added to each action: F, I, W and B (once: B is one action)."""
+    return StageCost(cost.forward + overhead, cost.backward_input + overhead, cost.backward_weight + overhead,
+                     cost.activation_mb, cost.w_hold_mb, cost.backward + overhead)
 
 
 #: The largest time (ms) or size (MB) a profile may give: 1e12 ms is 31 years, 1e12 MB an
@@ -138,6 +148,9 @@ class CostProfile:
         stages = tuple(StageCost(*(float(entry[name]) for name in STAGE_FIELDS),
                                  backward_full=float(entry["backward"]) if "backward" in entry else None)
                        for entry in data["stages"])
+        overhead = float(data.get("action_overhead", 0.0))
+        if overhead:
+            stages = tuple(with_action_overhead(c, overhead) for c in stages)
         limit = data.get("memory_limit_mb")
         if isinstance(limit, list):
             limit = tuple(float(x) for x in limit)
@@ -250,6 +263,8 @@ def _check(data: Any, source: str) -> None:
 def check_latency_and_limit(data: dict, source: str) -> None:
     """`p2p_latency` a number; `memory_limit_mb` (optional) a number or one per rank."""
     _number(data["p2p_latency"], f"{source}: p2p_latency")
+    if "action_overhead" in data:
+        _number(data["action_overhead"], f"{source}: action_overhead")
     limit = data.get("memory_limit_mb")
     if isinstance(limit, (list, tuple)):
         if not limit:
