@@ -17,12 +17,18 @@ next(s); W(s) needs I(s) (same rank). Dependencies within a rank are kept by the
 so only the slots are timed. Without a profile every action lasts 1 and an activation counts 1
 (F +1, I/B -1, W 0): the validator's unit-time dry run.
 
+`run_async` is the one timing loop (the simulator, the validator's dry run and the search run
+it). Blocking sends (the simulator's rendezvous mode) run through it too, as two steps added
+per message between ranks (`rendezvous_steps`): no second loop to keep in step with the first.
+
 `inputs_of(op, stage)` gives the same dependencies per group (op, stage), local ones included,
 for the models that reason per group (the bound, the exact solver); there the input gradient
 comes from the configuration's backward kind (I with split backward, B with full).
 """
 from __future__ import annotations
 
+import functools
+from itertools import chain, compress
 from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import numpy as np
@@ -63,6 +69,17 @@ class Stall(NamedTuple):
 
     pos: list[int]
     avail: list[float]
+
+
+class Steps(NamedTuple):
+    """The per-code tables a timing run reads (`Lowered.run_async`): the lowered codes' own, or
+    with the steps of blocking sends added (`Lowered.rendezvous_steps`)."""
+
+    dur: list[float]
+    dep: list[int]
+    out: list[int]
+    out_lat: list[float]
+    nslots: int
 
 
 class _Unit(NamedTuple):
@@ -210,17 +227,20 @@ class Lowered:
         return self.latency if ranks[a] != ranks[b] else 0.0
 
     # -- timing -------------------------------------------------------------------------
-    def run_async(self, codes: Sequence[Sequence[int]], record: bool
+    def run_async(self, codes: Sequence[Sequence[int]], record: bool, steps: Steps | None = None
                   ) -> tuple[list[float], list[list[float]], list[int], list[float]]:
         """Time orders with non-blocking sends: (finish of each rank, start of each action per
         rank if `record`, how far each rank got, when each slot arrived). Unchecked: the
-        caller makes sure the orders are complete and locally ordered."""
+        caller makes sure the orders are complete and locally ordered. `steps`: other tables
+        (`run_rendezvous`)."""
         # Each rank runs until its next action waits for a slot no one has filled yet; it then
         # registers as that slot's (only) waiter and is pushed back when the slot is filled.
-        dur, dep, out, olat = self.dur, self.dep, self.out, self.out_lat
-        p = self.p
-        avail = [-1.0] * self.nslots  # when the slot's data is at its consumer's rank
-        waiter = [-1] * self.nslots
+        # The one event loop of the package: keep it lean (the search's inner loop runs it).
+        low = self if steps is None else steps
+        dur, dep, out, olat = low.dur, low.dep, low.out, low.out_lat
+        p = len(codes)
+        avail = [-1.0] * low.nslots  # when the slot's data is at its consumer's rank
+        waiter = [-1] * low.nslots
         pos = [0] * p
         free = [0.0] * p
         starts: list[list[float]] = [[] for _ in range(p)]
@@ -256,6 +276,48 @@ class Lowered:
             pos[r] = i
             free[r] = t
         return free, starts, pos, avail
+
+    @functools.cached_property
+    def rendezvous_steps(self) -> Steps:
+        """The tables with blocking sends (codes and slots past the lowered ones). The message in
+        slot k, from X on rank A to Y on rank B != A, becomes two more steps: B's *post* of the
+        receive (code ncodes + nslots + k), just before Y: it takes no time and fills slot
+        nslots + k as B reaches Y; A's *send* (code ncodes + k), just after X: it waits for that
+        post, lasts `latency` and fills slot k. So A is free again, and Y's input is there, at
+        max(end of X, B reaches Y) + latency: the rule of koala_ds.sim.simulator."""
+        n, k = self.ncodes, self.nslots
+        out = [-1 if cross else o for o, cross in zip(self.out, self.out_cross)]
+        return Steps(self.dur + [self.latency] * k + [0.0] * k, self.dep + list(range(k, 2 * k)) + [-1] * k,
+                     out + list(range(2 * k)), [0.0] * (n + 2 * k), 2 * k)
+
+    @functools.cached_property
+    def _with_steps(self) -> tuple[list[tuple[int, ...]], list[bool]]:
+        """Per code, the steps it runs as with blocking sends (post, the code, send); per step
+        code of `rendezvous_steps`, whether it is an action (not a post or a send)."""
+        n, k = self.ncodes, self.nslots
+        expand = [(n + k + d,) * x + (c,) + (n + o,) * y for c, d, x, o, y in
+                  zip(range(n), self.dep, self.dep_cross, self.out, self.out_cross)]
+        return expand, [True] * n + [False] * (2 * k)
+
+    def run_rendezvous(self, codes: Sequence[Sequence[int]], record: bool
+                       ) -> tuple[list[float], list[list[float]], list[int], list[int]]:
+        """Time orders with blocking sends (`rendezvous_steps`): (finish of each rank, start of
+        each action per rank if `record`, how far each rank got, the slot each rank is blocked
+        sending or -1). Unchecked, as `run_async`."""
+        n, k = self.ncodes, self.nslots
+        expand, is_action = self._with_steps
+        orders = [list(chain.from_iterable(map(expand.__getitem__, order))) for order in codes]
+        free, starts, pos, _ = self.run_async(orders, record, self.rendezvous_steps)
+        sending = [-1] * self.p
+        for r, (steps, j) in enumerate(zip(orders, pos)):
+            if record:
+                starts[r] = list(compress(starts[r], map(is_action.__getitem__, steps)))
+            if j < len(steps):  # stalled: count the actions done (a blocked send's action too)
+                sending[r] = steps[j] - n if n <= steps[j] < n + k else -1
+                pos[r] = sum(1 for c in steps[:j] if c < n)
+            else:
+                pos[r] = len(codes[r])
+        return free, starts, pos, sending
 
     def try_times(self, codes: Sequence[Sequence[int]], record: bool = True
                   ) -> tuple[list[float], list[list[float]]] | Stall:

@@ -140,3 +140,22 @@ def test_validate_names_where_each_rank_waits_in_a_deadlock():
            "rank 1 waits at 1F1 for 0F1" in str(err.value)
     ok = validate(Schedule(2, 2, 1, pl, (r0[:1] + r0[2:3] + r0[1:2] + r0[3:], r1), "full", "y"))
     assert ok.steps == [[0, 1, 4, 5], [1, 2, 3, 4]] and ok.makespan == 6 and ok.peak_in_flight == [2, 2]
+
+
+def test_rendezvous_steps_report_the_blocked_sends():
+    """Blocking sends run as added post/send steps in the one timing loop; the results speak of
+    the orders' own actions: starts per action, how far each rank got, the slot it is sending."""
+    placement, m = Placement.named("linear", 2, 1), 2
+    profile = CostProfile((StageCost(1.0, 1.5, 0.5, 10.0, 4.0), StageCost(2.0, 2.0, 1.0, 20.0, 5.0)), 0.5)
+    low = Lowered(placement, m, "full", profile)
+    ranks = [[Action.parse(x) for x in r.split()] for r in ("0F0 0F1 0B0 0B1", "1F0 1B0 1F1 1B1")]
+    free, starts, pos, sending = low.run_rendezvous(low.encode(ranks), record=True)
+    # 0F0 [0,1] is received at once (rank 1 posted at 0): rank 0 free at 1.5; 0F1 [1.5,2.5] then
+    # waits in its send for 1F1, behind 1B0 [3.5,6.5], whose send waits for 0B0: a deadlock.
+    assert starts == [[0.0, 1.5], [1.5, 3.5]]
+    assert pos == [2, 2]
+    assert sending == [low.out[low.code(Action.parse("0F1"))], low.out[low.code(Action.parse("1B0"))]]
+    assert sending == [0 * m + 1, 2 * m + 1 * m + 0]
+    ranks[1] = [Action.parse(x) for x in "1F0 1F1 1B0 1B1".split()]
+    free, starts, pos, sending = low.run_rendezvous(low.encode(ranks), record=False)
+    assert (free, starts, pos, sending) == ([15.0, 13.0], [[], []], [4, 4], [-1, -1])

@@ -231,8 +231,11 @@ class Simulator:
             if any(pos[r] < len(codes[r]) for r in range(self.p)):
                 self._deadlock(codes, pos, [-1] * self.p, "async")
             return free, starts
-        if mode == "rendezvous":
-            return self._run_rendezvous(codes)
+        if mode == "rendezvous":  # the same loop, with a post and a send step per message between ranks
+            free, starts, pos, sending = self.lowered.run_rendezvous(codes, record)
+            if any(pos[r] < len(codes[r]) or sending[r] >= 0 for r in range(self.p)):
+                self._deadlock(codes, pos, sending, "rendezvous")
+            return free, starts
         raise ScheduleError(f"unknown simulation mode {mode!r}; use one of {', '.join(MODES)}")
 
     def try_times(self, codes: Sequence[Sequence[int]], record: bool = True
@@ -246,74 +249,6 @@ class Simulator:
     def inputs(self) -> list[int]:
         """Per action code, the slot (another stage's output) it waits for; -1 if none."""
         return self.lowered.dep
-
-    def _run_rendezvous(self, codes: list[list[int]]) -> tuple[list[float], list[list[float]]]:
-        low = self.lowered
-        dur, dep, out, dcross, ocross = low.dur, low.dep, low.out, low.dep_cross, low.out_cross
-        lat = self.latency
-        p, ns = self.p, low.nslots
-        avail = [-1.0] * ns
-        waiter = [-1] * ns
-        posted = [-1.0] * ns      # when the consumer posted its receive for the slot
-        sender = [-1] * ns        # rank blocked in its send of the slot
-        send_ready = [0.0] * ns   # when that send started
-        sending = [-1] * p        # slot each rank is blocked sending, -1 if none
-        pos = [0] * p
-        free = [0.0] * p
-        starts: list[list[float]] = [[] for _ in range(p)]
-        stack = list(range(p - 1, -1, -1))
-        while stack:
-            r = stack.pop()
-            order = codes[r]
-            n = len(order)
-            i = pos[r]
-            t = free[r]
-            blocked_in_send = False
-            while i < n:
-                c = order[i]
-                d = dep[c]
-                if d >= 0:
-                    a = avail[d]
-                    if a < 0.0:
-                        if not dcross[c]:
-                            waiter[d] = r
-                            break
-                        if posted[d] < 0.0:
-                            posted[d] = t
-                        s_rank = sender[d]
-                        if s_rank < 0:
-                            waiter[d] = r
-                            break
-                        # The producer waits in its send: the handshake happens now.
-                        a = max(send_ready[d], posted[d]) + lat
-                        avail[d] = a
-                        sender[d] = sending[s_rank] = -1
-                        free[s_rank] = a
-                        stack.append(s_rank)
-                    if a > t:
-                        t = a
-                starts[r].append(t)
-                t += dur[c]
-                i += 1
-                o = out[c]
-                if o >= 0:
-                    if ocross[c]:
-                        q = posted[o]
-                        if q < 0.0:  # the receiver has not posted yet: block in the send
-                            sender[o], send_ready[o], sending[r] = r, t, o
-                            blocked_in_send = True
-                            break
-                        t = max(q, t) + lat
-                    avail[o] = t
-                    w = waiter[o]
-                    if w >= 0:
-                        stack.append(w)
-            pos[r] = i
-            if not blocked_in_send:
-                free[r] = t
-        if any(pos[r] < len(codes[r]) or sending[r] >= 0 for r in range(p)):
-            self._deadlock(codes, pos, sending, "rendezvous")
-        return free, starts
 
     def _deadlock(self, codes: list[list[int]], pos: list[int], sending: list[int], mode: str) -> None:
         producer: dict[int, Action] = {}
