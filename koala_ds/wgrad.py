@@ -268,13 +268,23 @@ def prepare(model: torch.nn.Module, max_hold=DEFAULT) -> "Prepared":
     return prepared
 
 
-def _cover(model: torch.nn.Module, prepared: "Prepared") -> None:
+def _megatron_linears():
+    """`koala_ds._wgrad_megatron` when megatron-core's tensor-parallel layers are loaded, else
+    None: a model holds one of those layers only once their module is imported, so preparing a
+    plain-torch model does not import megatron-core (~5 s of CPU)."""
+    if "megatron.core.tensor_parallel.layers" not in sys.modules:
+        return None
     from . import _wgrad_megatron
 
+    return _wgrad_megatron
+
+
+def _cover(model: torch.nn.Module, prepared: "Prepared") -> None:
+    mcore = _megatron_linears()
     for name, module in model.named_modules():
         if type(module) is torch.nn.Linear:
             module.__class__ = DeferrableLinear
-        if type(module) is DeferrableLinear or _wgrad_megatron.make_deferrable(module):
+        if type(module) is DeferrableLinear or (mcore is not None and mcore.make_deferrable(module)):
             prepared.linears += 1
             weight = getattr(module, "weight", None)
             if isinstance(weight, torch.nn.Parameter) and weight.requires_grad:
@@ -282,7 +292,7 @@ def _cover(model: torch.nn.Module, prepared: "Prepared") -> None:
         elif _te_delayed(module):
             prepared.te_modules.append(module)
         elif _has_own_matrix(module) and not isinstance(module, torch.nn.Embedding) \
-                and not _wgrad_megatron.is_embedding(module):
+                and not (mcore is not None and mcore.is_embedding(module)):
             prepared.uncovered.append(_uncovered_label(name, module))
 
 

@@ -7,6 +7,8 @@ import logging
 
 import pytest
 
+pytestmark = pytest.mark.xdist_group("torch")  # one xdist worker runs these: see conftest.py
+
 torch = pytest.importorskip("torch")
 
 from koala_ds import wgrad  # noqa: E402
@@ -77,6 +79,21 @@ def test_a_full_backward_after_prepare_is_unchanged():
     mod(x.clone().requires_grad_()).backward(g)
     for p, r in zip(mod.parameters(), ref):
         assert torch.allclose(p.grad, r, rtol=1e-12, atol=1e-12)
+
+
+def test_a_plain_torch_model_is_prepared_without_importing_megatron_core(monkeypatch):
+    """prepare() looks for megatron-core's tensor-parallel linears only once their module is
+    loaded (a model cannot hold one before): importing megatron-core costs ~5 s of CPU."""
+    import sys
+
+    import koala_ds
+
+    monkeypatch.delitem(sys.modules, "megatron.core.tensor_parallel.layers", raising=False)
+    monkeypatch.delattr(koala_ds, "_wgrad_megatron", raising=False)
+    monkeypatch.setitem(sys.modules, "koala_ds._wgrad_megatron", None)  # importing it raises ImportError
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    prepared = wgrad.prepare(model, max_hold=None)
+    assert prepared.linears == 2 and len(prepared.weights) == 2 and not prepared.uncovered
 
 
 @pytest.mark.parametrize("direct", [False, True])
