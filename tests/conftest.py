@@ -18,6 +18,18 @@ import pytest
 _BUILD_ERROR = pytest.StashKey[str]()
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """An xdist worker runs torch on one intra-op thread (it and its child processes, unless
+    OMP_NUM_THREADS is set): the workers already fill the cores, and the tests' tensors are
+    tiny. Two threads per worker on 2 busy cores made a 32x64 @ 64x256 matmul 30x slower
+    (0.7 ms instead of 23 us), in wall and CPU time: the threads spin waiting for each other."""
+    if hasattr(config, "workerinput") and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch = sys.modules.get("torch")  # normally imported later, by the test modules
+        if torch is not None:
+            torch.set_num_threads(1)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     if not any(item.get_closest_marker("deepspeed_ext") for item in session.items):
         return
