@@ -233,8 +233,9 @@ def tiny_batches(steps: int, micro_batches: int, micro_batch_size: int, dim: int
 
 
 def ds_config(micro_batches: int, micro_batch_size: int, dp: int, koala: dict | None = None,
-              schedule: str | None = None, gradient_clipping: float | None = None) -> dict:
-    """A DeepSpeed config for the tiny model; `gradient_clipping` None keeps DeepSpeed's default (1.0)."""
+              schedule: str | None = None, gradient_clipping: float | None = None, bf16: bool = False) -> dict:
+    """A DeepSpeed config for the tiny model; `gradient_clipping` None keeps DeepSpeed's default (1.0);
+    `bf16`: bf16 parameters and activations with DeepSpeed's bf16 optimizer (fp32 master weights)."""
     config = {"train_micro_batch_size_per_gpu": micro_batch_size,
               "gradient_accumulation_steps": micro_batches,
               "train_batch_size": micro_batch_size * micro_batches * dp,
@@ -247,6 +248,8 @@ def ds_config(micro_batches: int, micro_batch_size: int, dp: int, koala: dict | 
         config["pipeline"]["schedule"] = schedule
     if koala is not None:
         config["pipeline"]["koala"] = koala
+    if bf16:
+        config["bf16"] = {"enabled": True}
     return config
 
 
@@ -305,7 +308,7 @@ def train_worker(rank: int, world: int, spec: dict) -> dict:
         if case.get("schedule") is not None and case.get("via", "config") == "config":
             koala = {"schedule": case["schedule"], **case.get("koala", {})}
         config = ds_config(gas, mbs, dp, koala=koala, schedule="koala" if koala is not None else None,
-                           gradient_clipping=case.get("clip"))
+                           gradient_clipping=case.get("clip"), bf16=case.get("bf16", False))
         model = build_model(pp, dim, spec["blocks"], case.get("tied", False), case.get("chunks", 1),
                             case.get("placement", "linear"), case.get("parts"),
                             config if case.get("module_config") else None)
@@ -313,6 +316,8 @@ def train_worker(rank: int, world: int, spec: dict) -> dict:
         out["dp"], out["pipe"] = dp_rank, model._grid.get_stage_id()
         engine = _engine(model, case, config)
         data = tiny_batches(steps + 1, gas, mbs, dim, dp_rank, target_scale=spec.get("target_scale", 1.0))
+        if case.get("bf16"):  # DeepSpeed feeds the batch as given: a bf16 model takes bf16 tensors
+            data = [(x.bfloat16(), y.bfloat16()) for x, y in data]
         losses, times = [], []
         for step in range(steps):
             start = time.perf_counter()

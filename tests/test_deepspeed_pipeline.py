@@ -312,6 +312,31 @@ def test_two_stages_times_two_data_parallel_equal_stock():
     assert max((a[n] - b[n]).abs().max().item() for n in a) == 0.0
 
 
+@pytest.mark.slow
+@pytest.mark.deepspeed_ext
+@pytest.mark.timeout(400)
+def test_bf16_split_schedules_match_stock():
+    """bf16 with DeepSpeed's bf16 optimizer (its gradient hand-over around every B, I and W): the
+    split schedules, whose W adds bf16 weight gradients in their GEMMs, train as stock DeepSpeed
+    does, to within bf16 rounding (losses equal; parameters a few bf16 steps apart at most)."""
+    cases = [{**_stock(clip=0.0), "label": "stock-bf16", "bf16": True},
+             {**_case("zb-h1", clip=0.0), "label": "zb-h1-bf16", "bf16": True},
+             {**_case("zb-v", "vshape", clip=0.0), "label": "zb-v-bf16", "bf16": True},
+             {**_case("1f1b", clip=0.0), "label": "1f1b-bf16", "bf16": True}]
+    results = launch(train_worker, 2, _spec(2, cases), timeout_s=380)
+    for label in ("zb-h1-bf16", "zb-v-bf16", "1f1b-bf16"):
+        for res in results:
+            mine, stock = res["value"]["cases"][label], res["value"]["cases"]["stock-bf16"]
+            assert mine["engine"] == "KoalaPipelineEngine" and stock["engine"] == "PipelineEngine"
+            assert mine["losses"] == stock["losses"] and mine["eval"] == stock["eval"], label
+        mine, stock = _merged(results, label, 0), _merged(results, "stock-bf16", 0)
+        assert all(t.dtype == torch.bfloat16 for t in stock.values())
+        worst = max(((mine[n].float() - stock[n].float()).abs().max() / stock[n].float().abs().max()).item()
+                    for n in stock)
+        assert worst <= 2 ** -6, f"{label}: parameters {worst} apart (relative) from stock in bf16"
+    assert len(set(results[0]["value"]["cases"]["stock-bf16"]["losses"])) > 1  # it trained
+
+
 # -- failures ------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.deepspeed_ext
