@@ -41,3 +41,15 @@ def test_the_search_and_the_prediction_charge_a_full_backward_one_overhead():
 
     one = load_schedule("1f1b", 2, 4, 1)
     assert E.predict(one, no_b, 0.5) == Simulator(model, one.placement, 4, one.backward).makespan(one.ranks)
+
+
+def test_the_verdict_also_averages_two_instances_of_each_schedule():
+    def row(schedule, ms, pred=1.05):
+        return {"engine": "deepspeed", "profile": "real-gpt", "p": 2, "schedule": schedule, "measured_ms": ms,
+                "predicted_speedup_vs_1f1b": pred, "speedup_vs_1f1b": 100.0 / ms, "error": 0.0, "error_profile": 0.0,
+                "overhead_ms": 0.5, "overhead_zero_ms": 0.5, "p2p_latency_ms": 0.2}
+    rows = [row("1f1b", 100.0), row("searched (linear, split = zb-h1)", 98.0), row("1f1b again (control)", 104.0),
+            row("searched again (second instance)", 93.0)]
+    text = E.summary(rows)
+    assert "two instances of each: 1.068x" in text   # (100 + 104) / 2 over (98 + 93) / 2
+    assert text.count("searched measured") == 1      # the second instance is not a verdict of its own
