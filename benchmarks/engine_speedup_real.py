@@ -23,7 +23,9 @@ and predict the rows ("profile-only" is the profile as measured).
 
 The searched row keeps 1f1b unless a schedule is predicted more than 3% faster (`--min-gain`,
 as `koala search --min-gain 3`): one schedule run twice in this benchmark measured 1-6% apart,
-so a predicted gain below that says nothing about which schedule is faster here.
+so a predicted gain below that says nothing about which schedule is faster here. For the same
+reason the searched schedule runs in a second engine instance too ("searched again"), and the
+verdict adds the speedup of the mean of its two instances over the mean of 1f1b's two.
 """
 from __future__ import annotations
 
