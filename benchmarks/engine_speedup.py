@@ -70,6 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the ha
 from koala_ds.ir import Schedule  # noqa: E402
 from koala_ds.library import get as library_get, load_schedule, names as library_names  # noqa: E402
 from koala_ds.sim import CostProfile, Simulator, StageCost, load_profile  # noqa: E402
+from koala_ds.sim.profile import with_action_overhead  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BANNER = ("NOTE: emulated compute. Every stage SLEEPS for the profile's F / I / W times while real tensors go "
@@ -150,11 +151,7 @@ def with_overhead(profile: CostProfile, overhead_ms: float) -> CostProfile:
     twice, so a profile without `backward` gets one with B = I + W + overhead)."""
     if not overhead_ms:
         return profile
-    st = tuple(dataclasses.replace(s, forward=s.forward + overhead_ms, backward_input=s.backward_input + overhead_ms,
-                                   backward_weight=s.backward_weight + overhead_ms,
-                                   backward_full=s.backward + overhead_ms)
-               for s in profile.stages)
-    return dataclasses.replace(profile, stages=st)
+    return dataclasses.replace(profile, stages=tuple(with_action_overhead(s, overhead_ms) for s in profile.stages))
 
 
 def overhead_for(overhead: float | dict, v: int) -> float:

@@ -66,9 +66,8 @@ def rows(model: str, result) -> list:
         f, i, w, b = m.costs()  # as in the profile: a deferrable forward's extra cost is charged to I
         act, hold = m.activation_bytes / 2 ** 20, m.w_hold_bytes / 2 ** 20
         share = "-" if m.w_flops_deferred is None else f"{100 * m.w_flops_deferred:.0f}%"
-        extra = m.median("forward") - f if m.forward_full else 0.0   # the deferrable forward over the plain one
         out.append((model, s, "yes" if m.input_grad else "no", f, i, w, b, (i + w) / b, act, hold, hold / act, share,
-                    extra))
+                    m.forward_extra()))
     return out
 
 

@@ -44,6 +44,7 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
+from .ir import Op
 from .wgrad_policy import DEFAULT, DEFAULT_MAX_HOLD, ForwardWatch, Plan, check_max_hold
 
 log = logging.getLogger(__name__)
@@ -109,13 +110,13 @@ _PLAIN_FORWARD = False  # inside plain_forward(): DeferrableLinear runs torch's 
 
 
 @contextlib.contextmanager
-def plain_forward() -> Iterator[None]:
+def plain_forward(on: bool = True) -> Iterator[None]:
     """A forward as an unprepared model runs it: `DeferrableLinear` calls torch's own linear
     (no custom Function), so its backward computes every gradient at once, deferring nothing.
     Exact either way; the profiler uses it to time the forward a full-backward schedule runs
-    (the runtimes prepare a model only for split schedules)."""
+    (the runtimes prepare a model only for split schedules). `on` False: no change."""
     global _PLAIN_FORWARD
-    old, _PLAIN_FORWARD = _PLAIN_FORWARD, True
+    old, _PLAIN_FORWARD = _PLAIN_FORWARD, _PLAIN_FORWARD or on
     try:
         yield
     finally:
@@ -125,7 +126,7 @@ def plain_forward() -> Iterator[None]:
 def full_backward_forwards(schedule, rank: int) -> frozenset:
     """(stage, microbatch) of the B actions of `rank` in `schedule`: a split schedule may run some
     backwards whole (dualpipe-v does); their forwards need no deferral (`plain_forward`)."""
-    return frozenset((a.stage, a.microbatch) for a in schedule.ranks[rank] if a.op.value == "B")
+    return frozenset((a.stage, a.microbatch) for a in schedule.ranks[rank] if a.op is Op.B)
 
 
 def active_queue() -> WeightGradQueue | None:
@@ -151,6 +152,11 @@ def _fold(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+def _weight_gradient(param: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A linear's weight gradient, grad_out^T x folded over the leading dims, in the weight's dtype."""
+    return _fold(grad_out).t().matmul(_fold(x)).to(param.dtype)
+
+
 @dataclass
 class LinearWgrad:
     """One deferred `nn.Linear` weight gradient: grad_out^T x, folded over the leading dims."""
@@ -160,7 +166,7 @@ class LinearWgrad:
     x: torch.Tensor
 
     def __call__(self) -> list:
-        return [(self.param, _fold(self.grad_out).t().matmul(_fold(self.x)).to(self.param.dtype))]
+        return [(self.param, _weight_gradient(self.param, self.grad_out, self.x))]
 
     def accumulate(self) -> bool:
         """Add the gradient into `.grad` in the GEMM itself; False (nothing done) where autograd
@@ -203,7 +209,7 @@ class _Linear(torch.autograd.Function):
             queue = active_queue()
             param = ctx.param
             if queue is None or not queue.defers(param):
-                grad_w = _fold(grad_out).t().matmul(_fold(x)).to(param.dtype)
+                grad_w = _weight_gradient(param, grad_out, x)
             else:
                 queue.add(LinearWgrad(param, grad_out, x), x, grad_out)
         return grad_x, grad_w, grad_b

@@ -91,15 +91,10 @@ def _share(fraction) -> str:
 
 
 def _with_overhead(args, data: dict) -> dict:
-    """--action-overhead into the profile (a top-level field, after `p2p_latency`)."""
-    if args.action_overhead is None:
-        return data
-    out = {}
-    for key, value in data.items():
-        out[key] = value
-        if key == "p2p_latency":
-            out["action_overhead"] = args.action_overhead
-    return out
+    """--action-overhead into the profile (a top-level field)."""
+    if args.action_overhead is not None:
+        data["action_overhead"] = args.action_overhead
+    return data
 
 
 def _finish(args, result) -> int:

@@ -729,10 +729,7 @@ class KoalaPipelineEngine(PipelineEngine):
             buffers["inputs"][buffer_id] = self._mail.pop(Message(ACT, stage, microbatch))
         inputs = buffers["inputs"][buffer_id]
         self._activate(stage)
-        if (stage, microbatch) in self._plain_forwards:
-            with wgrad.plain_forward():
-                outputs = DeepSpeedEngine.forward(self, inputs)
-        else:
+        with wgrad.plain_forward((stage, microbatch) in self._plain_forwards):
             outputs = DeepSpeedEngine.forward(self, inputs)
         module = self.module  # a submodule: nn.Module.__getattr__ on every lookup
         if not module.training:

@@ -476,7 +476,7 @@ class _StepRunner:
             it.current = mb
         is_last = info.is_last
         store: list = []
-        with wgrad.plain_forward() if (s, mb) in self.plain_forwards else contextlib.nullcontext():
+        with wgrad.plain_forward((s, mb) in self.plain_forwards):
             output_tensor, num_tokens = mcs.forward_step(
                 self.forward_step_func, it, self.models[chunk], self.num_microbatches, input_tensor, store,
                 self.config, self.cp_size, self.collect_non_loss_data, None,

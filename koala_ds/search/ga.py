@@ -478,11 +478,10 @@ def _answer(run: _Run, min_gain: float) -> tuple[Schedule, Schedule, SimResult, 
     part = problem.parts[best.part]
     own = part.schedule(part.evaluate(best.orders).codes, "searched")   # the repaired orders' codes
     own_res = part.sim.run(own.ranks, timeline=False)
-    fit_lib = sorted((row for row in run.library_seeds if row.fits and row.schedule is not None),
-                     key=lambda r: (r.name != "1f1b", r.makespan, r.name))
-    options = fit_lib[:1] if fit_lib and fit_lib[0].name == "1f1b" else []
-    others = [row for row in fit_lib if row.name != "1f1b"]
-    options += others[:1] + [None]  # None: the best candidate
+    fitting = [row for row in run.library_seeds if row.fits and row.schedule is not None]
+    one = [row for row in fitting if row.name == "1f1b"]
+    others = sorted((row for row in fitting if row.name != "1f1b"), key=lambda r: (r.makespan, r.name))
+    options = one[:1] + others[:1] + [None]  # None: the best candidate
     chosen = None
     for row in options:
         makespan = own_res.makespan if row is None else row.makespan
