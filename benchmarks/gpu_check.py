@@ -196,7 +196,10 @@ def run_logged(run: Run, work: Path, env: dict, timeout_s: float) -> RunResult:
             if now > timeout_s:
                 stop_group(proc)
                 return RunResult(None, time.monotonic() - t0, first)
-            time.sleep(0.25)
+            try:
+                proc.wait(timeout=0.25)  # returns as soon as it ends
+            except subprocess.TimeoutExpired:
+                pass
         stop_group(proc)  # nothing it left behind keeps running
     if first is None and log.stat().st_size > start_size:
         first = time.monotonic() - t0

@@ -283,9 +283,12 @@ class _StageRun:
 
     def memory(self, meas: StageMeasurement, params: list) -> None:
         """One more microbatch with saved_tensors_hooks: activation, W-hold, output, input gradient."""
+        with _collecting_new_objects_only():
+            self._memory(meas, SavedTensorTracker(params))
+
+    def _memory(self, meas: StageMeasurement, tracker: "SavedTensorTracker") -> None:
         import torch
 
-        tracker = SavedTensorTracker(params)
         args, out, _ = self.forward(tracker)
         grad = self.output_grad(out)
         if not self.is_last:
@@ -299,6 +302,19 @@ class _StageRun:
         gc.collect()
         meas.w_hold_bytes = tracker.saved_bytes(alive_only=True) + queue.held_bytes()
         queue.run()
+
+
+@contextlib.contextmanager
+def _collecting_new_objects_only():
+    """Inside, `gc.collect()` looks only at objects made inside: what was there before is frozen
+    (`gc.freeze`). A reference cycle among this microbatch's objects is still freed before W-hold
+    is read, but the collection no longer walks the whole heap (0.1-0.4 s in a process that has
+    imported torch, Megatron and DeepSpeed)."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def measure_stage(module, make_input: Callable[[], Any], *, is_last: bool, loss_fn=None, warmup: int = 2,
