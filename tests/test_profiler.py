@@ -244,3 +244,41 @@ def test_profile_forward_is_the_plain_forward_and_i_carries_the_deferrals_extra(
     sleeping = measure_stage(EmulatedStage(0.1, 0.1, 0.1), lambda: torch.randn(2, 1, 8, requires_grad=True),
                              is_last=False, warmup=1, iters=2)
     assert sleeping.forward_full == []   # no nn.Linear: the one forward is what both kinds run
+
+
+TINY_MODEL = '''import torch
+
+def layers():
+    torch.manual_seed(0)
+    return [torch.nn.Linear(8, 8) for _ in range(4)]
+
+def sample():
+    return torch.randn(2, 8)
+'''
+
+
+@pytest.mark.parametrize("overhead,short_ms", [(None, None), ("0.5", None), (None, 0.0)])
+def test_profile_of_short_stages_warns_without_an_action_overhead(tmp_path, monkeypatch, caplog, overhead, short_ms):
+    """Stages of microseconds: the runtime's cost per action would decide which schedule wins, so
+    `koala profile` says to measure and give it, unless --action-overhead was given (or the
+    stages are not short: a threshold of 0 ms here)."""
+    pytest.importorskip("deepspeed")
+    from koala_ds.cli import main
+    from koala_ds.commands import profile as profile_cmd
+
+    if short_ms is not None:
+        monkeypatch.setattr(profile_cmd, "SHORT_STAGE_MS", short_ms)
+
+    (tmp_path / "tinymodel.py").write_text(TINY_MODEL)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = ["profile", "deepspeed", "--layers", "tinymodel:layers", "--input", "tinymodel:sample", "-p", "2",
+            "--p2p-latency", "0", "--warmup", "1", "--iters", "2", "-o", "prof.json"]
+    with caplog.at_level("WARNING", logger="koala_ds.commands.profile"):
+        assert main(argv + (["--action-overhead", overhead] if overhead else [])) == 0
+    warned = [r.getMessage() for r in caplog.records if "action_overhead" in r.getMessage()]
+    data = json.loads((tmp_path / "prof.json").read_text())
+    if overhead or short_ms is not None:
+        assert not warned and data.get("action_overhead") == (0.5 if overhead else None)
+    else:
+        assert len(warned) == 1 and "--action-overhead MS" in warned[0] and "action_overhead" not in data

@@ -90,17 +90,30 @@ def _share(fraction) -> str:
     return f"{'-':>7}" if fraction is None else f"{100 * fraction:>6.0f}%"
 
 
-def _with_overhead(args, data: dict) -> dict:
-    """--action-overhead into the profile (a top-level field)."""
+#: A stage forward shorter than this (ms) makes the runtime's own cost per action (0.6-1.2 ms on a
+#: 2-core CPU, docs/profiling.md) a share of each action that can decide which schedule wins.
+SHORT_STAGE_MS = 5.0
+
+
+def _with_overhead(args, data: dict, stage_forward_ms: list[float]) -> dict:
+    """--action-overhead into the profile (a top-level field); without it, a warning when the
+    stages are short enough for the runtime's cost per action to matter."""
     if args.action_overhead is not None:
         data["action_overhead"] = args.action_overhead
+    elif stage_forward_ms and min(stage_forward_ms) < SHORT_STAGE_MS:
+        log.warning("stage forwards of %.3g ms and the profile has no action_overhead: the runtime's own cost per "
+                    "action (its Python, launches and messages' CPU; 0.6-1.2 ms per action on a 2-core CPU) is left "
+                    "out, and at these times it can decide which schedule wins: measure it "
+                    "(benchmarks/engine_speedup.py --overhead-only) and give --action-overhead MS "
+                    "(docs/profiling.md)", min(stage_forward_ms))
     return data
 
 
 def _finish(args, result) -> int:
     from ..sim import CostProfile
 
-    data = _with_overhead(args, result.to_dict())
+    data = result.to_dict()
+    data = _with_overhead(args, data, [st["forward"] for st in data["stages"]])
     CostProfile.from_dict(data, source=args.output)  # what we write must load
     atomic_write(args.output, dumps_json(data, indent=1) + "\n", "-o")
     print(f"{'stage':>5}  {'F ms':>9}  {'I ms':>9}  {'W ms':>9}  {'B ms':>9}  {'(I+W)/B':>7}  {'act MiB':>9}  "
@@ -122,7 +135,9 @@ def _finish_layers(args, result) -> int:
     from ..profiler.layers import stage_shaped
     from ..sim import CostProfile
 
-    data = _with_overhead(args, result.to_dict())
+    data = result.to_dict()
+    mean_stage = sum(layer["forward"] for layer in data["layers"]) / max(1, args.p)  # -p stages
+    data = _with_overhead(args, data, [mean_stage])
     CostProfile.from_dict(stage_shaped(data), source=args.output)  # every entry carries valid stage fields
     atomic_write(args.output, dumps_json(data, indent=1) + "\n", "-o")
     print(f"{'layer':<14} {'kind':<11} {'F ms':>9}  {'I ms':>9}  {'W ms':>9}  {'B ms':>9}  {'act MiB':>9}  "
