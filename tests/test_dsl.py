@@ -4,6 +4,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from koala_ds.dsl import KoalaCompileError, KoalaSyntaxError, parse_program, print_schedule, python_program
+from koala_ds.dsl import program as program_mod
 from koala_ds.ir import KoalaError, Placement
 from koala_ds.sim import random_schedule
 
@@ -29,6 +30,18 @@ def test_compiles_1f1b():
     assert ops(s, 0) == ["0F0", "0F1", "0F2", "0B0", "0F3", "0B1", "0B2", "0B3"]
     assert ops(s, 2) == ["2F0", "2B0", "2F1", "2B1", "2F2", "2B2", "2F3", "2B3"]
     assert s.name == "my-1f1b" and s.backward == "full"
+
+
+def test_programs_are_translated_once_not_on_every_compile(monkeypatch):
+    prog = parse_program(ONE_F_ONE_B, "t.koala")
+    before = prog.compile(4, 8)
+
+    def translate(*args):
+        raise AssertionError("the syntax tree was translated again")
+
+    monkeypatch.setattr(program_mod, "expression", translate)
+    monkeypatch.setattr(program_mod, "block", translate)
+    assert prog.compile(4, 8).same_order(before) and prog.compile(3, 5).num_actions == 30
 
 
 def test_chunks_explicit_microbatches_loops_and_conditions():

@@ -113,6 +113,14 @@ def test_python_builder_loops_around_calls_that_emit_nothing_are_bounded(call, m
         prog.compile(2, 4)
 
 
+def test_pass_budget_names_the_loop_only_when_over():
+    """A loop's name is formatted for the message only (compiles run many loops within budget)."""
+    budget = program_mod.Budget(max_passes=10)
+    budget.spend_passes(10, lambda: pytest.fail("named a loop within the budget"))
+    with pytest.raises(KoalaError, match=r"^loop 'x' of 2 passes goes over the limit of 10 loop passes"):
+        budget.spend_passes(2, lambda: "loop 'x'")
+
+
 def test_long_flat_expressions_evaluate():
     terms = " + ".join(["1"] * 2000)
     conj = " and ".join(["m > 0"] * 2000)

@@ -34,6 +34,7 @@ The rule, as the authors' generator applies it:
 from __future__ import annotations
 
 import bisect
+from itertools import accumulate
 from typing import NamedTuple, Sequence
 
 from ..ir import KoalaError
@@ -45,6 +46,7 @@ KIND_OF = {("F", 0): F0, ("F", 1): F1, ("I", 1): I1, ("I", 0): I0}
 NAME_OF = {kind: name for name, kind in KIND_OF.items()}
 _FROM_PREVIOUS_RANK = (F0, I1)
 _FROM_NEXT_RANK = (F1, I0)
+_HELD = {F0: 1, F1: 1, I1: 0, I0: 0, W: -1}  # activations a pass adds when the W passes are placed
 
 Key = tuple[int, int]  # (kind, index): index is the microbatch, or the count of a W on its rank
 Timeline = dict[Key, int]  # one rank: pass -> slot
@@ -160,11 +162,14 @@ def peak(busy: dict[int, int], weights_placed: bool, slots: Sequence[int] | None
     frees one; without W passes, each free slot frees one while an input gradient waits.
     `slots`: busy's slots in order, when the caller keeps them sorted; `stop_above`: return as
     soon as the peak exceeds it (the caller only asks whether it fits)."""
+    slots = slots if slots is not None else sorted(busy)
+    if weights_placed:  # the activations held are a running sum: +1 per forward, -1 per W
+        return max(0, max(accumulate(map(_HELD.__getitem__, map(busy.__getitem__, slots))), default=0))
     held = top = waiting = 0
     previous = -1
     stop = stop_above if stop_above is not None else float("inf")
-    for slot in slots if slots is not None else sorted(busy):  # the free slots between two passes at once
-        if waiting and not weights_placed:
+    for slot in slots:  # the free slots between two passes at once
+        if waiting:
             freed = min(slot - previous - 1, waiting)
             held, waiting = held - freed, waiting - freed
         previous = slot
@@ -206,17 +211,18 @@ def squeeze(timelines: list[Timeline]) -> list[Timeline]:
     """Step d: unit time; each pass at the earliest slot after its inputs and after the pass
     before it on its rank, keeping every rank's order."""
     p = len(timelines)
-    new: dict[tuple[int, int, int], int] = {}
     previous: list[int] = [-1] * p
     out: list[Timeline] = [{} for _ in range(p)]
     for slot, r, kind, j in _walk_order(timelines):
         earliest = previous[r] + 1
-        for dep in inputs(r, kind, j, p):
-            if dep not in new:
+        for dep_rank, dep_kind, dep_j in inputs(r, kind, j, p):
+            done = out[dep_rank].get((dep_kind, dep_j))
+            if done is None:
                 raise CompactError(f"slots out of dependency order: {_name(kind, j)} on rank {r} at slot "
-                                   f"{slot} needs {_name(*dep[1:])} of rank {dep[0]}, which comes later")
-            earliest = max(earliest, new[dep] + 1)
-        new[(r, kind, j)] = out[r][(kind, j)] = previous[r] = earliest
+                                   f"{slot} needs {_name(dep_kind, dep_j)} of rank {dep_rank}, which comes later")
+            if done >= earliest:
+                earliest = done + 1
+        out[r][(kind, j)] = previous[r] = earliest
     return out
 
 
@@ -280,6 +286,9 @@ def _compact(timelines: list[Timeline], m: int, move_warmup: bool) -> list[Timel
         for candidate in range(_earliest(out, r, kind, j, p, grads[r]), slot):
             if candidate in taken[r]:
                 continue
+            if weights_placed and kind not in (F0, F1):
+                final = candidate  # an I or W earlier only lowers the activations held from there on
+                break
             _move(busy[r], order[r], slot, candidate, kind)
             fits = peak(busy[r], weights_placed, order[r], stop_above=limit) <= limit
             _move(busy[r], order[r], candidate, slot, kind)

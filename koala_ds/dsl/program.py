@@ -14,8 +14,10 @@ Python builder function with the same ops give the same schedule:
 """
 from __future__ import annotations
 
+import operator
 from collections import deque
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Callable
 
 from ..ir import (MAX_ACTIONS, Action, KoalaError, Op, Placement, Schedule, ScheduleError, change_hint,
@@ -58,12 +60,14 @@ class Budget:
             raise KoalaError(f"more than {self.max_actions:,} actions, the limit of one schedule "
                              f"(MAX_ACTIONS): use a smaller -m, -p or -v")
 
-    def spend_passes(self, n: int, what: str) -> None:
-        """Charge `n` passes before a loop runs them."""
+    def spend_passes(self, n: int, what: str | Callable[[], str]) -> None:
+        """Charge `n` passes before a loop runs them; `what` names the loop in the message (a
+        function of no arguments is called only then)."""
         if n <= 0:
             return
         self.passes_left -= n
         if self.passes_left < 0:
+            what = what if isinstance(what, str) else what()
             amount = f" of {n:,} passes" if n > 1 else ""
             raise KoalaError(f"{what}{amount} goes over the limit of {self.max_passes:,} loop passes "
                              f"for this p, m, v (LOOP_PASSES_PER_ACTION per action, at least MIN_LOOP_PASSES): "
@@ -72,6 +76,14 @@ class Budget:
 
 _CLASS = {"F": "F", "B": "B", "I": "B", "W": "W"}  # B and I share one counter
 _OP = {op.value: op for op in Op}
+
+
+@lru_cache(maxsize=8192)
+def _action(op: str, stage: int, microbatch: int) -> Action:
+    """`Action(op, stage, microbatch)`. Actions are immutable values, so compiles share one object
+    per (op, stage, microbatch): a cache hit costs a seventh of building one, and repeated
+    compiles (the search's seeds, the library's tests) meet the same small actions again."""
+    return Action(_OP[op], stage, microbatch)
 
 
 class _Track:
@@ -107,6 +119,7 @@ class RankEmitter:
         self.slot: int | None = None  # set by `slot`; recorded with each action
         self.slots: list[int | None] = []
         self._tracks: dict[tuple[str, int], _Track] = {}
+        self._lanes: dict[tuple[str, int], tuple[int, _Track]] = {}  # (op, chunk) -> (stage, its track)
         self._w_queue: deque[tuple[int, int]] = deque()  # I order; entries leave `_w_live` lazily
         self._w_live: set[tuple[int, int]] = set()
 
@@ -137,33 +150,51 @@ class RankEmitter:
              optional: bool = False) -> bool:
         """Append one action; return False when `optional` and nothing is left to do (which
         leaves the emitter as it was, so the same request again returns False too)."""
-        if op == "W" and chunk is None and microbatch is None:
-            return self._emit_oldest_w(optional)
-        stage = self.stage_of_chunk(0 if chunk is None else chunk)
-        track = self._track(op, stage)
-        mb = track.next() if microbatch is None else microbatch
-        if mb is None or (optional and op == "W" and (stage, mb) not in self._w_live):
-            if optional:
-                return False
-            what = {"F": "forward", "B": "backward", "I": "backward", "W": "weight-gradient"}[op]
-            raise KoalaError(f"{op}[{chunk or 0}] on rank {self.rank}: every microbatch of stage {stage} "
-                             f"already had its {what} step (m={self.m})")
-        if mb in track.used:
-            if optional:
-                return False
-            raise KoalaError(f"{op}@{mb} on rank {self.rank}, stage {stage}: microbatch {mb} already done")
-        self._append(op, stage, mb, track.used)
-        return True
+        return self.emit_times(op, chunk, microbatch, optional, 1) == 1
 
-    def _emit_oldest_w(self, optional: bool) -> bool:
-        target = self.oldest_pending_w()
-        if target is None:
-            if optional:
-                return False
-            raise KoalaError(f"W on rank {self.rank}: no weight gradient is pending (no I without its W)")
-        stage, mb = target
-        self._append("W", stage, mb, self._track("W", stage).used)
-        return True
+    def emit_times(self, op: str, chunk: int | None, microbatch: int | None, optional: bool, times: int) -> int:
+        """`emit` the same request `times` times, stopping at the first that `optional` skips;
+        the number of actions appended."""
+        if times <= 0:
+            return 0
+        if op == "W" and chunk is None and microbatch is None:
+            return self._emit_oldest_w(optional, times)
+        lane = self._lanes.get((op, chunk))
+        if lane is None:
+            lane = self._lanes[(op, chunk)] = self._lane(op, chunk)
+        stage, track = lane
+        used, check_w = track.used, optional and op == "W"
+        for done in range(times):
+            mb = track.next() if microbatch is None else microbatch
+            if mb is None or mb in used or (check_w and (stage, mb) not in self._w_live):
+                if optional:
+                    return done
+                raise self._refusal(op, chunk, stage, mb)
+            self._append(op, stage, mb, used)
+        return times
+
+    def _lane(self, op: str, chunk: int | None) -> tuple[int, _Track]:
+        """The stage of `chunk` and the counter of `op` there (`emit_times` keeps them by (op, chunk))."""
+        stage = self.stage_of_chunk(0 if chunk is None else chunk)
+        return stage, self._track(op, stage)
+
+    def _refusal(self, op: str, chunk: int | None, stage: int, mb: int | None) -> KoalaError:
+        if mb is None:
+            what = {"F": "forward", "B": "backward", "I": "backward", "W": "weight-gradient"}[op]
+            return KoalaError(f"{op}[{chunk or 0}] on rank {self.rank}: every microbatch of stage {stage} "
+                              f"already had its {what} step (m={self.m})")
+        return KoalaError(f"{op}@{mb} on rank {self.rank}, stage {stage}: microbatch {mb} already done")
+
+    def _emit_oldest_w(self, optional: bool, times: int) -> int:
+        for done in range(times):
+            target = self.oldest_pending_w()
+            if target is None:
+                if optional:
+                    return done
+                raise KoalaError(f"W on rank {self.rank}: no weight gradient is pending (no I without its W)")
+            stage, mb = target
+            self._append("W", stage, mb, self._track("W", stage).used)
+        return times
 
     def _append(self, op: str, stage: int, mb: int, used: set[int]) -> None:
         if self.budget is not None:
@@ -174,7 +205,7 @@ class RankEmitter:
             self._w_live.add((stage, mb))
         elif op == "W":
             self._w_live.discard((stage, mb))
-        self.actions.append(Action(_OP[op], stage, mb))
+        self.actions.append(_action(op, stage, mb))
         self.slots.append(self.slot)
 
 
@@ -190,8 +221,7 @@ class RankBuilder:
         # Every call is at least one pass, so a Python loop around calls that emit nothing
         # (`b.F(0)`, an optional op with nothing left) still ends at the pass limit.
         self._charge(max(times, 1), f"{op} repeated {times:,} times" if times > 1 else f"a call b.{op}(...)")
-        for _ in range(times):
-            self._e.emit(op, chunk, mb, optional)
+        self._e.emit_times(op, chunk, mb, optional, times)
 
     def _charge(self, n: int, what: str) -> None:
         if self._e.budget is not None:
@@ -215,130 +245,217 @@ class RankBuilder:
         self._op("W", times, chunk, mb, optional)
 
 
-# -- evaluation of the text form ------------------------------------------------------------
-_BIN = {
-    "+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b,
-    "==": lambda a, b: a == b, "!=": lambda a, b: a != b, "<": lambda a, b: a < b,
-    "<=": lambda a, b: a <= b, ">": lambda a, b: a > b, ">=": lambda a, b: a >= b,
+# -- the text form, translated once into closures --------------------------------------------
+# `from_ast` turns each expression into a function of the environment (`Eval`), each statement
+# and op item into a function of the rank being compiled (`Run`), once per Program; compiling
+# then only calls them, instead of dispatching on node types on every pass.
+Eval = Callable[[dict], int]
+_BIN: dict[str, Callable[[int, int], int]] = {
+    "+": operator.add, "-": operator.sub, "*": operator.mul,
+    "==": lambda a, b: int(a == b), "!=": lambda a, b: int(a != b), "<": lambda a, b: int(a < b),
+    "<=": lambda a, b: int(a <= b), ">": lambda a, b: int(a > b), ">=": lambda a, b: int(a >= b),
 }
 _FUN = {"min": min, "max": max, "abs": abs}
 
 
-def _name(expr: A.Name, env: dict) -> int:
-    if expr.id not in env:
-        known = ", ".join(sorted(env))
-        raise KoalaCompileError(f"{expr.pos}: unknown name {expr.id!r} (known here: {known})")
-    return env[expr.id]
-
-
-def _binary(expr: A.Binary, left: int, right: int, env: dict) -> int:
-    if expr.op in ("//", "%"):
-        if right == 0:
-            raise KoalaCompileError(f"{expr.pos}: division by zero ({_fmt_params(env)})")
-        return left // right if expr.op == "//" else left % right
-    return int(_BIN[expr.op](left, right))
-
-
-def evaluate(expr: A.Expr, env: dict) -> int:
-    """The value of `expr`. A chain `a + b - c ...` is a left-deep tree as long as the chain;
-    it is walked in a loop, so recursion goes only as deep as the parenthesized nesting, which
-    the parser caps (`parser.MAX_NESTING`)."""
+def expression(expr: A.Expr) -> Eval:
+    """`expr` as a function of the environment. A chain `a + b - c ...` is a left-deep tree as
+    long as the chain; it becomes one loop over its links, so neither translating nor running
+    it recurses deeper than the parenthesized nesting, which the parser caps (`parser.MAX_NESTING`)."""
     kind = type(expr)
     if kind is A.Num:
-        return expr.value
+        value = expr.value
+        return lambda env: value
     if kind is A.Name:
-        return _name(expr, env)
+        return _name(expr)
     if kind is A.Binary:
-        return _chain(expr, env)
+        return _chain(expr)
     if kind is A.Unary:
-        val = evaluate(expr.operand, env)
-        return -val if expr.op == "-" else int(not val)
-    return _FUN[expr.fn](*(evaluate(a, env) for a in expr.args))
+        operand = expression(expr.operand)
+        if expr.op == "-":
+            return lambda env: -operand(env)
+        return lambda env: int(not operand(env))
+    fn, args = _FUN[expr.fn], tuple(expression(a) for a in expr.args)
+    return lambda env: fn(*[arg(env) for arg in args])
 
 
-def _chain(expr: A.Binary, env: dict) -> int:
+def _name(expr: A.Name) -> Eval:
+    name, pos = expr.id, expr.pos
+
+    def value(env: dict) -> int:
+        try:
+            return env[name]
+        except KeyError:
+            known = ", ".join(sorted(env))
+            raise KoalaCompileError(f"{pos}: unknown name {name!r} (known here: {known})") from None
+    return value
+
+
+def _chain(expr: A.Binary) -> Eval:
     spine = []
     while type(expr) is A.Binary:
         spine.append(expr)
         expr = expr.left
-    val = evaluate(expr, env)
-    for node in reversed(spine):
-        if node.op == "and":
-            val = int(bool(val) and bool(evaluate(node.right, env)))
-        elif node.op == "or":
-            val = int(bool(val) or bool(evaluate(node.right, env)))
-        else:
-            val = _binary(node, val, evaluate(node.right, env), env)
-    return val
+    first = expression(expr)
+    links = tuple(_link(node) for node in reversed(spine))
+    if len(links) == 1:
+        link = links[0]
+        return lambda env: link(first(env), env)
+
+    def value(env: dict) -> int:
+        val = first(env)
+        for link in links:
+            val = link(val, env)
+        return val
+    return value
 
 
-class _Interpreter:
+def _link(node: A.Binary) -> Callable[[int, dict], int]:
+    """One link `op right` of a chain: the value so far -> the value after it."""
+    op, right = node.op, expression(node.right)
+    if op == "and":
+        return lambda val, env: int(bool(val) and bool(right(env)))
+    if op == "or":
+        return lambda val, env: int(bool(val) or bool(right(env)))
+    if op in ("//", "%"):
+        return _division(node, right)
+    fn = _BIN[op]
+    return lambda val, env: fn(val, right(env))
+
+
+def _division(node: A.Binary, right: Eval) -> Callable[[int, dict], int]:
+    pos, floor = node.pos, node.op == "//"
+
+    def link(val: int, env: dict) -> int:
+        divisor = right(env)
+        if divisor == 0:
+            raise KoalaCompileError(f"{pos}: division by zero ({_fmt_params(env)})")
+        return val // divisor if floor else val % divisor
+    return link
+
+
+class _Rank:
+    """What the closures of a rank block act on: its emitter, its environment, the budget."""
+
+    __slots__ = ("e", "env", "budget")
+
     def __init__(self, emitter: RankEmitter, env: dict, budget: Budget):
         self.e, self.env, self.budget = emitter, env, budget
 
-    def charge(self, n: int, what: str, pos: A.Pos) -> None:
+    def charge(self, n: int, what: Callable[[], str], pos: A.Pos) -> None:
         try:
             self.budget.spend_passes(n, what)
         except KoalaError as exc:
             raise KoalaCompileError(f"{pos}: {exc} ({_fmt_params(self.env)})") from None
 
-    def run(self, stmts: tuple[A.Stmt, ...]) -> None:
-        for stmt in stmts:
-            if isinstance(stmt, A.Let):
-                self.env[stmt.name] = evaluate(stmt.value, self.env)
-            elif isinstance(stmt, A.Slot):
-                self.e.slot = evaluate(stmt.value, self.env)
-            elif isinstance(stmt, A.Seq):
-                for item in stmt.items:
-                    self.item(item)
-            elif isinstance(stmt, A.For):
-                self.loop(stmt)
-            else:
-                self.run(stmt.then if evaluate(stmt.cond, self.env) else stmt.orelse)
 
-    def loop(self, stmt: A.For) -> None:
-        start, stop = evaluate(stmt.start, self.env), evaluate(stmt.stop, self.env)
-        self.charge(stop - start, f"loop 'for {stmt.var} in {start}..{stop}'", stmt.pos)
-        saved = self.env.get(stmt.var)
-        for value in range(start, stop):
-            self.env[stmt.var] = value
-            self.run(stmt.body)
+Run = Callable[[_Rank], None]
+
+
+def block(stmts: tuple[A.Stmt, ...]) -> Run:
+    """The statements `stmts`, in order, as one function of the rank."""
+    return _in_order(tuple(_statement(stmt) for stmt in stmts))
+
+
+def _in_order(runs: tuple[Run, ...]) -> Run:
+    if len(runs) == 1:
+        return runs[0]
+
+    def run(rank: _Rank) -> None:
+        for one in runs:
+            one(rank)
+    return run
+
+
+def _statement(stmt: A.Stmt) -> Run:
+    if isinstance(stmt, A.Let):
+        name, value = stmt.name, expression(stmt.value)
+
+        def let(rank: _Rank) -> None:
+            rank.env[name] = value(rank.env)
+        return let
+    if isinstance(stmt, A.Slot):
+        value = expression(stmt.value)
+
+        def slot(rank: _Rank) -> None:
+            rank.e.slot = value(rank.env)
+        return slot
+    if isinstance(stmt, A.Seq):
+        return _items(stmt.items)
+    if isinstance(stmt, A.For):
+        return _loop(stmt)
+    cond, then, orelse = expression(stmt.cond), block(stmt.then), block(stmt.orelse)
+    return lambda rank: (then if cond(rank.env) else orelse)(rank)
+
+
+def _loop(stmt: A.For) -> Run:
+    var, pos, start, stop, body = stmt.var, stmt.pos, expression(stmt.start), expression(stmt.stop), block(stmt.body)
+
+    def loop(rank: _Rank) -> None:
+        env = rank.env
+        first, last = start(env), stop(env)
+        rank.charge(last - first, lambda: f"loop 'for {var} in {first}..{last}'", pos)
+        saved = env.get(var)
+        for value in range(first, last):
+            env[var] = value
+            body(rank)
         if saved is None:
-            self.env.pop(stmt.var, None)
+            env.pop(var, None)
         else:
-            self.env[stmt.var] = saved
+            env[var] = saved
+    return loop
 
-    def item(self, item: A.Item) -> None:
-        if isinstance(item, A.OpItem):
-            self.op(item, 1)
-        elif isinstance(item, A.Repeat):
-            count = evaluate(item.count, self.env)
-            if count < 0:
-                raise KoalaCompileError(f"{item.pos}: repetition count is {count} for {_fmt_params(self.env)}; "
-                                        f"this program needs other values of p, m or v")
-            self.charge(count, f"repetition '* {count}'", item.pos)
-            if isinstance(item.item, A.OpItem):
-                self.op(item.item, count)
-            else:
-                for _ in range(count):
-                    self.item(item.item)
-        else:
-            for sub in item.items:
-                self.item(sub)
 
-    def op(self, item: A.OpItem, times: int) -> None:
-        """Emit `item` `times` times; its chunk and microbatch are the same on every pass."""
-        chunk = None if item.chunk is None else evaluate(item.chunk, self.env)
-        mb = None if item.microbatch is None else evaluate(item.microbatch, self.env)
-        emit = self.e.emit
+def _items(items: tuple[A.Item, ...]) -> Run:
+    return _in_order(tuple(_item(item) for item in items))
+
+
+def _item(item: A.Item) -> Run:
+    if isinstance(item, A.OpItem):
+        return _op(item)
+    if isinstance(item, A.Repeat):
+        return _repeat(item)
+    return _items(item.items)
+
+
+def _repeat(item: A.Repeat) -> Run:
+    count_of, pos = expression(item.count), item.pos
+    if isinstance(item.item, A.OpItem):
+        times = _op(item.item)  # one op `count` times: its chunk and microbatch evaluated once
+    else:
+        inner = _item(item.item)
+
+        def times(rank: _Rank, count: int) -> None:
+            for _ in range(count):
+                inner(rank)
+
+    def repeat(rank: _Rank) -> None:
+        count = count_of(rank.env)
+        if count < 0:
+            raise KoalaCompileError(f"{pos}: repetition count is {count} for {_fmt_params(rank.env)}; "
+                                    f"this program needs other values of p, m or v")
+        rank.charge(count, lambda: f"repetition '* {count}'", pos)
+        times(rank, count)
+    return repeat
+
+
+def _op(item: A.OpItem) -> Callable[..., None]:
+    """Emit `item` `times` times (once by default); its chunk and microbatch are the same on every pass."""
+    op, optional, pos = item.op, item.optional, item.pos
+    chunk_of = None if item.chunk is None else expression(item.chunk)
+    mb_of = None if item.microbatch is None else expression(item.microbatch)
+
+    def emit(rank: _Rank, times: int = 1) -> None:
+        env = rank.env
+        chunk = None if chunk_of is None else chunk_of(env)
+        mb = None if mb_of is None else mb_of(env)
         try:
-            for _ in range(times):
-                if not emit(item.op, chunk, mb, item.optional):
-                    break  # nothing left to do, and a skipped request changes nothing
+            rank.e.emit_times(op, chunk, mb, optional, times)
+        except KoalaCompileError:
+            raise
         except KoalaError as exc:
-            if isinstance(exc, KoalaCompileError):
-                raise
-            raise KoalaCompileError(f"{item.pos}: {exc} ({_fmt_params(self.env)})") from None
+            raise KoalaCompileError(f"{pos}: {exc} ({_fmt_params(env)})") from None
+    return emit
 
 
 # -- programs -------------------------------------------------------------------------------
@@ -452,7 +569,7 @@ class Program:
             orders = compact_greedy(passes, m)
         except CompactError as exc:
             raise KoalaCompileError(f"{where}: compact {self.compact}: {exc} ({params})") from None
-        return [tuple(Action(Op(op), placement.stages_of(r)[chunk], j) for op, chunk, j in order)
+        return [tuple(_action(op, placement.stages_of(r)[chunk], j) for op, chunk, j in order)
                 for r, order in enumerate(orders)]
 
 
@@ -463,33 +580,37 @@ def _mentions(text: str, name: str) -> bool:
 
 
 def from_ast(tree: A.ProgramAst, text: str = "") -> Program:
-    """A Program from a parsed `.koala` file."""
-    lets = tree.lets
+    """A Program from a parsed `.koala` file; its expressions and rank blocks are translated
+    into closures here, once."""
+    lets = tuple((let.name, expression(let.value)) for let in tree.lets)
+    blocks = {rank: block(stmts) for rank, stmts in tree.ranks.items()}
 
     def global_env(env: dict) -> dict:
         env = dict(env)
-        for let in lets:
-            env[let.name] = evaluate(let.value, env)
+        for name, value in lets:
+            env[name] = value(env)
         return env
 
     def body(emitter: RankEmitter, env: dict) -> None:
         env = global_env(env)
-        stmts = tree.ranks.get(env["r"], tree.ranks.get(None))
-        if stmts is None:
+        run = blocks.get(env["r"], blocks.get(None))
+        if run is None:
             raise KoalaCompileError(f"{tree.file}: no block for rank {env['r']} (add 'rank {env['r']}:' "
                                     f"or a generic 'rank:' block, or change {emitter.names['p']})")
-        _Interpreter(emitter, env, emitter.budget or Budget()).run(stmts)
+        run(_Rank(emitter, env, emitter.budget or Budget()))
 
-    reqs = tuple(Requirement(r.text, (lambda cond: lambda env: evaluate(cond, global_env(env)))(r.cond), str(r.pos))
+    reqs = tuple(Requirement(r.text, (lambda cond: lambda env: cond(global_env(env)))(expression(r.cond)), str(r.pos))
                  for r in tree.supports)
     spec = tree.placement
     if spec.style == "map":
+        groups = [[expression(e) for e in g] for g in spec.groups]
+
         def placement(p: int, v: int) -> Placement:
             env = global_env({"p": p, "m": 1, "v": v})
-            groups = [[evaluate(e, env) for e in g] for g in spec.groups]
-            if len({len(g) for g in groups}) != 1:
+            ranks = [[rank(env) for rank in g] for g in groups]
+            if len({len(g) for g in ranks}) != 1:
                 raise ScheduleError(f"{spec.pos}: placement map groups have different lengths")
-            return Placement.explicit([r for g in groups for r in g], len(groups))
+            return Placement.explicit([r for g in ranks for r in g], len(ranks))
     else:
         placement = spec.style
     compact = tree.compact
