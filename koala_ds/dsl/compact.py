@@ -257,6 +257,11 @@ def _move(busy: dict[int, int], order: list[int], old: int, new: int, kind: int)
     """Move the pass at slot `old` to the free slot `new`, in `busy` and in its sorted slots."""
     del busy[old]
     busy[new] = kind
+    _resort(order, old, new)
+
+
+def _resort(order: list[int], old: int, new: int) -> None:
+    """Replace `old` by `new` in the sorted list `order`."""
     del order[bisect.bisect_left(order, old)]
     bisect.insort(order, new)
 
@@ -270,7 +275,7 @@ def _compact(timelines: list[Timeline], m: int, move_warmup: bool) -> list[Timel
     limit = max(peak(b, weights_placed, o) for b, o in zip(busy, order))
     out = [dict(tl) for tl in timelines]
     taken: list[set[int]] = [set() for _ in range(p)]  # slots of passes already walked
-    grads: list[list[int] | None] = [None] * p  # per rank, _gradient_slots(out[r]) until an I moves
+    grads = [_gradient_slots(tl) for tl in out]  # per rank, kept sorted as input gradients move
     phase = WARMUP
     for slot, r, kind, j in _walk_order(timelines):
         if phase == WARMUP and kind == I0 and r == 0:
@@ -281,8 +286,6 @@ def _compact(timelines: list[Timeline], m: int, move_warmup: bool) -> list[Timel
             taken[r].add(slot)
             continue
         final = slot
-        if kind == W and grads[r] is None:
-            grads[r] = _gradient_slots(out[r])
         for candidate in range(_earliest(out, r, kind, j, p, grads[r]), slot):
             if candidate in taken[r]:
                 continue
@@ -299,7 +302,7 @@ def _compact(timelines: list[Timeline], m: int, move_warmup: bool) -> list[Timel
             _move(busy[r], order[r], slot, final, kind)
             out[r][(kind, j)] = final
             if kind in (I1, I0):
-                grads[r] = None
+                _resort(grads[r], slot, final)
         taken[r].add(final)
     return out
 

@@ -311,8 +311,9 @@ def _chain(expr: A.Binary) -> Eval:
 
 
 def _link(node: A.Binary) -> Callable[[int, dict], int]:
-    """One link `op right` of a chain: the value so far -> the value after it."""
-    op, right = node.op, expression(node.right)
+    """One link `op right` of a chain: the value so far -> the value after it. A number or a
+    name on the right of `+ - *` or a comparison (`k + 1`, `r < p`) is read in place."""
+    op, right, operand = node.op, expression(node.right), node.right
     if op == "and":
         return lambda val, env: int(bool(val) and bool(right(env)))
     if op == "or":
@@ -320,6 +321,18 @@ def _link(node: A.Binary) -> Callable[[int, dict], int]:
     if op in ("//", "%"):
         return _division(node, right)
     fn = _BIN[op]
+    if type(operand) is A.Num:
+        const = operand.value
+        return lambda val, env: fn(val, const)
+    if type(operand) is A.Name:
+        name = operand.id
+
+        def link(val: int, env: dict) -> int:
+            try:
+                return fn(val, env[name])
+            except KeyError:
+                return fn(val, right(env))  # `right` raises the unknown-name error
+        return link
     return lambda val, env: fn(val, right(env))
 
 
