@@ -160,8 +160,8 @@ def peak(busy: dict[int, int], weights_placed: bool, slots: Sequence[int] | None
          stop_above: int | None = None) -> int:
     """Peak activations of one rank (slot -> kind): a forward holds its activation until a W
     frees one; without W passes, each free slot frees one while an input gradient waits.
-    `slots`: busy's slots in order, when the caller keeps them sorted; `stop_above`: return as
-    soon as the peak exceeds it (the caller only asks whether it fits)."""
+    `slots`: busy's slots in order, when the caller keeps them sorted; `stop_above`: without W
+    passes, return as soon as the peak exceeds it (the caller only asks whether it fits)."""
     slots = slots if slots is not None else sorted(busy)
     if weights_placed:  # the activations held are a running sum: +1 per forward, -1 per W
         return max(0, max(accumulate(map(_HELD.__getitem__, map(busy.__getitem__, slots))), default=0))
@@ -290,7 +290,7 @@ def _compact(timelines: list[Timeline], m: int, move_warmup: bool) -> list[Timel
             if candidate in taken[r]:
                 continue
             if weights_placed and kind not in (F0, F1):
-                final = candidate  # an I or W earlier only lowers the activations held from there on
+                final = candidate  # with W placed, an I or W moved earlier cannot raise the rank's peak
                 break
             _move(busy[r], order[r], slot, candidate, kind)
             fits = peak(busy[r], weights_placed, order[r], stop_above=limit) <= limit
