@@ -17,7 +17,6 @@ from __future__ import annotations
 import operator
 from collections import deque
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Callable
 
 from ..ir import (MAX_ACTIONS, Action, KoalaError, Op, Placement, Schedule, ScheduleError, change_hint,
@@ -78,12 +77,21 @@ _CLASS = {"F": "F", "B": "B", "I": "B", "W": "W"}  # B and I share one counter
 _OP = {op.value: op for op in Op}
 
 
-@lru_cache(maxsize=8192)
+#: Actions are immutable values, so compiles share one object per (op, stage, microbatch): a hit
+#: costs a fraction of building one, and repeated compiles (the search's seeds, the library's
+#: tests) meet the same small actions again. The first _ACTIONS_KEPT made are kept, no others.
+_ACTIONS: dict[tuple[str, int, int], Action] = {}
+_ACTIONS_KEPT = 1 << 14
+
+
 def _action(op: str, stage: int, microbatch: int) -> Action:
-    """`Action(op, stage, microbatch)`. Actions are immutable values, so compiles share one object
-    per (op, stage, microbatch): a cache hit costs a seventh of building one, and repeated
-    compiles (the search's seeds, the library's tests) meet the same small actions again."""
-    return Action(_OP[op], stage, microbatch)
+    key = (op, stage, microbatch)
+    action = _ACTIONS.get(key)
+    if action is None:
+        action = Action(_OP[op], stage, microbatch)
+        if len(_ACTIONS) < _ACTIONS_KEPT:
+            _ACTIONS[key] = action
+    return action
 
 
 class _Track:
