@@ -77,6 +77,13 @@ def test_optional_ops_are_skipped_when_nothing_is_pending():
     assert ops(s, 0) == ["0F0", "0I0", "0W0"]
 
 
+def test_min_and_max_of_one_value_are_that_value():
+    """`min(m)` parsed (the parser allows one argument) but compiling it raised a TypeError."""
+    text = "schedule t\nrank:\n  F * min(m)\n  B * max(m, 1)\n  let k = min(max(m), 2 * m, m + 1)\n  F * (k - m)\n"
+    s = parse_program(text, "t.koala").compile(2, 3)
+    assert [a.op.value for a in s.ranks[0]] == ["F"] * 3 + ["B"] * 3
+
+
 def test_global_lets_and_supports_message_names_parameters():
     text = "schedule t\nlet g = 2 * p\nsupports m >= g, v == 1\nrank:\n  F * m\n  B * m\n"
     prog = parse_program(text, "x.koala")

@@ -263,7 +263,7 @@ _BIN: dict[str, Callable[[int, int], int]] = {
     "==": lambda a, b: int(a == b), "!=": lambda a, b: int(a != b), "<": lambda a, b: int(a < b),
     "<=": lambda a, b: int(a <= b), ">": lambda a, b: int(a > b), ">=": lambda a, b: int(a >= b),
 }
-_FUN = {"min": min, "max": max, "abs": abs}
+_FUN = {"min": lambda *xs: min(xs), "max": lambda *xs: max(xs), "abs": abs}  # min(x) and max(x) are x
 
 
 def expression(expr: A.Expr) -> Eval:
