@@ -282,3 +282,21 @@ def test_profile_of_short_stages_warns_without_an_action_overhead(tmp_path, monk
         assert not warned and data.get("action_overhead") == (0.5 if overhead else None)
     else:
         assert len(warned) == 1 and "--action-overhead MS" in warned[0] and "action_overhead" not in data
+
+
+def test_w_hold_measurement_leaves_the_processs_own_gc_freeze_alone():
+    """The profiler freezes older objects around its W-hold collection; a process that froze
+    objects itself (as servers that fork do) keeps them frozen."""
+    import gc
+
+    marker = ["frozen by the process"]
+    gc.freeze()
+    try:
+        stage = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+        meas = measure_stage(stage, lambda: torch.randn(4, 8, requires_grad=True), is_last=False, warmup=0, iters=1)
+        assert meas.activation_bytes > 0  # the memory microbatch ran
+        assert not any(o is marker for o in gc.get_objects())  # still in the permanent generation
+    finally:
+        gc.unfreeze()
+    measure_stage(stage, lambda: torch.randn(4, 8, requires_grad=True), is_last=False, warmup=0, iters=1)
+    assert gc.get_freeze_count() == 0  # nothing left frozen by the profiler itself

@@ -309,7 +309,11 @@ def _collecting_new_objects_only():
     """Inside, `gc.collect()` looks only at objects made inside: what was there before is frozen
     (`gc.freeze`). A reference cycle among this microbatch's objects is still freed before W-hold
     is read, but the collection no longer walks the whole heap (0.1-0.4 s in a process that has
-    imported torch, Megatron and DeepSpeed)."""
+    imported torch, Megatron and DeepSpeed). A process that froze objects itself keeps its freeze
+    (and the full collection)."""
+    if gc.get_freeze_count():
+        yield
+        return
     gc.freeze()
     try:
         yield
