@@ -3,7 +3,6 @@ stopped with everything it started and the next step still runs; the schedule co
 notices unequal losses; and (slow) its --small DeepSpeed step end to end."""
 import importlib.util
 import json
-import os
 import re
 import sys
 import time
@@ -23,11 +22,13 @@ def gpu_check():
 
 
 def alive(pid: int) -> bool:
+    """Running: a killed process whose new parent has not yet reaped it (a zombie, state Z, which
+    kill(pid, 0) still finds) is not; this machine's init reaps about once a second."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
         return False
-    return True
+    return state != "Z"
 
 
 # a step that hangs with a child in a session of its own, as torchrun starts its workers
