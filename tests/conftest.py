@@ -30,6 +30,37 @@ def pytest_configure(config: pytest.Config) -> None:
             torch.set_num_threads(1)
 
 
+# The test files whose in-process tests import megatron-core: 4-5 s of CPU per process that
+# imports it (mostly torch's compiler, which megatron-core's fused kernels load). Under xdist
+# (`make test-fast`) one worker runs them all, so the other never pays that import. Only a
+# matter of speed: a file missing here still runs, on any worker.
+MEGATRON_CORE_FILES = frozenset({
+    "test_megatron_layout.py", "test_megatron_unit.py", "test_one_line_errors.py", "test_profile_layers.py",
+    "test_profiler.py", "test_timeout.py", "test_wgrad.py", "test_wgrad_policy.py"})
+
+
+def _scope(nodeid: str) -> str:
+    """xdist's unit of work: the megatron-core files' tests are one unit, every other test its own."""
+    return "megatron-core" if nodeid.split("::", 1)[0].rsplit("/", 1)[-1] in MEGATRON_CORE_FILES else nodeid
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """For xdist's default distribution (`-n N`, `--dist load`): tests go to whichever worker is
+    free, one at a time, except the megatron-core files' (`MEGATRON_CORE_FILES`), which go as one
+    unit, first (xdist orders units by size), to one worker. pytest-xdist's own grouping
+    (`--dist loadgroup` with xdist_group marks) is a no-op with pytest 9.2 (pytest-xdist#1386)."""
+    if config.getoption("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class OneMegatronWorker(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _scope(nodeid)
+
+    return OneMegatronWorker(config, log)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     if not any(item.get_closest_marker("deepspeed_ext") for item in session.items):
         return

@@ -7,8 +7,6 @@ import logging
 
 import pytest
 
-pytestmark = pytest.mark.xdist_group("torch")  # one xdist worker runs these: see conftest.py
-
 torch = pytest.importorskip("torch")
 
 from koala_ds import wgrad  # noqa: E402
