@@ -77,7 +77,8 @@ def test_install_takes_the_chunks_per_rank_from_the_layout():
                                   virtual_pipeline_model_parallel_size=None, pipeline_model_parallel_layout=layout,
                                   global_batch_size=8, micro_batch_size=2, data_parallel_size=1)
 
-    assert schedule_from_args(args("E|tt|t|tL", "zb-v")) == "zb-v"  # v = 2 from the layout's 4 stages
+    # v = 2 from the layout's 4 stages (a V-shape: with chunks built per the schedule's placement)
+    assert schedule_from_args(args("E|tt|t|tL", "zb-v"), chunks="schedule") == "zb-v"
     assert schedule_from_args(args("Et|t*3L", "zb-h1")) == "zb-h1"
     with pytest.raises(MegatronScheduleError, match=r"--pipeline-model-parallel-layout 'E\|tt\|tL' has 3 stages, "
                                                     r"not a multiple of --pipeline-model-parallel-size 2"):

@@ -134,3 +134,92 @@ def test_megatron_lm_patch_is_a_well_formed_unified_diff():
     assert files == ["pretrain_gpt.py"] and hunks == 3
     added = "\n".join(l[1:] for l in lines if l.startswith("+") and not l.startswith("+++"))
     assert "koala_megatron.add_arguments(parser)" in added and "koala_megatron.install(get_args())" in added
+
+
+# -- which stage each model chunk holds ---------------------------------------------------------------
+def _lm_args(schedule: str, p: int, v=None, gbs=None) -> argparse.Namespace:
+    return argparse.Namespace(pipeline_schedule="koala", koala_schedule=schedule, pipeline_model_parallel_size=p,
+                              virtual_pipeline_model_parallel_size=v, global_batch_size=gbs, micro_batch_size=1,
+                              data_parallel_size=1)
+
+
+def test_install_refuses_placements_megatron_cores_model_builder_cannot_build(tmp_path):
+    """megatron-core's get_model (Megatron-LM's pretrain_gpt.py) builds chunk c of rank r as stage
+    c x p + r, and Megatron-LM's forward_step and data loading assume it: a V-shape schedule there
+    ran the loss on a chunk without the output layer (a traceback from the loss function)."""
+    from koala_ds.library import load_schedule
+    from koala_ds.megatron import MegatronScheduleError, install, schedule_from_args
+
+    vshape_file = tmp_path / "zbv.json"
+    vshape_file.write_text(load_schedule("zb-v", 2, 8, 2).to_json())
+    for args in (_lm_args("zb-v", 2, 2, 8), _lm_args("zb-v", 2, 2), _lm_args("v-half", 4, 2, 16),
+                 _lm_args(str(vshape_file), 2, 2)):
+        with pytest.raises(MegatronScheduleError) as info:
+            install(args)  # the default: chunks="megatron"
+        text = str(info.value)
+        assert text.startswith(f"--koala-schedule {args.koala_schedule}: its vshape placement runs stage ")
+        assert "chunk c of rank r = stage c x p + r" in text and "interleaved" in text and "\n" not in text
+        assert schedule_from_args(args, chunks="schedule") == args.koala_schedule  # chunks built per placement
+    for args in (_lm_args("interleaved-1f1b", 2, 2, 8), _lm_args("zb-h1", 4, None, 8), _lm_args("1f1b", 2)):
+        assert schedule_from_args(args) == args.koala_schedule  # megatron-core's own placements
+    with pytest.raises(ValueError, match="chunks must be one of"):
+        schedule_from_args(_lm_args("1f1b", 2), chunks="mine")
+
+
+class _Chunk(torch.nn.Module):
+    def __init__(self, pre_process: bool, post_process: bool):
+        super().__init__()
+        self.pre_process, self.post_process = pre_process, post_process
+
+
+class _Wrapper(torch.nn.Module):  # as DDP and Float16Module wrap a chunk
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+
+def test_runtime_refuses_chunks_built_for_another_stage():
+    """Chunks from megatron-core's builder under a V-shape schedule (p = 2: rank 0's chunk 1 runs
+    the last stage but has no output layer, rank 1's chunk 1 has it): both ranks refuse before
+    any communication. Chunks built per the placement, or that do not say, pass."""
+    from koala_ds.library import load_schedule
+    from koala_ds.megatron import MegatronScheduleError
+    from koala_ds.megatron.runtime import _check_chunk_roles
+
+    zbv = load_schedule("zb-v", 2, 4, 2)
+    megatron_built = {0: [_Chunk(True, False), _Chunk(False, False)], 1: [_Chunk(False, False), _Chunk(False, True)]}
+    wants = {0: "runs stage 3 of 4 in model chunk 1 of pipeline rank 0, which was built with post_process=False",
+             1: "runs stage 2 of 4 in model chunk 1 of pipeline rank 1, which was built with post_process=True"}
+    for rank, chunks in megatron_built.items():
+        with pytest.raises(MegatronScheduleError, match=wants[rank]):
+            _check_chunk_roles([_Wrapper(c) for c in chunks], zbv, rank)
+    placed = {0: [_Chunk(True, False), _Chunk(False, True)], 1: [_Chunk(False, False), _Chunk(False, False)]}
+    for rank, chunks in placed.items():
+        _check_chunk_roles([_Wrapper(c) for c in chunks], zbv, rank)
+        _check_chunk_roles([torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)], zbv, rank)  # no flags: nothing to check
+
+
+def test_the_runtime_checks_the_chunks_before_it_runs_a_step(single_process_megatron):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from engine_runs import _forward_step, _MegatronChunk
+    from koala_ds.library import load_schedule
+    from koala_ds.megatron import MegatronScheduleError, get_forward_backward_func
+    from koala_ds.profiler.models import _init_single_process_megatron
+
+    _init_single_process_megatron(1)
+    config = TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=1, use_cpu_initialization=True,
+                               pipeline_dtype=torch.float32, params_dtype=torch.float32,
+                               gradient_accumulation_fusion=False)
+    func = get_forward_backward_func(load_schedule("interleaved-1f1b", 1, 2, 2), timeout_s=30)
+
+    def step(stages):
+        chunks = [_MegatronChunk(config, s, 2, (0.0, 0.0, 0.0), 8) for s in stages]
+        data = [torch.randn(2, 1, 8) for _ in range(2)]
+        return func(forward_step_func=_forward_step, data_iterator=[iter(data), iter(data)], model=chunks,
+                    num_microbatches=2, seq_length=2, micro_batch_size=1)
+
+    with pytest.raises(MegatronScheduleError, match="runs stage 0 of 2 in model chunk 0 of pipeline rank 0, which "
+                                                    "was built with pre_process=False"):
+        step([1, 0])  # the chunks in the wrong order
+    assert len(step([0, 1])) == 2  # the losses of both microbatches

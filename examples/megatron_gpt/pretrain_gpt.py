@@ -255,7 +255,9 @@ def main(argv=None) -> int:
         raise SystemExit("--global-batch-size must be a multiple of --micro-batch-size x data-parallel size")
     layout = pipeline_layout(args, pp)
     v = layout.virtual_pipeline_model_parallel_size
-    report = install(args)  # routes megatron's get_forward_backward_func to the Koala runtime
+    # routes megatron's get_forward_backward_func to the Koala runtime; build_model makes each chunk
+    # the schedule's stage (stage_layers), so any placement (V-shape too) fits
+    report = install(args, chunks="schedule")
     check_pipeline_backend(report.schedule is not None, pp, device, backend)
     if cuda:
         torch.cuda.set_device(device)

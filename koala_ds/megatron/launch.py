@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from ..errors import rank_zero_argument_errors
 from ..timeout import TimeoutSettingError, check_timeout
 from .. import library
+from ..ir import Placement
 from ..resolve import FIXED_SUFFIXES, MEGATRON, check_fit, load
 from .resolve import MegatronScheduleError, check_spec, resolve
 
@@ -52,8 +53,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def schedule_from_args(args) -> str | None:
-    """The schedule the flags ask for, checked; None for the default (megatron-core) schedule."""
+#: `install(args, chunks=...)`: who decides which virtual stage each model chunk holds
+CHUNKS = ("megatron", "schedule")
+
+
+def schedule_from_args(args, chunks: str = "megatron") -> str | None:
+    """The schedule the flags ask for, checked; None for the default (megatron-core) schedule.
+    `chunks`: see `install`."""
+    if chunks not in CHUNKS:
+        raise ValueError(f"chunks must be one of {CHUNKS}, got {chunks!r}")
     if getattr(args, "pipeline_schedule", "default") != "koala":
         if getattr(args, "koala_schedule", None):
             raise MegatronScheduleError("--koala-schedule is set but --pipeline-schedule is not 'koala'")
@@ -62,7 +70,9 @@ def schedule_from_args(args) -> str | None:
     if not spec:
         raise MegatronScheduleError("--pipeline-schedule koala needs --koala-schedule NAME|FILE")
     check_spec(spec)
-    _check_sizes(spec, args)
+    placement = _check_sizes(spec, args)
+    if chunks == "megatron" and placement is not None:
+        _check_megatron_chunks(spec, placement)
     timeout = getattr(args, "koala_p2p_timeout", None)
     if timeout is not None:
         try:
@@ -91,24 +101,44 @@ def _layout_chunks(args) -> int | None:
         raise MegatronScheduleError(str(exc)) from None
 
 
-def _check_sizes(spec: str, args) -> None:
+def _check_sizes(spec: str, args) -> Placement | None:
     """Check the schedule against the flags now, before any process group or model exists: the
     whole schedule when the flags give p, v and the number of microbatches; else p and v (a
-    fixed file's, or whether a program supports them)."""
+    fixed file's, or whether a program supports them). Its placement (None without p)."""
     p = getattr(args, "pipeline_model_parallel_size", None)
     if p is None:
-        return
+        return None
     v = getattr(args, "virtual_pipeline_model_parallel_size", None) or _layout_chunks(args) or 1
     m = microbatches_from_args(args)
     if m is not None:
-        resolve(spec, p, m, v)  # cached: the runtime finds it resolved
-    elif spec.endswith(FIXED_SUFFIXES) and spec not in library.names():
-        check_fit(load(spec, p, None, v, MEGATRON), p, None, v, MEGATRON)  # m: the file's, checked per step
-    else:  # a program: supports (p, v) with some m (the step's m is checked when it is known)
-        reason = library.load_program(spec).supports(p, max(p * v, 1) * 2, v, MEGATRON.names)
-        if reason is not None:
-            raise MegatronScheduleError(f"--koala-schedule {spec} with --pipeline-model-parallel-size {p} and "
-                                        f"--virtual-pipeline-model-parallel-size {v}: {reason}")
+        return resolve(spec, p, m, v).placement  # cached: the runtime finds it resolved
+    if spec.endswith(FIXED_SUFFIXES) and spec not in library.names():
+        schedule = load(spec, p, None, v, MEGATRON)
+        check_fit(schedule, p, None, v, MEGATRON)  # m: the file's, checked per step
+        return schedule.placement
+    program = library.load_program(spec)  # supports (p, v) with some m (the step's m is checked when known)
+    reason = program.supports(p, max(p * v, 1) * 2, v, MEGATRON.names)
+    if reason is not None:
+        raise MegatronScheduleError(f"--koala-schedule {spec} with --pipeline-model-parallel-size {p} and "
+                                    f"--virtual-pipeline-model-parallel-size {v}: {reason}")
+    return program.make_placement(p, v)
+
+
+def _check_megatron_chunks(spec: str, placement: Placement) -> None:
+    """megatron-core's model builder (megatron.training's get_model, by `vp_stage`) gives chunk c
+    of pipeline rank r virtual stage c x p + r, and Megatron-LM's forward_step and data loading
+    assume it: the schedule's placement must be that one (linear or interleaved)."""
+    p = placement.p
+    for r in range(p):
+        for c, stage in enumerate(placement.stages_of(r)):
+            if stage != c * p + r:
+                raise MegatronScheduleError(
+                    f"--koala-schedule {spec}: its {placement.style} placement runs stage {stage} in model chunk "
+                    f"{c} of pipeline rank {r}, where megatron-core's model builder puts stage {c * p + r} "
+                    f"(chunk c of rank r = stage c x p + r): choose a schedule with the interleaved placement "
+                    f"(e.g. interleaved-1f1b, or zb-h1 with one chunk), or build each chunk from "
+                    f"koala_ds.megatron.stage_layers and call install(args, chunks='schedule') as "
+                    f"examples/megatron_gpt does")
 
 
 @dataclass
@@ -130,13 +160,19 @@ class InstallReport:
         return str(self) + (f"; not present: {', '.join(self.skipped)}" if self.skipped else "")
 
 
-def install(args) -> InstallReport:
+def install(args, chunks: str = "megatron") -> InstallReport:
     """Route Megatron's training loop to the Koala runtime when `--pipeline-schedule koala`.
+
+    `chunks`: "megatron" (the default) when megatron-core's model builder makes the model
+    chunks (Megatron-LM's get_model: chunk c of pipeline rank r holds virtual stage c x p + r):
+    then only schedules with that placement (linear, interleaved) are accepted; "schedule" when
+    the script builds chunk c of rank r as the schedule's stage `chunk_stages(schedule, r)[c]`
+    (`stage_layers`; examples/megatron_gpt), which any placement (V-shape too) needs.
 
     Patches `get_forward_backward_func` in every module of PATCH_TARGETS that is importable
     (megatron-core from PyPI has no megatron.training: then only megatron-core is patched and
     the report says so). Safe to call twice."""
-    spec = schedule_from_args(args)
+    spec = schedule_from_args(args, chunks)
     report = InstallReport(spec)
     if spec is None:
         log.info("%s", report)

@@ -168,6 +168,30 @@ def _comm_setting(config, pp_group, model) -> tuple:
     return dtype, gloo, model_device, comm_device
 
 
+def _check_chunk_roles(models: list, schedule: Schedule, rank: int) -> None:
+    """A chunk that says whether it holds the embedding (`pre_process`) or the loss
+    (`post_process`), as megatron-core's models do, must say so for the stage the schedule runs
+    on it: stage 0 and the last stage. Else its forward_step would compute the wrong thing (a
+    V-shape schedule on chunks built by megatron-core's get_model: a traceback from the loss
+    function, or a message of the wrong shape)."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    last = schedule.num_stages - 1
+    for chunk, (model, stage) in enumerate(zip(models, schedule.placement.stages_of(rank))):
+        for attr, want in (("pre_process", stage == 0), ("post_process", stage == last)):
+            try:
+                built = get_attr_wrapped_model(model, attr)
+            except RuntimeError:  # the chunk (or what it wraps) does not say
+                continue
+            if isinstance(built, bool) and built != want:
+                raise MegatronScheduleError(
+                    f"koala schedule runtime: schedule {schedule.name!r} runs stage {stage} of {last + 1} in model "
+                    f"chunk {chunk} of pipeline rank {rank}, which was built with {attr}={built}: build chunk c of "
+                    f"rank r as stage koala_ds.megatron.chunk_stages(schedule, r)[c] (stage_layers; "
+                    f"examples/megatron_gpt), or choose a schedule with the interleaved placement, which is "
+                    f"megatron-core's own")
+
+
 def _losses_to_last_rank(schedule: Schedule, comm, losses: list, rank: int, p: int, model_device) -> list:
     """Megatron-LM reads the losses on the last pipeline rank; a V-shape computes them elsewhere."""
     holder = schedule.placement.rank_of(schedule.num_stages - 1)
@@ -244,6 +268,7 @@ class KoalaForwardBackward:
         schedule = _resolve.resolve(self.schedule_spec, p, num_microbatches, v)
         split = any(a.op in (Op.I, Op.W) for a in schedule.ranks[rank])
         self._check_config(config, split, forward_only, p)
+        _check_chunk_roles(models, schedule, rank)
         prep = self._prepare(schedule, rank, forward_only)
         self.last_schedule = schedule
 
