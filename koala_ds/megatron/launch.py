@@ -127,14 +127,15 @@ def _check_sizes(spec: str, args) -> Placement | None:
 def _check_megatron_chunks(spec: str, placement: Placement) -> None:
     """megatron-core's model builder (megatron.training's get_model, by `vp_stage`) gives chunk c
     of pipeline rank r virtual stage c x p + r, and Megatron-LM's forward_step and data loading
-    assume it: the schedule's placement must be that one (linear or interleaved)."""
-    p = placement.p
-    for r in range(p):
-        for c, stage in enumerate(placement.stages_of(r)):
-            if stage != c * p + r:
+    assume it: the schedule's placement must be that one, the interleaved placement (linear with
+    one chunk)."""
+    megatron = Placement.named("interleaved", placement.p, placement.chunks_per_rank)
+    for r in range(placement.p):
+        for c, (stage, built) in enumerate(zip(placement.stages_of(r), megatron.stages_of(r))):
+            if stage != built:
                 raise MegatronScheduleError(
                     f"--koala-schedule {spec}: its {placement.style} placement runs stage {stage} in model chunk "
-                    f"{c} of pipeline rank {r}, where megatron-core's model builder puts stage {c * p + r} "
+                    f"{c} of pipeline rank {r}, where megatron-core's model builder puts stage {built} "
                     f"(chunk c of rank r = stage c x p + r): choose a schedule with the interleaved placement "
                     f"(e.g. interleaved-1f1b, or zb-h1 with one chunk), or build each chunk from "
                     f"koala_ds.megatron.stage_layers and call install(args, chunks='schedule') as "
