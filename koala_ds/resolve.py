@@ -5,7 +5,8 @@ The CLI (`koala show|validate|export|simulate`), the library's `load_schedule`, 
 engine and the Megatron launcher and runtime all call `resolve`. What differs between them is
 how the user *spells* p, m and v (and the schedule and profile settings): `Settings` holds
 that, and every message this module raises names the user's own setting and the value to set
-it to. `CLI`, `DEEPSPEED` and `MEGATRON` are the three vocabularies.
+it to. `CLI`, `DEEPSPEED` and `MEGATRON` are the three vocabularies (`MEGATRON_LM`: Megatron's,
+where Megatron-LM builds the model chunks).
 
 One error class: `ScheduleFitError` (a KoalaError). The engines' older names for it,
 `koala_ds.deepspeed.KoalaConfigError` and `koala_ds.megatron.MegatronScheduleError`, are
@@ -14,7 +15,7 @@ aliases of it. No torch here: the launchers resolve before any process group exi
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from . import library
 from .ir import CLI_NAMES, KoalaError, Placement, Schedule
@@ -51,6 +52,7 @@ class Settings:
     profile: str = "the profile"
     example: str = ""  # " (e.g. -p 4 -m 8)" after "... needed to compile"
     placement_fix: str = ""  # for a placement other than the model's: {p}, {v}, {style}
+    one_pipeline: str = "a single-pipeline schedule (e.g. zb-v or dualpipe-v)"  # what `engine` can host
 
     @property
     def names(self) -> dict:
@@ -85,6 +87,11 @@ MEGATRON = Settings(
             "set --virtual-pipeline-model-parallel-size {value} (unset means 1; the model is a list of that many "
             "chunks)"),
     engine="the Megatron runtime", profile="--koala-profile")
+
+#: Megatron-LM's own model builder (`install(args)`, chunks="megatron"): chunk c of rank r holds
+#: stage c x p + r, so only the interleaved placement fits.
+MEGATRON_LM = replace(MEGATRON, one_pipeline="a schedule with the interleaved placement (e.g. interleaved-1f1b, "
+                                              "or zb-h1 with one chunk)")
 
 
 def looks_like_path(spec: str) -> bool:
@@ -164,8 +171,7 @@ def check_fit(schedule: Schedule, p: int | None, m: int | None, v: int | None, s
     if settings.engine and pipelines != 1:
         raise ScheduleFitError(f"{where} runs {pipelines} pipelines (placement {schedule.placement.describe()}): "
                                f"each rank would hold a second, separately updated model replica, which "
-                               f"{settings.engine} cannot host. Use a single-pipeline schedule (e.g. zb-v or "
-                               f"dualpipe-v).")
+                               f"{settings.engine} cannot host. Use {settings.one_pipeline}.")
     if placement is not None:
         p, v = placement.p, None  # v: the placement check below says more
     for key, want in (("p", p), ("v", v), ("m", m)):

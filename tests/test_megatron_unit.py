@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from koala_ds import library
 from koala_ds.ir import Action, Op, Placement, schedule_from_ranks
 
 torch = pytest.importorskip("torch")
@@ -166,6 +167,26 @@ def test_install_refuses_placements_megatron_cores_model_builder_cannot_build(tm
         schedule_from_args(_lm_args("1f1b", 2), chunks="mine")
 
 
+
+def test_a_two_pipeline_schedule_is_refused_with_schedules_the_same_launch_accepts():
+    """chimera (two pipelines) on Megatron-LM's model builder: the refusal used to suggest zb-v or
+    dualpipe-v, which that same launch then refuses (their vshape placement). Each schedule the
+    message names must pass the same checks, with the chunks it needs."""
+    import re
+
+    from koala_ds.megatron import MegatronScheduleError, schedule_from_args
+
+    for chunks, gbs in (("megatron", 8), ("megatron", None), ("schedule", 8)):
+        with pytest.raises(MegatronScheduleError) as info:
+            schedule_from_args(_lm_args("chimera", 4, None, gbs), chunks=chunks)
+        text = str(info.value)
+        assert text.startswith("--koala-schedule chimera") and "\n" not in text
+        named = [n for n in re.findall(r"[a-z0-9]+(?:-[a-z0-9]+)+", text) if n in library.names() and n != "chimera"]
+        assert named, text
+        for name in named:
+            program = library.load_program(name)
+            v = next(v for v in (1, 2) if program.supports(4, 8, v) is None)
+            assert schedule_from_args(_lm_args(name, 4, v if v > 1 else None, 8), chunks=chunks) == name, text
 class _Chunk(torch.nn.Module):
     def __init__(self, pre_process: bool, post_process: bool):
         super().__init__()

@@ -23,7 +23,7 @@ from ..errors import rank_zero_argument_errors
 from ..timeout import TimeoutSettingError, check_timeout
 from .. import library
 from ..ir import Placement
-from ..resolve import FIXED_SUFFIXES, MEGATRON, check_fit, load
+from ..resolve import FIXED_SUFFIXES, MEGATRON, MEGATRON_LM, check_fit, load
 from .resolve import MegatronScheduleError, check_spec, resolve
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ def schedule_from_args(args, chunks: str = "megatron") -> str | None:
     if not spec:
         raise MegatronScheduleError("--pipeline-schedule koala needs --koala-schedule NAME|FILE")
     check_spec(spec)
-    placement = _check_sizes(spec, args)
+    placement = _check_sizes(spec, args, MEGATRON_LM if chunks == "megatron" else MEGATRON)
     if chunks == "megatron" and placement is not None:
         _check_megatron_chunks(spec, placement)
     timeout = getattr(args, "koala_p2p_timeout", None)
@@ -101,20 +101,21 @@ def _layout_chunks(args) -> int | None:
         raise MegatronScheduleError(str(exc)) from None
 
 
-def _check_sizes(spec: str, args) -> Placement | None:
+def _check_sizes(spec: str, args, settings=MEGATRON) -> Placement | None:
     """Check the schedule against the flags now, before any process group or model exists: the
     whole schedule when the flags give p, v and the number of microbatches; else p and v (a
-    fixed file's, or whether a program supports them). Its placement (None without p)."""
+    fixed file's, or whether a program supports them). Its placement (None without p).
+    `settings`: MEGATRON, or MEGATRON_LM (what its messages suggest instead)."""
     p = getattr(args, "pipeline_model_parallel_size", None)
     if p is None:
         return None
     v = getattr(args, "virtual_pipeline_model_parallel_size", None) or _layout_chunks(args) or 1
     m = microbatches_from_args(args)
     if m is not None:
-        return resolve(spec, p, m, v).placement  # cached: the runtime finds it resolved
+        return resolve(spec, p, m, v, settings).placement
     if spec.endswith(FIXED_SUFFIXES) and spec not in library.names():
-        schedule = load(spec, p, None, v, MEGATRON)
-        check_fit(schedule, p, None, v, MEGATRON)  # m: the file's, checked per step
+        schedule = load(spec, p, None, v, settings)
+        check_fit(schedule, p, None, v, settings)  # m: the file's, checked per step
         return schedule.placement
     program = library.load_program(spec)  # supports (p, v) with some m (the step's m is checked when known)
     reason = program.supports(p, max(p * v, 1) * 2, v, MEGATRON.names)

@@ -6,7 +6,7 @@ import functools
 import os
 
 from ..ir import Schedule
-from ..resolve import MEGATRON, ScheduleFitError, check_spec as _check_spec, resolve as _resolve
+from ..resolve import MEGATRON, ScheduleFitError, Settings, check_spec as _check_spec, resolve as _resolve
 
 __all__ = ["MEGATRON", "MegatronScheduleError", "check_spec", "resolve"]
 
@@ -19,15 +19,16 @@ def check_spec(spec) -> None:
     _check_spec(spec, MEGATRON)
 
 
-def resolve(spec, p: int, m: int, v: int) -> Schedule:
-    """The validated schedule for this step, or MegatronScheduleError naming the flag to change."""
+def resolve(spec, p: int, m: int, v: int, settings: Settings = MEGATRON) -> Schedule:
+    """The validated schedule for this step, or MegatronScheduleError naming the flag to change
+    (`settings`: MEGATRON, or MEGATRON_LM where Megatron-LM builds the model chunks)."""
     if isinstance(spec, Schedule):
-        return _cached(_Same(spec), p, m, v, None)
+        return _cached(_Same(spec), p, m, v, None, settings)
     stamp = None
     if isinstance(spec, str) and os.path.isfile(spec):
         info = os.stat(spec)
         stamp = (info.st_mtime_ns, info.st_size)  # an edited file is read again
-    return _cached(spec, p, m, v, stamp)
+    return _cached(spec, p, m, v, stamp, settings)
 
 
 class _Same:
@@ -44,6 +45,6 @@ class _Same:
 
 
 @functools.lru_cache(maxsize=64)
-def _cached(spec, p: int, m: int, v: int, stamp) -> Schedule:
+def _cached(spec, p: int, m: int, v: int, stamp, settings: Settings) -> Schedule:
     del stamp  # part of the cache key only
-    return _resolve(spec.schedule if isinstance(spec, _Same) else spec, p, m, v, MEGATRON)
+    return _resolve(spec.schedule if isinstance(spec, _Same) else spec, p, m, v, settings)
