@@ -216,6 +216,7 @@ class KoalaForwardBackward:
         self.per_direction_groups = per_direction_groups
         self._channels: dict = {}
         self._prepared: dict = {}
+        self._agreed: dict = {}  # (schedule, forward_only, chunks) -> the schedule the ranks agreed on
         self.last_schedule: Schedule | None = None
         if profile is not None:
             self._check_profile(profile)
@@ -264,21 +265,19 @@ class KoalaForwardBackward:
         pp_group, tp_group, cp_group = pg_collection.pp, pg_collection.tp, pg_collection.cp
         p, rank = pp_group.size(), pp_group.rank()
 
+        # every blocking collective of the call (finalize_model_grads_func's all-reduces, grad / param
+        # sync, timers' barriers, ...) waits at most the pipeline timeout, as the p2p waits do
+        waiter = CollectiveWaiter(f"koala runtime: rank {dist.get_rank()} (pipeline rank {rank})", self.timeout_s,
+                                  self.timeout_source)
         # -- everything that can be wrong is checked here, before any communication --
         schedule = _resolve.resolve(self.schedule_spec, p, num_microbatches, v)
-        split = any(a.op in (Op.I, Op.W) for a in schedule.ranks[rank])
-        self._check_config(config, split, forward_only, p)
-        _check_chunk_roles(models, schedule, rank)
+        self._check_setup(schedule, models, config, forward_only, pp_group, waiter)
         prep = self._prepare(schedule, rank, forward_only)
         self.last_schedule = schedule
 
         shape = _message_shape(config, decoder_seq_length or seq_length, micro_batch_size, cp_group.size(),
                                tp_group.size(), adjust_tensor_shapes_fn)
         dtype, gloo, model_device, comm_device = _comm_setting(config, pp_group, models[0])
-        # every blocking collective of the call (finalize_model_grads_func's all-reduces, grad / param
-        # sync, timers' barriers, ...) waits at most the pipeline timeout, as the p2p waits do
-        waiter = CollectiveWaiter(f"koala runtime: rank {dist.get_rank()} (pipeline rank {rank})", self.timeout_s,
-                                  self.timeout_source)
         with bounded_collectives(waiter):
             channels = self._channel_groups(schedule, pp_group, gloo)
             comm = P2P(rank, channels, shape, dtype, self.timeout_s, comm_device, gloo,
@@ -312,6 +311,32 @@ class KoalaForwardBackward:
             if config.timers is not None:
                 config.timers("forward-backward").stop()
             return losses
+
+    def _check_setup(self, schedule: Schedule, models: list, config, forward_only: bool, pp_group, waiter) -> None:
+        """The config and the chunks' roles, checked on this rank; the first time this schedule
+        meets these chunks, the pipeline ranks also agree (one all_gather_object, bounded by the
+        timeout): a refusal on one rank is raised on every rank, in the words of the first rank
+        that refused. A rank whose own chunks look right would otherwise start the step and wait
+        for a refusing peer until the p2p timeout."""
+        rank = pp_group.rank()
+        problem = None
+        try:
+            split = any(a.op in (Op.I, Op.W) for a in schedule.ranks[rank])
+            self._check_config(config, split, forward_only, pp_group.size())
+            _check_chunk_roles(models, schedule, rank)
+        except MegatronScheduleError as exc:
+            problem = str(exc)
+        key = (id(schedule), forward_only, tuple(id(m) for m in models))
+        if self._agreed.get(key) is not schedule and pp_group.size() > 1:
+            verdicts: list = [None] * pp_group.size()
+            phase, waiter.phase = waiter.phase, "the ranks' check of the schedule's set-up"
+            with bounded_collectives(waiter):
+                dist.all_gather_object(verdicts, problem, group=pp_group)
+            waiter.phase = phase
+            problem = next((v for v in verdicts if v is not None), None)
+        if problem is not None:
+            raise MegatronScheduleError(problem)
+        self._agreed[key] = schedule
 
     # ------------------------------------------------------------------------------------
     @staticmethod
