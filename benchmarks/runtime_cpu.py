@@ -1,0 +1,132 @@
+"""Where the runtimes' CPU per action goes at zero compute: koala's code, the engine's, torch's, gloo's.
+
+    python benchmarks/runtime_cpu.py                      # both engines, 1f1b, p=2, m=16
+    python benchmarks/runtime_cpu.py --engines megatron --schedule zb-h1 --steps 80
+
+Each pipeline rank runs the schedule on zero-cost `EmulatedStage` chunks (tests/engine_runs.py:
+megatron-core's forward_step / backward_step through koala_ds.megatron, or DeepSpeed's
+train_batch through koala_ds.deepspeed) under cProfile with a CPU-time clock, after 5 warm-up
+steps. The table gives the profiled CPU per action (all ranks' processes) and rank 0's CPU split
+by whose function it was spent in (a function's own time, not its callees'): koala_ds (the
+runtime, p2p layer and lowering; the emulated model and its harness are counted apart), the engine (megatron /
+deepspeed), torch's Python and C++ (autograd, modules), c10d (gloo's send / recv / wait) and the
+rest (Python's builtins and standard library). cProfile charges every Python call some overhead,
+so Python-heavy parts (koala's and the engines') weigh more here than in an unprofiled run: read
+the split as an upper bound on koala's share. benchmarks/engine_speedup.py --overhead-only gives
+the unprofiled CPU per action.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the harness: engine_runs, deepspeed_jobs
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this module, for the workers
+
+OWNERS = ("koala_ds", "engine", "torch", "c10d", "emulated model", "other")
+
+
+def _owner(path: str, name: str) -> str:
+    if "emulate" in path or "/tests/" in path:  # the harness model
+        return "emulated model"
+    if "koala_ds" in path:
+        return "koala_ds"
+    if "/megatron/" in path or "/deepspeed/" in path:
+        return "engine"
+    if "c10d" in name:
+        return "c10d"
+    return "torch" if "torch" in path or "torch" in name else "other"
+
+
+def _profiled(runner, steps: int) -> dict:
+    import torch.distributed as dist
+
+    for _ in range(5):
+        runner.step()
+    dist.barrier()
+    prof = cProfile.Profile(time.process_time)
+    cpu0 = time.process_time()
+    prof.enable()
+    for _ in range(steps):
+        runner.step()
+    prof.disable()
+    cpu = time.process_time() - cpu0
+    dist.barrier()
+    split = dict.fromkeys(OWNERS, 0.0)
+    for (path, _line, name), (_cc, _nc, own, _cum, _callers) in pstats.Stats(prof).stats.items():
+        split[_owner(path, name)] += own
+    return {"cpu_s": cpu, "split_s": split}
+
+
+def megatron_worker(rank: int, world: int, spec: dict) -> dict:
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from engine_runs import _MegatronRunner
+
+    torch.set_num_threads(1)
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=world)
+    try:
+        return _profiled(_MegatronRunner(spec["job"], rank, 8, 2, 60), spec["steps"])
+    finally:
+        ps.destroy_model_parallel()
+
+
+def deepspeed_worker(rank: int, world: int, spec: dict) -> dict:
+    import logging
+
+    import torch
+
+    import koala_ds.deepspeed  # noqa: F401  (registers the engine with deepspeed.initialize)
+    from engine_runs import _DeepSpeedRunner
+
+    torch.set_num_threads(1)
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    return _profiled(_DeepSpeedRunner(spec["job"], world, 8, 2, 60), spec["steps"])
+
+
+def run(engine: str, spec: dict, p: int) -> list[dict]:
+    if engine == "megatron":
+        from koala_ds.spawn import spawn
+
+        return spawn("runtime_cpu:megatron_worker", p, spec, timeout_s=600)
+    from deepspeed_jobs import launch
+
+    return [r["value"] for r in launch("runtime_cpu:deepspeed_worker", p, spec, timeout_s=600)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--engines", nargs="*", default=["megatron", "deepspeed"], choices=["megatron", "deepspeed"])
+    ap.add_argument("--schedule", default="1f1b", help="library schedule (default 1f1b)")
+    ap.add_argument("-p", type=int, default=2, help="pipeline ranks (default 2)")
+    ap.add_argument("-m", type=int, default=16, help="microbatches (default 16)")
+    ap.add_argument("--steps", type=int, default=40, help="profiled steps (default 40)")
+    args = ap.parse_args(argv)
+
+    from koala_ds.library import load_schedule
+
+    schedule = load_schedule(args.schedule, args.p, args.m, 1)
+    job = {"key": 0, "schedule": schedule.to_dict(), "costs": [[0.0, 0.0, 0.0]] * schedule.num_stages}
+    actions = sum(len(r) for r in schedule.ranks)
+    print(f"{args.schedule}, p={args.p}, m={args.m}, zero compute, {args.steps} profiled steps; "
+          f"rank 0's CPU by owner (own time, % of its profiled CPU)")
+    print(f"{'engine':<10} {'ms/action':>9}  " + "  ".join(f"{o:>14}" for o in OWNERS))
+    for engine in args.engines:
+        results = run(engine, {"job": job, "steps": args.steps}, args.p)
+        per_action = sum(r["cpu_s"] for r in results) * 1000.0 / (args.steps * actions)
+        split = results[0]["split_s"]
+        total = sum(split.values()) or 1.0
+        print(f"{engine:<10} {per_action:>9.3f}  " + "  ".join(f"{100 * split[o] / total:>13.1f}%" for o in OWNERS))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
