@@ -112,13 +112,13 @@ def _check_sizes(spec: str, args, settings=MEGATRON) -> Placement | None:
     v = getattr(args, "virtual_pipeline_model_parallel_size", None) or _layout_chunks(args) or 1
     m = microbatches_from_args(args)
     if m is not None:
-        return resolve(spec, p, m, v, settings).placement
+        return resolve(spec, p, m, v, settings).placement  # cached: the runtime finds it resolved
     if spec.endswith(FIXED_SUFFIXES) and spec not in library.names():
         schedule = load(spec, p, None, v, settings)
         check_fit(schedule, p, None, v, settings)  # m: the file's, checked per step
         return schedule.placement
     program = library.load_program(spec)  # supports (p, v) with some m (the step's m is checked when known)
-    reason = program.supports(p, max(p * v, 1) * 2, v, MEGATRON.names)
+    reason = program.supports(p, max(p * v, 1) * 2, v, settings.names)
     if reason is not None:
         raise MegatronScheduleError(f"--koala-schedule {spec} with --pipeline-model-parallel-size {p} and "
                                     f"--virtual-pipeline-model-parallel-size {v}: {reason}")
