@@ -57,22 +57,26 @@ def _forward_step(data_iterator, model):
     return model(data), _loss_func
 
 
+def chunk_config(num_stages: int, hidden: int, p: int, v: int):
+    """The TransformerConfig the emulated chunks (`_MegatronChunk`) of a p x v pipeline carry."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(num_layers=num_stages, hidden_size=hidden, num_attention_heads=1,
+                             use_cpu_initialization=True, pipeline_dtype=torch.float32, params_dtype=torch.float32,
+                             pipeline_model_parallel_size=p, virtual_pipeline_model_parallel_size=v if v > 1 else None,
+                             gradient_accumulation_fusion=False, deallocate_pipeline_outputs=False)
+
+
 class _MegatronRunner:
     """One job on the Megatron path: the model chunks of this rank and the Koala forward_backward_func."""
 
     def __init__(self, job: dict, rank: int, hidden: int, seq: int, timeout_s: float):
-        from megatron.core.transformer.transformer_config import TransformerConfig
-
         from koala_ds.ir import Schedule
         from koala_ds.megatron import get_forward_backward_func
 
         schedule = Schedule.from_dict(job["schedule"])
         p, v, m, S = schedule.p, schedule.v, schedule.m, schedule.num_stages
-        config = TransformerConfig(num_layers=S, hidden_size=hidden, num_attention_heads=1, use_cpu_initialization=True,
-                                   pipeline_dtype=torch.float32, params_dtype=torch.float32,
-                                   pipeline_model_parallel_size=p,
-                                   virtual_pipeline_model_parallel_size=v if v > 1 else None,
-                                   gradient_accumulation_fusion=False, deallocate_pipeline_outputs=False)
+        config = chunk_config(S, hidden, p, v)
         self.chunks = [_MegatronChunk(config, s, S, job["costs"][s], hidden) for s in schedule.placement.stages_of(rank)]
         self.func = get_forward_backward_func(schedule, timeout_s=timeout_s)
         self.data = [torch.randn(seq, 1, hidden) for _ in range(m)]

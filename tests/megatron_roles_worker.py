@@ -14,13 +14,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from engine_runs import _MegatronChunk, _forward_step
+from engine_runs import _MegatronChunk, _forward_step, chunk_config
 
 
 def roles_worker(rank: int, world: int, spec: dict) -> dict:
     from megatron.core import parallel_state as ps
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     from koala_ds.library import load_schedule
     from koala_ds.megatron import get_forward_backward_func
 
@@ -28,11 +26,7 @@ def roles_worker(rank: int, world: int, spec: dict) -> dict:
     ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=world)
     m, hidden, seq = 2 * world, 8, 2
     schedule = load_schedule("zb-v", world, m, 2)
-    config = TransformerConfig(num_layers=2 * world, hidden_size=hidden, num_attention_heads=1,
-                               use_cpu_initialization=True, pipeline_dtype=torch.float32,
-                               params_dtype=torch.float32, pipeline_model_parallel_size=world,
-                               virtual_pipeline_model_parallel_size=2, gradient_accumulation_fusion=False,
-                               deallocate_pipeline_outputs=False)
+    config = chunk_config(2 * world, hidden, world, 2)
     chunks = [_MegatronChunk(config, c * world + rank, 2 * world, (0.0, 0.0, 0.0), hidden) for c in range(2)]
     func = get_forward_backward_func(schedule, timeout_s=spec["timeout_s"])
     data = [torch.randn(seq, 1, hidden) for _ in range(m)]

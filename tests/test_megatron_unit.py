@@ -167,7 +167,6 @@ def test_install_refuses_placements_megatron_cores_model_builder_cannot_build(tm
         schedule_from_args(_lm_args("1f1b", 2), chunks="mine")
 
 
-
 def test_a_two_pipeline_schedule_is_refused_with_schedules_the_same_launch_accepts():
     """chimera (two pipelines) on Megatron-LM's model builder: the refusal used to suggest zb-v or
     dualpipe-v, which that same launch then refuses (their vshape placement). Each schedule the
@@ -187,6 +186,8 @@ def test_a_two_pipeline_schedule_is_refused_with_schedules_the_same_launch_accep
             program = library.load_program(name)
             v = next(v for v in (1, 2) if program.supports(4, 8, v) is None)
             assert schedule_from_args(_lm_args(name, 4, v if v > 1 else None, 8), chunks=chunks) == name, text
+
+
 class _Chunk(torch.nn.Module):
     def __init__(self, pre_process: bool, post_process: bool):
         super().__init__()
