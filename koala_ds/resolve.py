@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass, replace
 
 from . import library
+from .errors import one_line
 from .ir import CLI_NAMES, KoalaError, Placement, Schedule
 from .validate import validate
 
@@ -88,6 +89,9 @@ MEGATRON = Settings(
             "chunks)"),
     engine="the Megatron runtime", profile="--koala-profile")
 
+#: DeepSpeed's launcher, patched (patches/deepspeed): `deepspeed --koala_schedule ... --koala_profile ...`
+DEEPSPEED_LAUNCHER = replace(DEEPSPEED, schedule="--koala_schedule", profile="--koala_profile")
+
 #: Megatron-LM's own model builder (`install(args)`, chunks="megatron"): chunk c of rank r holds
 #: stage c x p + r, so only the interleaved placement fits.
 MEGATRON_LM = replace(MEGATRON, one_pipeline="a schedule with the interleaved placement (e.g. interleaved-1f1b, "
@@ -127,6 +131,35 @@ def check_spec(spec, settings: Settings, source: str | None = None) -> None:
     raise ScheduleFitError(f"{label + ': ' if label else ''}unknown schedule {text!r}"
                            f"{library.did_you_mean(text, known)}; library schedules: {', '.join(known)} "
                            f"(or give a path to a .koala, .json or .csv file)")
+
+
+def check_source(spec, settings: Settings) -> None:
+    """What can be checked of `spec` before p, m and v are known: `check_spec`, then a file's own
+    content (a .koala program parsed; a .json / .csv schedule read and validated)."""
+    check_spec(spec, settings)
+    text = str(spec)
+    if isinstance(spec, Schedule) or text in library.names():
+        return
+    try:
+        if text.endswith(FIXED_SUFFIXES):
+            validate(library.read_schedule_file(text))
+        else:
+            library.load_program(text)
+    except KoalaError as exc:
+        raise _user_error(exc, text, settings, None) from None
+
+
+def check_launch(schedule: str | None, profile: str | None, settings: Settings = DEEPSPEED_LAUNCHER) -> str | None:
+    """A launcher's check of its koala flags before any rank starts (patches/deepspeed): the
+    first problem with the schedule or the profile as one line, or None."""
+    try:
+        if schedule is not None:
+            check_source(schedule, settings)
+        if profile is not None:
+            load_profile(profile, settings)
+    except KoalaError as exc:
+        return one_line(exc)
+    return None
 
 
 def _user_error(exc: Exception, spec, settings: Settings, source: str | None) -> Exception:
@@ -216,5 +249,8 @@ def load_profile(profile, settings: Settings):
     try:
         return CostProfile.from_dict(profile, settings.profile) if given else _load(profile)
     except ProfileError as exc:
-        label = settings.profile if given else f"{settings.profile} {profile}"
-        raise ScheduleFitError(f"{label}: {exc}") from None
+        if given:
+            raise ScheduleFitError(f"{settings.profile}: {exc}") from None
+        named = str(exc).startswith(f"{profile}:")  # "x.json: ..." names the file already
+        where = settings.profile if named else f"{settings.profile} {profile}:"
+        raise ScheduleFitError(f"{where} {exc}") from None

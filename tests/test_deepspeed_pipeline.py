@@ -414,21 +414,51 @@ _LAUNCHED = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_launcher_patch_applies_and_the_flag_reaches_the_engine(tmp_path):
+@pytest.fixture(scope="module")
+def patched_deepspeed(tmp_path_factory) -> Path:
+    """A copy of the installed DeepSpeed with patches/deepspeed applied (the folder that holds it)."""
     import deepspeed
 
     if shutil.which("patch") is None:
         pytest.skip("the `patch` program is not installed")
     installed = Path(deepspeed.__file__).parent
-    copy = tmp_path / "site"
+    copy = tmp_path_factory.mktemp("site")
     shutil.copytree(installed, copy / "deepspeed", ignore=shutil.ignore_patterns("__pycache__"))
     patch_file = REPO / "patches" / "deepspeed" / "0001-pipeline-schedule-koala.patch"
     applied = subprocess.run(["patch", "-p1", "--forward", "-i", str(patch_file)], cwd=copy,
                              capture_output=True, text=True, timeout=60)
     assert applied.returncode == 0, applied.stdout + applied.stderr
     assert "FAILED" not in applied.stdout and "offset" not in applied.stdout, applied.stdout
+    return copy
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flags, says", [
+    (["--pipeline_schedule", "default", "--koala_schedule", "zb-h1"],
+     "--koala_schedule/--koala_profile need --pipeline_schedule koala, not default"),
+    (["--koala_schedule", "zb-h3"], "--koala_schedule: unknown schedule 'zb-h3' (did you mean 'zb-h2'?)"),
+    (["--koala_schedule", "mine.koala"], "--koala_schedule mine.koala:3:"),
+], ids=["default-and-koala", "unknown-name", "syntax-error"])
+def test_the_patched_launcher_stops_bad_koala_flags_with_one_line_before_any_rank(patched_deepspeed, tmp_path,
+                                                                                   flags, says):
+    """Checked by the launcher itself: one line, exit code 2, no traceback and no rank started
+    (once a ValueError traceback from the launcher, or a traceback from every rank)."""
+    (tmp_path / "mine.koala").write_text("schedule mine\nrank:\n  F F *\n")
+    (tmp_path / "train.py").write_text("open('started', 'w').close()\n")
+    env = {**os.environ, "PYTHONPATH": f"{patched_deepspeed}{os.pathsep}{REPO}", "DS_ACCELERATOR": "cpu"}
+    run = subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", *flags, "train.py"],
+                         env=env, capture_output=True, text=True, timeout=100, cwd=tmp_path)
+    assert run.returncode == 2, run.stdout + run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"deepspeed: error: {says}"), run.stderr
+    assert not (tmp_path / "started").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_launcher_patch_applies_and_the_flag_reaches_the_engine(patched_deepspeed, tmp_path):
+    copy = patched_deepspeed
     script = tmp_path / "train.py"
     script.write_text(_LAUNCHED)
     env = {**os.environ, "PYTHONPATH": f"{copy}{os.pathsep}{REPO}", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",

@@ -9,8 +9,8 @@ import pytest
 from koala_ds.dsl import KoalaCompileError
 from koala_ds.ir import KoalaError, Placement
 from koala_ds.library import load_schedule
-from koala_ds.resolve import (CLI, DEEPSPEED, MEGATRON, ScheduleFitError, check_fit, check_spec, load, load_profile,
-                              resolve)
+from koala_ds.resolve import (CLI, DEEPSPEED, MEGATRON, ScheduleFitError, check_fit, check_launch, check_spec, load,
+                              load_profile, resolve)
 
 P4_ONLY = "schedule p4only\nsupports p == 4\nplacement linear\nbackward full\nrank:\n  F? * m\n  B? * m\n"
 
@@ -103,12 +103,39 @@ def test_profiles_are_read_by_the_simulators_loader_and_named_after_the_setting(
     assert load_profile("uniform-4", MEGATRON).num_stages == 4  # a bundled name works for the engines too
     bad = tmp_path / "bad.json"
     bad.write_text("{")
-    with pytest.raises(ScheduleFitError, match=rf"^--koala-profile {bad}: .*not a JSON file"):
+    with pytest.raises(ScheduleFitError, match=rf"^--koala-profile {bad}:1:2: not a JSON file"):
         load_profile(str(bad), MEGATRON)
     with pytest.raises(ScheduleFitError, match=r'^"pipeline.koala.profile": .*stages'):
         load_profile({"version": 1, "p2p_latency": 0}, DEEPSPEED)
     with pytest.raises(ScheduleFitError, match=r"^--koala-profile .*nope.json.*no such file"):
         load_profile(str(tmp_path / "nope.json"), MEGATRON)
+
+
+def test_a_profile_file_is_named_once_in_its_error(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"version": 1, "p2p_latency": 0}')
+    with pytest.raises(ScheduleFitError) as err:
+        load_profile(str(bad), MEGATRON)
+    assert str(err.value) == f"--koala-profile {bad}: missing field 'stages'"
+
+
+def test_the_launcher_check_says_what_is_wrong_with_its_flags_on_one_line(tmp_path, m4_json):
+    """patches/deepspeed's launcher calls check_launch before it starts any rank: the schedule's
+    name or file and the profile, named by the launcher's flags; p, m and v are not known yet."""
+    assert check_launch("zb-h1", "uniform-4") is None and check_launch(m4_json, None) is None
+    assert check_launch(None, None) is None  # the schedule then comes from the DeepSpeed config
+    assert check_launch("zb-h3", None).startswith("--koala_schedule: unknown schedule 'zb-h3' (did you mean 'zb-h2'?)")
+    program = tmp_path / "mine.koala"
+    program.write_text("schedule mine\nplacement linear\nrank:\n  F F *\n")
+    problem = check_launch(str(program), None)
+    assert problem.startswith(f"--koala_schedule {program}:4:") and "\n" not in problem
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"version": 1}')
+    assert check_launch(str(broken), None).startswith(f"--koala_schedule {broken}: missing field")
+    assert check_launch(str(tmp_path), None) == f"--koala_schedule {tmp_path} is a directory, not a file"
+    assert check_launch("zb-h1", "nope.json").startswith("--koala_profile nope.json: ")
+    program.write_text(P4_ONLY)  # valid: that it supports only p = 4 is checked when p is known
+    assert check_launch(str(program), None) is None
 
 
 def test_megatron_reads_an_edited_schedule_file_again(tmp_path):
