@@ -6,7 +6,8 @@ engine and the Megatron launcher and runtime all call `resolve`. What differs be
 how the user *spells* p, m and v (and the schedule and profile settings): `Settings` holds
 that, and every message this module raises names the user's own setting and the value to set
 it to. `CLI`, `DEEPSPEED` and `MEGATRON` are the three vocabularies (`MEGATRON_LM`: Megatron's,
-where Megatron-LM builds the model chunks).
+where Megatron-LM builds the model chunks; `DEEPSPEED_LAUNCHER`: the patched `deepspeed` launcher's
+flags, which `check_launch` checks before any rank starts).
 
 One error class: `ScheduleFitError` (a KoalaError). The engines' older names for it,
 `koala_ds.deepspeed.KoalaConfigError` and `koala_ds.megatron.MegatronScheduleError`, are
