@@ -177,6 +177,13 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _default_sigint() -> None:
+    """In the child before exec: Ctrl-C's default action, as in a terminal. A shell starts
+    background jobs (`cmd &`, CI runners) with SIGINT ignored, and exec keeps an ignored signal
+    ignored, so without this the Ctrl-C tests would test nothing when run in the background."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start_search(out: Path) -> tuple[subprocess.Popen, list[int]]:
     """`koala search --workers 2 --time-budget 30`, once its two workers and multiprocessing's
     resource tracker run (its own process group, as a shell would start it)."""
@@ -184,7 +191,7 @@ def _start_search(out: Path) -> tuple[subprocess.Popen, list[int]]:
     proc = subprocess.Popen([sys.executable, "-m", "koala_ds.cli", "search", "--profile", "uniform-4", "-m", "16",
                              "--workers", "2", "--time-budget", "30", "--quiet", "-o", str(out)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_default_sigint)
     deadline = time.monotonic() + 60
     while len(_children(proc.pid)) < 3 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -391,3 +398,24 @@ def test_list_defines_every_name_its_requirements_use(capsys):
     code, out, _ = run(capsys, "list")
     line = next(x for x in out.splitlines() if x.startswith("interleaved-1f1b "))
     assert "m % g == 0 where g = m // max(1, m // p)" in line
+
+
+@pytest.mark.parametrize("engine", ["megatron-gpt", "deepspeed"])
+@pytest.mark.parametrize("device, says", [
+    ("tpu", "not a torch device; use cpu or cuda"),
+    ("mps", "the profiler runs on cpu or cuda"),
+    ("cuda:64", "cuda"),
+])
+def test_a_device_torch_cannot_use_is_one_line_naming_device_before_any_rank(capsys, monkeypatch, tmp_path,
+                                                                            engine, device, says):
+    """It used to start the ranks and print a traceback from each (RuntimeError, or 'Torch not
+    compiled with CUDA enabled' for --device cuda on a CPU-only torch)."""
+    (tmp_path / "devmodel.py").write_text("import torch\n"
+                                          "def layers():\n    return [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]\n"
+                                          "def sample():\n    return torch.randn(1, 2)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = ["--layers", "devmodel:layers", "--input", "devmodel:sample"] if engine == "deepspeed" else []
+    out = tmp_path / "prof.json"
+    code, _, err = run(capsys, "profile", engine, *model, "-p", "2", "--device", device, "-o", out)
+    one_line_error(code, err, f"--device {device}:", says)
+    assert not out.exists()

@@ -65,6 +65,22 @@ def _check_args(args) -> None:
     check_output(args.output, "-o", (".json",))
 
 
+def _check_device(torch, device: str) -> None:
+    """One line naming --device, before any process starts, for a device this torch cannot use."""
+    try:
+        kind = torch.device(device)
+    except RuntimeError:
+        raise KoalaError(f"--device {device}: not a torch device; use cpu or cuda (cuda:N for GPU N)") from None
+    if kind.type not in ("cpu", "cuda"):
+        raise KoalaError(f"--device {device}: the profiler runs on cpu or cuda")
+    if kind.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise KoalaError(f"--device {device}: no CUDA GPU here (torch {torch.__version__}); use --device cpu")
+        if kind.index is not None and kind.index >= count:
+            raise KoalaError(f"--device {device}: this machine has {count} CUDA GPU(s) (cuda:0 to cuda:{count - 1})")
+
+
 def _setup(args):
     _check_args(args)
     import torch
@@ -72,6 +88,7 @@ def _setup(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    _check_device(torch, device)
     p2p = True if args.p2p_latency is None else args.p2p_latency
     if args.p * args.v == 1 and p2p is True:
         p2p = False
