@@ -94,7 +94,11 @@ if _layers is not None:
     class _DeferrableTPLinear(_Base):
         @staticmethod
         def forward(ctx, input, weight, *args):
-            ctx.koala_weight = weight  # the parameter itself (saved tensors may come back as new objects)
+            # the parameter itself: under saved-tensor hooks (the hold policy's watch, the
+            # profiler, activation offloading) ctx.saved_tensors gives a new tensor that only
+            # borrows the parameter's gradient accumulator while a graph holds it; a weight
+            # gradient given to that copy later, in W, would be lost
+            ctx.koala_weight = weight
             return _Base.forward(ctx, input, weight, *args)
 
         @staticmethod
@@ -107,11 +111,11 @@ if _layers is not None:
             inp, weight = ctx.saved_tensors
             grad_in = _input_grad(ctx, inp, weight, grad_output)
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0) if ctx.use_bias else None
-            main_grad, fusion, sp, group = ctx.main_grad, ctx.gradient_accumulation_fusion, \
+            param, main_grad, fusion, sp, group = ctx.koala_weight, ctx.main_grad, ctx.gradient_accumulation_fusion, \
                 ctx.sequence_parallel, ctx.tp_group
-            queue.add(lambda: _weight_grad(weight, inp, grad_output, main_grad, fusion, sp, group),
+            queue.add(lambda: _weight_grad(param, inp, grad_output, main_grad, fusion, sp, group),
                       inp, grad_output)
-            return grad_in, _deferred_placeholder(weight, fusion, inp.dtype), grad_bias, \
+            return grad_in, _deferred_placeholder(param, fusion, inp.dtype), grad_bias, \
                 None, None, None, None, None, None
 
     def _forward_impl(module, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,

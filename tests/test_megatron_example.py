@@ -89,12 +89,16 @@ def run(tmp_path: Path, schedule: str, extra: list[str]) -> dict:
 @pytest.mark.slow  # multi-process
 @pytest.mark.timeout(900)
 def test_same_loss_whichever_schedule_and_it_goes_down(tmp_path, _megatron_core):
-    base = run(tmp_path, "1f1b", [])
+    # the README's model size: with these the hold policy keeps output_layer on the last stage
+    size = ["--hidden-size", "64", "--seq-length", "32", "--global-batch-size", "16"]
+    base = run(tmp_path, "1f1b", size)
     assert len(base["losses"]) == 6 and base["losses"][-1] < base["losses"][0]
     assert base["backend"] == "gloo" and base["device"] == "cpu"  # the default without CUDA
     assert len(base["iteration_ms"]) == 6 and all(t > 0 for t in base["iteration_ms"])
     gloo = ["--distributed-backend", "gloo"]
-    for schedule, extra in (("zb-v", ["--virtual-pipeline-model-parallel-size", "2", *gloo]),):
-        other = run(tmp_path, schedule, extra)
+    # split schedules too: their deferred weight gradients equal a full backward's (a weight
+    # gradient lost in W once moved these losses by 4e-5 relative after one step)
+    for schedule, extra in (("zb-h1", gloo), ("zb-v", ["--virtual-pipeline-model-parallel-size", "2", *gloo])):
+        other = run(tmp_path, schedule, [*size, *extra])
         assert other["backend"] == "gloo"
-        assert other["losses"] == pytest.approx(base["losses"], rel=1e-5), schedule
+        assert other["losses"] == pytest.approx(base["losses"], rel=1e-6), schedule

@@ -291,6 +291,66 @@ def test_megatron_linear_split_keeps_main_grad_semantics(fusion, monkeypatch, si
         assert layers.fused_weight_gradient_mlp_cuda.calls == 6 and lin.weight.grad is None
 
 
+@pytest.mark.parametrize("fusion", [False, True])
+def test_megatron_linear_split_under_saved_tensor_hooks_loses_no_weight_gradient(fusion, monkeypatch,
+                                                                                 single_process_megatron):
+    """Under saved-tensor hooks (the hold policy watches a chunk's first forward with them; so
+    do the profiler and activation offloading) ctx.saved_tensors gives a copy of the weight that
+    only borrows its gradient accumulator while a graph holds it. W used that copy: once the
+    graph was gone (the runtime drops a microbatch's output after I) the weight gradient went to
+    the copy, silently. Megatron GPT training with zb-h1 lost the last layer's linear_fc2 weight
+    gradient of the first microbatch (21% of it on the last stage)."""
+    lin = _megatron_linear(fusion, monkeypatch)
+    prepared = wgrad.prepare(lin, max_hold=None)
+    xs = [torch.randn(5, 2, 8) for _ in range(3)]
+    gs = [torch.randn(5, 2, 16) for _ in range(3)]
+    for x, g in zip(xs, gs):
+        lin(x.clone().requires_grad_())[0].backward(g)
+    ref = (lin.weight.main_grad if fusion else lin.weight.grad).clone()
+    lin.weight.main_grad.zero_()
+    lin.weight.grad = None
+    for x, g in zip(xs, gs):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach(), lambda t: t):
+            out = lin(x.clone().requires_grad_())[0]
+        with prepared.input_step() as queue:
+            out.backward(g)
+        del out  # the graph goes, as in a pipeline runtime between I and W
+        queue.run()
+    got = lin.weight.main_grad if fusion else lin.weight.grad
+    assert got is not None and torch.allclose(got, ref, rtol=1e-6, atol=1e-6), (got - ref).abs().max()
+
+
+def test_megatron_gpt_last_stage_split_under_the_hold_policy_equals_a_full_backward(single_process_megatron):
+    """The runtime's order on the last stage of zb-h1 (F I, then each W after the next I), the
+    outputs dropped after I, the default hold policy (which watches the first forward)."""
+    pytest.importorskip("megatron.core")
+    from koala_ds.profiler.models import megatron_gpt_stages
+
+    stages, _ = megatron_gpt_stages(4, 64, 4, 32, 2, 128, 2, 1234, None)
+    mod = stages[1]
+    xs = [torch.randn(32, 2, 64) for _ in range(4)]
+    for x in xs:
+        mod(x.clone().requires_grad_()).float().mean().backward()
+    ref = [q.grad.clone() for q in mod.parameters()]
+    mod.zero_grad(set_to_none=True)
+    prepared = wgrad.prepare(mod)  # the default bound: some layers kept, the rest deferred
+    waiting = []
+    for x in xs:
+        out = mod(x.clone().requires_grad_()).float().mean()
+        with prepared.input_step() as queue:
+            out.backward()
+        del out
+        waiting.append(queue)
+        if len(waiting) == 2:
+            waiting.pop(0).run()
+    for queue in waiting:
+        queue.run()
+    assert prepared.plan.kept and prepared.plan.deferred
+    for (name, q), r in zip(mod.named_parameters(), ref):
+        assert q.grad is not None and torch.allclose(q.grad, r, rtol=1e-6, atol=1e-6), \
+            (name, (q.grad - r).abs().max())
+
+
 def test_transformer_engine_layers_defer_through_backward_dw():
     """TE >= 2.3 layers built with delay_wgrad_compute=True: I leaves their weight gradient to
     backward_dw(), which W calls."""
