@@ -189,8 +189,37 @@ def test_deepspeed_example_user_error_is_one_line_on_one_rank(tmp_path):
     assert codes == [2, 2], err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     assert len(errors) == 1, errors
-    assert errors[0].startswith("train.py: error: ") and "gradient_accumulation_steps=4" in errors[0]
+    assert errors[0].startswith("train.py: error: --schedule ") and "set --microbatches 4" in errors[0]
     assert results[1][1].strip() == "" or "error" not in results[1][1].lower()
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--microbatches", "0"], "argument --microbatches: expected an integer >= 1, got '0'"),
+    (["--schedule", "zb-h3"], "--schedule: unknown schedule 'zb-h3' (did you mean 'zb-h2'?)"),
+    (["--schedule", "zb-v", "--chunks", "2"], "use --chunks 2 --placement vshape."),
+    (["--schedule", "zb-h2", "--microbatches", "2"], "m >= 2 * p - 1"),
+    (["--pp", "3"], "--pp 3 does not divide the 2 processes"),
+])
+def test_deepspeed_example_flags_are_checked_in_its_own_words_before_deepspeed_starts(monkeypatch, capsys,
+                                                                                       flags, says):
+    """The example's flags used to reach DeepSpeed unchecked: --microbatches 0 was an
+    AssertionError traceback, a schedule that did not fit named the KoalaPipelineModule's chunks
+    and "pipeline.koala.schedule" (settings the script's user never wrote)."""
+    pytest.importorskip("deepspeed")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ds_example_train", ROOT / "examples/deepspeed_pipe/train.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    monkeypatch.setattr(example.deepspeed, "init_distributed", lambda **_: pytest.fail("DeepSpeed was started"))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(sys, "argv", ["train.py", *flags])
+    with pytest.raises(SystemExit) as info:
+        run_main(example.main, "train.py")
+    assert info.value.code == USER_ERROR_EXIT
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("train.py: error: ") and says in lines[0], lines
 
 
 # -- argument errors and the launcher ------------------------------------------------------------
@@ -285,10 +314,11 @@ def test_examples_bad_flag_through_koala_run_is_one_line(tmp_path, example):
     """An argparse error printed a usage block on every rank, then torchrun's summary."""
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    flag = "--train-iters" if "megatron" in example else "--steps"
     cmd = [sys.executable, "-m", "koala_ds.torchrun", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           str(ROOT / example), "--train-iters" if "megatron" in example else "--steps", "x"]
+           str(ROOT / example), flag, "x"]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180, cwd=tmp_path)
     assert done.returncode == USER_ERROR_EXIT, done.stderr[-3000:]
     lines = done.stderr.splitlines()
     assert len(lines) == 1, done.stderr[-3000:]
-    assert lines[0].startswith(f"{Path(example).name}: error: argument ") and "invalid int value: 'x'" in lines[0]
+    assert lines[0].startswith(f"{Path(example).name}: error: argument {flag}: ") and "'x'" in lines[0]

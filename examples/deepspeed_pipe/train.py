@@ -19,12 +19,23 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from dataclasses import replace
 
 import deepspeed
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule
 
 from koala_ds.errors import rank_zero_argument_errors, run_main
+from koala_ds.ir import KoalaError, Placement
+from koala_ds.resolve import DEEPSPEED, Setting, resolve
+
+#: This script's flags in the schedule's messages (the engine's own name the DeepSpeed config
+#: and the KoalaPipelineModule, which the script builds from these flags).
+FLAGS = replace(DEEPSPEED, schedule="--schedule",
+                p=Setting("--pp", "--pp is {value} (default: every process)", "set --pp {value}"),
+                m=Setting("--microbatches"),
+                v=Setting("--chunks"),
+                placement_fix="use --chunks {v} --placement {style}")
 
 
 class Block(torch.nn.Module):
@@ -36,21 +47,44 @@ class Block(torch.nn.Module):
         return torch.relu(self.linear(x)) + x
 
 
+def positive(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def check_flags(args, world: int) -> int:
+    """The pipeline size, after checking the flags against each other and the schedule (one line
+    naming the flag, before DeepSpeed starts)."""
+    pp = args.pp or world
+    if world % pp:
+        raise KoalaError(f"--pp {pp} does not divide the {world} processes (pipeline x data parallel)")
+    if args.schedule is not None:
+        placement = Placement.named("linear" if args.chunks == 1 else args.placement, pp, args.chunks)
+        resolve(args.schedule, pp, args.microbatches, args.chunks, FLAGS, placement=placement)
+    return pp
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedule", default=None, help="Koala schedule: name, .koala or .json (default: launcher's)")
-    parser.add_argument("--pp", type=int, default=None, help="pipeline ranks (default: all processes)")
-    parser.add_argument("--chunks", type=int, default=1, help="model chunks per rank (2 for zb-v, dualpipe-v, ...)")
+    parser.add_argument("--pp", type=positive, default=None, help="pipeline ranks (default: all processes)")
+    parser.add_argument("--chunks", type=positive, default=1, help="model chunks per rank (2 for zb-v, dualpipe-v, ...)")
     parser.add_argument("--placement", default="interleaved", choices=["interleaved", "vshape"])
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--steps", type=positive, default=5)
+    parser.add_argument("--microbatches", type=positive, default=8)
+    parser.add_argument("--dim", type=positive, default=64)
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by `deepspeed`
     args = rank_zero_argument_errors(parser).parse_args()  # a bad flag: one line on rank 0
 
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    pp = check_flags(args, world)
     deepspeed.init_distributed(dist_backend="gloo" if os.environ.get("DS_ACCELERATOR") == "cpu" else None)
-    world = int(os.environ["WORLD_SIZE"])
-    pp = args.pp or world
     torch.manual_seed(0)
     layers = [LayerSpec(Block, args.dim) for _ in range(8)] + [LayerSpec(torch.nn.Linear, args.dim, 1)]
     common = dict(num_stages=pp, loss_fn=torch.nn.functional.mse_loss, partition_method="uniform", seed_layers=True)
