@@ -29,8 +29,8 @@ from koala_ds.errors import rank_zero_argument_errors, run_main
 from koala_ds.ir import KoalaError, Placement
 from koala_ds.resolve import DEEPSPEED, Setting, resolve
 
-#: This script's flags in the schedule's messages (the engine's own name the DeepSpeed config
-#: and the KoalaPipelineModule, which the script builds from these flags).
+#: How the schedule's messages name this script's flags (the engine's own messages name the
+#: DeepSpeed config keys and the KoalaPipelineModule's arguments, which this script sets from them).
 FLAGS = replace(DEEPSPEED, schedule="--schedule",
                 p=Setting("--pp", "--pp is {value} (default: every process)", "set --pp {value}"),
                 m=Setting("--microbatches"),
