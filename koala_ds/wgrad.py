@@ -89,12 +89,15 @@ class WeightGradQueue:
     def run(self) -> None:
         """W: compute the queued weight gradients and accumulate them as autograd would."""
         pairs: dict = {}
-        for work in self.work:
-            if self.direct and isinstance(work, LinearWgrad) and work.accumulate():
-                continue
-            for param, grad in work() or ():
-                prev = pairs.get(id(param))
-                pairs[id(param)] = (param, grad if prev is None else prev[1] + grad)
+        # no graph: the saved inputs require grad, and in grad mode each GEMM would record an
+        # autograd node (and gloo refuses to all-gather such an input for sequence parallelism)
+        with torch.no_grad():
+            for work in self.work:
+                if self.direct and isinstance(work, LinearWgrad) and work.accumulate():
+                    continue
+                for param, grad in work() or ():
+                    prev = pairs.get(id(param))
+                    pairs[id(param)] = (param, grad if prev is None else prev[1] + grad)
         self.work.clear()
         self.held.clear()
         if pairs:
