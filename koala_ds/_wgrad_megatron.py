@@ -104,19 +104,30 @@ if _layers is not None:
         @staticmethod
         @_layers.custom_bwd
         def backward(ctx, grad_output):
-            queue = active_queue()
-            if queue is None or ctx.grad_output_buffer is not None or not ctx.needs_input_grad[1] \
-                    or not queue.defers(ctx.koala_weight):
+            queue, param = active_queue(), ctx.koala_weight
+            if ctx.grad_output_buffer is not None or not ctx.needs_input_grad[1]:
                 return _Base.backward(ctx, grad_output)
+            defer = queue is not None and queue.defers(param)
             inp, weight = ctx.saved_tensors
+            if not defer and weight is param:
+                return _Base.backward(ctx, grad_output)
+            # deferred, or computed now on a saved weight that is not the parameter (saved-tensor
+            # hooks): megatron-core's backward would read main_grad / grad_added_to_main_grad
+            # off that copy, which has neither, and return no dummy gradient for DDP's hooks
             grad_in = _input_grad(ctx, inp, weight, grad_output)
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0) if ctx.use_bias else None
-            param, main_grad, fusion, sp, group = ctx.koala_weight, ctx.main_grad, ctx.gradient_accumulation_fusion, \
-                ctx.sequence_parallel, ctx.tp_group
-            queue.add(lambda: _weight_grad(param, inp, grad_output, main_grad, fusion, sp, group),
-                      inp, grad_output)
-            return grad_in, _deferred_placeholder(param, fusion, inp.dtype), grad_bias, \
-                None, None, None, None, None, None
+            main_grad, fusion, sp, group = ctx.main_grad, ctx.gradient_accumulation_fusion, ctx.sequence_parallel, \
+                ctx.tp_group
+
+            def work():
+                return _weight_grad(param, inp, grad_output, main_grad, fusion, sp, group)
+
+            if defer:
+                queue.add(work, inp, grad_output)
+                grad_weight = _deferred_placeholder(param, fusion, inp.dtype)
+            else:
+                grad_weight = (work() or [(None, None)])[0][1]
+            return grad_in, grad_weight, grad_bias, None, None, None, None, None, None
 
     def _forward_impl(module, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
                       sequence_parallel, grad_output_buffer=None, wgrad_deferral_limit=0, tp_group=None, **kw):

@@ -291,17 +291,32 @@ def test_megatron_linear_split_keeps_main_grad_semantics(fusion, monkeypatch, si
         assert layers.fused_weight_gradient_mlp_cuda.calls == 6 and lin.weight.grad is None
 
 
+def _megatron_ddp_hook(param) -> None:
+    """What Megatron DDP's backward hook does with overlap_grad_reduce (its buffers need CUDA)."""
+    def hook(p):
+        assert p.grad is not None, "param.grad being None is not safe when overlap_grad_reduce is True"
+        if not p.grad_added_to_main_grad:
+            p.main_grad.add_(p.grad)
+        p.grad = None
+
+    param.grad_added_to_main_grad = False
+    param.register_post_accumulate_grad_hook(hook)
+
+
+@pytest.mark.parametrize("max_hold", [None, 0.0], ids=["deferred", "kept"])
 @pytest.mark.parametrize("fusion", [False, True])
-def test_megatron_linear_split_under_saved_tensor_hooks_loses_no_weight_gradient(fusion, monkeypatch,
+def test_megatron_linear_split_under_saved_tensor_hooks_loses_no_weight_gradient(fusion, max_hold, monkeypatch,
                                                                                  single_process_megatron):
     """Under saved-tensor hooks (the hold policy watches a chunk's first forward with them; so
     do the profiler and activation offloading) ctx.saved_tensors gives a copy of the weight that
-    only borrows its gradient accumulator while a graph holds it. W used that copy: once the
-    graph was gone (the runtime drops a microbatch's output after I) the weight gradient went to
-    the copy, silently. Megatron GPT training with zb-h1 lost the last layer's linear_fc2 weight
-    gradient of the first microbatch (21% of it on the last stage)."""
+    only borrows its gradient accumulator while a graph holds it, and has none of its attributes.
+    Deferred, W used that copy: once the graph was gone (the runtime drops a microbatch's output
+    after I) the weight gradient went to the copy, silently (Megatron GPT training with zb-h1 lost
+    the last layer's linear_fc2 weight gradient of the first microbatch, 21% of it). Kept (computed
+    in I), megatron-core's own backward looked for grad_added_to_main_grad on the copy and, under
+    gradient_accumulation_fusion, returned no gradient: Megatron DDP with overlap_grad_reduce
+    asserts on that."""
     lin = _megatron_linear(fusion, monkeypatch)
-    prepared = wgrad.prepare(lin, max_hold=None)
     xs = [torch.randn(5, 2, 8) for _ in range(3)]
     gs = [torch.randn(5, 2, 16) for _ in range(3)]
     for x, g in zip(xs, gs):
@@ -309,11 +324,15 @@ def test_megatron_linear_split_under_saved_tensor_hooks_loses_no_weight_gradient
     ref = (lin.weight.main_grad if fusion else lin.weight.grad).clone()
     lin.weight.main_grad.zero_()
     lin.weight.grad = None
+    if fusion:  # after the reference: megatron-core allocates its own dummy gradient on CUDA
+        _megatron_ddp_hook(lin.weight)
+    prepared = wgrad.prepare(lin, max_hold=max_hold)
     for x, g in zip(xs, gs):
         with torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach(), lambda t: t):
             out = lin(x.clone().requires_grad_())[0]
         with prepared.input_step() as queue:
             out.backward(g)
+        assert len(queue.work) == (1 if max_hold is None else 0)
         del out  # the graph goes, as in a pipeline runtime between I and W
         queue.run()
     got = lin.weight.main_grad if fusion else lin.weight.grad
