@@ -94,10 +94,10 @@ if _layers is not None:
     class _DeferrableTPLinear(_Base):
         @staticmethod
         def forward(ctx, input, weight, *args):
-            # the parameter itself: under saved-tensor hooks (the hold policy's watch, the
-            # profiler, activation offloading) ctx.saved_tensors gives a new tensor that only
-            # borrows the parameter's gradient accumulator while a graph holds it; a weight
-            # gradient given to that copy later, in W, would be lost
+            # the parameter itself: under saved-tensor hooks (the profiler, activation
+            # offloading) ctx.saved_tensors gives a new tensor that only borrows the parameter's
+            # gradient accumulator while a graph holds it; a weight gradient given to that copy
+            # later, in W, would be lost
             ctx.koala_weight = weight
             return _Base.forward(ctx, input, weight, *args)
 

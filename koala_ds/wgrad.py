@@ -271,7 +271,7 @@ def prepare(model: torch.nn.Module, max_hold=DEFAULT) -> "Prepared":
                     "(exact, but I costs more): deferred weight gradients cover torch.nn.Linear and "
                     "megatron-core's Column/RowParallelLinear", layer)
     if prepared.max_hold is not None and prepared.weights:
-        model.register_forward_pre_hook(prepared._watch_start)
+        model.register_forward_pre_hook(prepared._watch_start, with_kwargs=True)
         model.register_forward_hook(prepared._watch_end, always_call=True)
     model._koala_wgrad = prepared
     return prepared
@@ -325,15 +325,48 @@ def note_layer(weight: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None
                      2.0 * out.numel() * weight.shape[-1])
 
 
-def _saved_storage(watch: ForwardWatch):
-    def pack(t):
-        try:
-            storage = t.untyped_storage()
-            watch.saved_storage(storage.data_ptr(), storage.nbytes())
-        except (RuntimeError, NotImplementedError):  # a tensor without a plain storage: not counted
-            pass
-        return t.detach()  # not t: saving an output through a hook would make a reference cycle
-    return pack
+def _tensors(value) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+def _saved_by(node) -> Iterator[torch.Tensor]:
+    """What an autograd node saved for its backward: a built-in node's `_saved_*` attributes, a
+    custom Function's `saved_tensors`."""
+    for name in dir(node):
+        if name.startswith("_saved_") or name == "saved_tensors":
+            try:
+                yield from _tensors(getattr(node, name))
+            except (RuntimeError, AttributeError):  # freed, or not a saved value
+                continue
+
+
+def record_saved(watch: ForwardWatch, outputs, inputs) -> None:
+    """The storages saved for backward by the graph of one forward: from its outputs back to its
+    inputs (their own graph, an earlier chunk's, is not this forward's). Read off the graph, not
+    through saved-tensor hooks: under hooks every custom Function would get copies of its saved
+    parameters, without their attributes (main_grad, grad_added_to_main_grad)."""
+    stop = {id(t.grad_fn) for t in _tensors(inputs) if t.grad_fn is not None}
+    stack = [t.grad_fn for t in _tensors(outputs) if t.grad_fn is not None]
+    seen: dict = {}  # id -> node (kept alive while its id is in use)
+    while stack:
+        node = stack.pop()
+        if id(node) in seen or id(node) in stop:
+            continue
+        seen[id(node)] = node
+        for t in _saved_by(node):
+            try:
+                storage = t.untyped_storage()
+                watch.saved_storage(storage.data_ptr(), storage.nbytes())
+            except (RuntimeError, NotImplementedError):  # no plain storage: not counted
+                pass
+        stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
 
 
 @dataclass
@@ -349,28 +382,26 @@ class Prepared:
     _watching: Optional[tuple] = None
     _idle: int = 0  # watched forwards in a row that met no unplanned layer
 
-    def _watch_start(self, module, args) -> None:
+    def _watch_start(self, module, args, kwargs) -> None:
         global _WATCH
         if _WATCH is not None or not torch.is_grad_enabled() or self._idle >= _MAX_IDLE_WATCHES \
                 or self.weights <= self.plan.deferred | self.plan.kept:
             return
         params = {p.untyped_storage().data_ptr() for p in module.parameters()}
         watch = ForwardWatch(params)
-        hooks = torch.autograd.graph.saved_tensors_hooks(_saved_storage(watch), lambda t: t)
-        hooks.__enter__()
-        self._watching, _WATCH = (watch, hooks), watch
+        self._watching, _WATCH = (watch, (args, kwargs)), watch
 
     def _watch_end(self, module, args, output) -> None:
         global _WATCH
         if self._watching is None:
             return
-        (watch, hooks), self._watching, _WATCH = self._watching, None, None
-        hooks.__exit__(None, None, None)
+        (watch, inputs), self._watching, _WATCH = self._watching, None, None
         if sys.exc_info()[0] is not None:  # the forward raised: plan on a complete one
             return
         new = [c for c in watch.layers.values() if c.key not in self.plan.deferred and c.key not in self.plan.kept]
         self._idle = 0 if new else self._idle + 1
         if new:
+            record_saved(watch, output, inputs)
             self.plan.add(new, watch.activation_bytes(), self.max_hold)
 
     def deferred_fraction(self) -> Optional[float]:

@@ -193,3 +193,46 @@ def test_a_covered_layer_that_never_runs_stops_the_watch_after_a_while():
     # one forward planned "used"; then each watched forward counted one idle, up to the cap, and none after
     assert prepared._idle == wgrad._MAX_IDLE_WATCHES and wgrad._WATCH is None
     assert id(mod["used"].weight) in prepared.plan.kept | prepared.plan.deferred
+
+
+class _ReadsItsWeight(torch.autograd.Function):
+    """A custom Function reading an attribute of the weight it saved (as megatron-core's and
+    Transformer Engine's linears read main_grad / grad_added_to_main_grad)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return x * weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        _ReadsItsWeight.seen.append(getattr(weight, "tag", None))
+        return grad * weight, (grad * x).sum(0)
+
+
+def test_the_watched_forward_leaves_custom_functions_their_saved_parameters():
+    """The watch used to run the chunk's first forward under saved-tensor hooks, under which a
+    custom Function's saved parameter comes back as a copy without its attributes: megatron-core's
+    and TE's linears then returned no weight gradient under gradient_accumulation_fusion, which
+    Megatron DDP asserts on under overlap_grad_reduce."""
+    class Chunk(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+            self.scale = torch.nn.Parameter(torch.ones(8))
+            self.scale.tag = "mine"
+
+        def forward(self, x):
+            return _ReadsItsWeight.apply(self.lin(x), self.scale)
+
+    chunk = Chunk()
+    prepared = wgrad.prepare(chunk)  # the default bound: the first forward is watched
+    _ReadsItsWeight.seen = []
+    for _ in range(2):
+        out = chunk(torch.randn(4, 8, requires_grad=True))
+        with prepared.input_step() as queue:
+            out.sum().backward()
+        queue.run()
+    assert prepared.plan.deferred | prepared.plan.kept  # the watch planned
+    assert _ReadsItsWeight.seen == ["mine", "mine"]
