@@ -5,7 +5,9 @@ ColumnParallelLinear / RowParallelLinear call `self._forward_impl(...)`, which a
 attribute at the same Function with one change, `_DeferrableTPLinear`: when an I step is
 running, its backward computes the input gradient exactly as megatron-core does (the
 tensor-parallel all-reduce, or the sequence-parallel reduce-scatter) and the bias gradient, and
-queues the weight-gradient GEMM; otherwise it is megatron-core's own backward. The queued work
+queues the weight-gradient GEMM; otherwise it is megatron-core's own backward, except where the
+saved weight is not the parameter (saved-tensor hooks): then the same code runs the GEMM at
+once on the parameter, whose attributes megatron-core's backward would miss. The queued work
 is megatron-core's weight-gradient code: the sequence-parallel all-gather of the input, then
 `fused_weight_gradient_mlp_cuda` into `main_grad` under gradient_accumulation_fusion (and the
 same dummy gradient, `grad_added_to_main_grad` set, so that DDP's hooks behave as in a full
@@ -126,7 +128,8 @@ if _layers is not None:
                 queue.add(work, inp, grad_output)
                 grad_weight = _deferred_placeholder(param, fusion, inp.dtype)
             else:
-                grad_weight = (work() or [(None, None)])[0][1]
+                pairs = work()  # [(param, gradient)], or None: all of it went into main_grad
+                grad_weight = pairs[0][1] if pairs else None
             return grad_in, grad_weight, grad_bias, None, None, None, None, None, None
 
     def _forward_impl(module, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,

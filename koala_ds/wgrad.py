@@ -347,7 +347,7 @@ def _saved_by(node) -> Iterator[torch.Tensor]:
                 continue
 
 
-def record_saved(watch: ForwardWatch, outputs, inputs) -> None:
+def _record_saved(watch: ForwardWatch, outputs, inputs) -> None:
     """The storages saved for backward by the graph of one forward: from its outputs back to its
     inputs (their own graph, an earlier chunk's, is not this forward's). Read off the graph, not
     through saved-tensor hooks: under hooks every custom Function would get copies of its saved
@@ -401,7 +401,7 @@ class Prepared:
         new = [c for c in watch.layers.values() if c.key not in self.plan.deferred and c.key not in self.plan.kept]
         self._idle = 0 if new else self._idle + 1
         if new:
-            record_saved(watch, output, inputs)
+            _record_saved(watch, output, inputs)
             self.plan.add(new, watch.activation_bytes(), self.max_hold)
 
     def deferred_fraction(self) -> Optional[float]:
