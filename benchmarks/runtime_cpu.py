@@ -59,9 +59,19 @@ def _profiled(runner, steps: int) -> dict:
     cpu = time.process_time() - cpu0
     dist.barrier()
     split = dict.fromkeys(OWNERS, 0.0)
-    for (path, _line, name), (_cc, _nc, own, _cum, _callers) in pstats.Stats(prof).stats.items():
+    functions = []
+    for (path, line, name), (_cc, calls, own, _cum, _callers) in pstats.Stats(prof).stats.items():
         split[_owner(path, name)] += own
-    return {"cpu_s": cpu, "split_s": split}
+        functions.append((own, calls, f"{_short(path)}:{line}({name})"))
+    return {"cpu_s": cpu, "split_s": split, "functions": sorted(functions, reverse=True)[:40]}
+
+
+def _short(path: str) -> str:
+    """A function's file from its package on: koala_ds/..., megatron/..., torch/..."""
+    for root in ("koala_ds/", "megatron/", "deepspeed/", "torch/", "tests/"):
+        if root in path:
+            return root + path.split(root, 1)[1]
+    return path
 
 
 def megatron_worker(rank: int, world: int, spec: dict) -> dict:
@@ -109,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-p", type=int, default=2, help="pipeline ranks (default 2)")
     ap.add_argument("-m", type=int, default=16, help="microbatches (default 16)")
     ap.add_argument("--steps", type=int, default=40, help="profiled steps (default 40)")
+    ap.add_argument("--top", type=int, default=0, help="also list rank 0's N functions with the most own CPU per action")
     args = ap.parse_args(argv)
 
     from koala_ds.library import load_schedule
@@ -125,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         split = results[0]["split_s"]
         total = sum(split.values()) or 1.0
         print(f"{engine:<10} {per_action:>9.3f}  " + "  ".join(f"{100 * split[o] / total:>13.1f}%" for o in OWNERS))
+        rank_actions = args.steps * len(schedule.ranks[0])
+        for own, calls, where in results[0]["functions"][:args.top]:
+            print(f"    {1e3 * own / rank_actions:7.4f} ms/action {calls / rank_actions:6.2f} calls/action  {where}")
     return 0
 
 

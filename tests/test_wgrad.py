@@ -339,35 +339,72 @@ def test_megatron_linear_split_under_saved_tensor_hooks_loses_no_weight_gradient
     assert got is not None and torch.allclose(got, ref, rtol=1e-6, atol=1e-6), (got - ref).abs().max()
 
 
-def test_megatron_gpt_last_stage_split_under_the_hold_policy_equals_a_full_backward(single_process_megatron):
+def _gpt_last_stage_split_equals_a_full_backward(config: dict | None = None, max_hold=wgrad.DEFAULT) -> list:
     """The runtime's order on the last stage of zb-h1 (F I, then each W after the next I), the
-    outputs dropped after I, the default hold policy (which watches the first forward)."""
-    pytest.importorskip("megatron.core")
+    outputs dropped after I; asserts every gradient equals a full backward's. Returns the number
+    of weight gradients each I queued."""
     from koala_ds.profiler.models import megatron_gpt_stages
 
-    stages, _ = megatron_gpt_stages(4, 64, 4, 32, 2, 128, 2, 1234, None)
+    stages, _ = megatron_gpt_stages(4, 64, 4, 32, 2, 128, 2, 1234, None, config)
     mod = stages[1]
     xs = [torch.randn(32, 2, 64) for _ in range(4)]
     for x in xs:
         mod(x.clone().requires_grad_()).float().mean().backward()
     ref = [q.grad.clone() for q in mod.parameters()]
     mod.zero_grad(set_to_none=True)
-    prepared = wgrad.prepare(mod)  # the default bound: some layers kept, the rest deferred
-    waiting = []
+    prepared = wgrad.prepare(mod, max_hold)
+    waiting, queued = [], []
     for x in xs:
         out = mod(x.clone().requires_grad_()).float().mean()
         with prepared.input_step() as queue:
             out.backward()
         del out
         waiting.append(queue)
+        queued.append(len(queue.work))
         if len(waiting) == 2:
             waiting.pop(0).run()
     for queue in waiting:
         queue.run()
-    assert prepared.plan.kept and prepared.plan.deferred
     for (name, q), r in zip(mod.named_parameters(), ref):
         assert q.grad is not None and torch.allclose(q.grad, r, rtol=1e-6, atol=1e-6), \
             (name, (q.grad - r).abs().max())
+    return queued
+
+
+def test_megatron_gpt_last_stage_split_under_the_hold_policy_equals_a_full_backward(single_process_megatron):
+    """The default hold policy (which watches the first forward): some layers kept, the rest deferred."""
+    pytest.importorskip("megatron.core")
+    queued = _gpt_last_stage_split_equals_a_full_backward()
+    assert 0 < queued[0] < 9 and len(set(queued)) == 1  # of 2 layers x 4 linears + the output layer
+
+
+@pytest.fixture
+def cpu_rng_for_megatron_checkpointing(monkeypatch):
+    """megatron-core's activation checkpointing saves and restores the CUDA RNG state around the
+    recomputed forward; on a CPU-only torch that state is the CPU generator's (the model has no
+    dropout, so no draw depends on it). Only the state bookkeeping is replaced: the checkpointing,
+    its recomputation and its nested backward are megatron-core's own."""
+    random = pytest.importorskip("megatron.core.tensor_parallel.random")
+    monkeypatch.setattr(random, "_get_cuda_rng_state", lambda *args, **kwargs: torch.get_rng_state())
+    monkeypatch.setattr(random, "_set_cuda_rng_state", lambda *args, **kwargs: None)
+
+
+@pytest.mark.parametrize("granularity", ["full", "selective"])
+@pytest.mark.parametrize("max_hold", [None, wgrad.DEFAULT], ids=["all-deferred", "default-policy"])
+def test_megatron_gpt_with_recomputation_split_equals_a_full_backward(granularity, max_hold, single_process_megatron,
+                                                                     cpu_rng_for_megatron_checkpointing):
+    """megatron-core's activation recomputation (--recompute-granularity full / selective): the
+    recomputed forward and its backward run inside I; deferred linears queue the recomputed input.
+    With no bound every linear defers; the default bound keeps in I what deferring would hold
+    beyond the checkpoints (under full recomputation all but the output layer)."""
+    config = {"recompute_granularity": granularity}
+    if granularity == "full":
+        config.update(recompute_method="uniform", recompute_num_layers=1)
+    queued = _gpt_last_stage_split_equals_a_full_backward(config, max_hold)
+    if max_hold is None:
+        assert queued == [9] * 4
+    elif granularity == "full":
+        assert queued == [1] * 4
 
 
 def sequence_parallel_worker(rank: int, world: int, spec: dict) -> dict:

@@ -55,10 +55,12 @@ def _init_single_process_megatron(seed: int, attention_elements: int = 1 << 22) 
 
 
 def megatron_gpt_stages(num_layers: int, hidden_size: int, num_attention_heads: int, seq_length: int,
-                        micro_batch_size: int, vocab_size: int, num_stages: int, seed: int = 1234, device=None):
+                        micro_batch_size: int, vocab_size: int, num_stages: int, seed: int = 1234, device=None,
+                        extra_config: dict | None = None):
     """The GPT of examples/megatron_gpt split into `num_stages` virtual stages (num_layers /
     num_stages transformer layers each; embedding on the first, output layer and loss on the
-    last), built in this process, and a sample input (token ids) for the first stage."""
+    last), built in this process, and a sample input (token ids) for the first stage. `extra_config`:
+    more TransformerConfig fields (e.g. recompute_granularity)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -77,7 +79,7 @@ def megatron_gpt_stages(num_layers: int, hidden_size: int, num_attention_heads: 
         config = TransformerConfig(num_layers=lps, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
                                    use_cpu_initialization=True, pipeline_dtype=torch.float32,
                                    params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
-                                   bias_dropout_fusion=False, gradient_accumulation_fusion=False)
+                                   bias_dropout_fusion=False, gradient_accumulation_fusion=False, **(extra_config or {}))
         torch.manual_seed(seed + s)
         chunk = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=vocab_size, max_sequence_length=seq_length,
                          pre_process=s == 0, post_process=s == num_stages - 1,
