@@ -2,6 +2,7 @@
 
     python benchmarks/runtime_cpu.py                      # both engines, 1f1b, p=2, m=16
     python benchmarks/runtime_cpu.py --engines megatron --schedule zb-h1 --steps 80
+    python benchmarks/runtime_cpu.py --plain -p 4 --engines megatron deepspeed deepspeed-stock
 
 Each pipeline rank runs the schedule on zero-cost `EmulatedStage` chunks (tests/engine_runs.py:
 megatron-core's forward_step / backward_step through koala_ds.megatron, or DeepSpeed's
@@ -44,23 +45,27 @@ def _owner(path: str, name: str) -> str:
     return "torch" if "torch" in path or "torch" in name else "other"
 
 
-def _profiled(runner, steps: int) -> dict:
+def _profiled(runner, steps: int, profile: bool = True) -> dict:
+    """CPU seconds of `steps` steps after 5 warm-up steps; with `profile`, under cProfile (CPU
+    clock), and rank 0's split by owner and its costliest functions."""
     import torch.distributed as dist
 
     for _ in range(5):
         runner.step()
     dist.barrier()
-    prof = cProfile.Profile(time.process_time)
+    prof = cProfile.Profile(time.process_time) if profile else None
     cpu0 = time.process_time()
-    prof.enable()
+    if prof is not None:
+        prof.enable()
     for _ in range(steps):
         runner.step()
-    prof.disable()
+    if prof is not None:
+        prof.disable()
     cpu = time.process_time() - cpu0
     dist.barrier()
     split = dict.fromkeys(OWNERS, 0.0)
     functions = []
-    for (path, line, name), (_cc, calls, own, _cum, _callers) in pstats.Stats(prof).stats.items():
+    for (path, line, name), (_cc, calls, own, _cum, _callers) in (pstats.Stats(prof).stats.items() if prof else ()):
         split[_owner(path, name)] += own
         functions.append((own, calls, f"{_short(path)}:{line}({name})"))
     return {"cpu_s": cpu, "split_s": split, "functions": sorted(functions, reverse=True)[:40]}
@@ -84,7 +89,7 @@ def megatron_worker(rank: int, world: int, spec: dict) -> dict:
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=world)
     try:
-        return _profiled(_MegatronRunner(spec["job"], rank, 8, 2, 60), spec["steps"])
+        return _profiled(_MegatronRunner(spec["job"], rank, 8, 2, 60), spec["steps"], spec["profile"])
     finally:
         ps.destroy_model_parallel()
 
@@ -99,7 +104,7 @@ def deepspeed_worker(rank: int, world: int, spec: dict) -> dict:
 
     torch.set_num_threads(1)
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
-    return _profiled(_DeepSpeedRunner(spec["job"], world, 8, 2, 60), spec["steps"])
+    return _profiled(_DeepSpeedRunner(spec["job"], world, 8, 2, 60), spec["steps"], spec["profile"])
 
 
 def run(engine: str, spec: dict, p: int) -> list[dict]:
@@ -114,28 +119,35 @@ def run(engine: str, spec: dict, p: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--engines", nargs="*", default=["megatron", "deepspeed"], choices=["megatron", "deepspeed"])
+    ap.add_argument("--engines", nargs="*", default=["megatron", "deepspeed"],
+                    choices=["megatron", "deepspeed", "deepspeed-stock"],
+                    help="deepspeed-stock: DeepSpeed's own PipelineEngine and 1F1B (with --schedule 1f1b)")
     ap.add_argument("--schedule", default="1f1b", help="library schedule (default 1f1b)")
     ap.add_argument("-p", type=int, default=2, help="pipeline ranks (default 2)")
     ap.add_argument("-m", type=int, default=16, help="microbatches (default 16)")
     ap.add_argument("--steps", type=int, default=40, help="profiled steps (default 40)")
     ap.add_argument("--top", type=int, default=0, help="also list rank 0's N functions with the most own CPU per action")
+    ap.add_argument("--plain", action="store_true", help="no cProfile: the CPU per action only, unprofiled")
     args = ap.parse_args(argv)
+    if "deepspeed-stock" in args.engines and args.schedule != "1f1b":
+        ap.error("--engines deepspeed-stock runs DeepSpeed's own 1F1B: use --schedule 1f1b")
 
     from koala_ds.library import load_schedule
 
     schedule = load_schedule(args.schedule, args.p, args.m, 1)
     job = {"key": 0, "schedule": schedule.to_dict(), "costs": [[0.0, 0.0, 0.0]] * schedule.num_stages}
     actions = sum(len(r) for r in schedule.ranks)
-    print(f"{args.schedule}, p={args.p}, m={args.m}, zero compute, {args.steps} profiled steps; "
-          f"rank 0's CPU by owner (own time, % of its profiled CPU)")
-    print(f"{'engine':<10} {'ms/action':>9}  " + "  ".join(f"{o:>14}" for o in OWNERS))
+    print(f"{args.schedule}, p={args.p}, m={args.m}, zero compute, {args.steps} "
+          + ("unprofiled steps" if args.plain else "profiled steps; rank 0's CPU by owner (own time, % of its profiled CPU)"))
+    owners = () if args.plain else OWNERS
+    print(f"{'engine':<15} {'ms/action':>9}  " + "  ".join(f"{o:>14}" for o in owners))
     for engine in args.engines:
-        results = run(engine, {"job": job, "steps": args.steps}, args.p)
+        spec = {"job": {**job, "stock": engine == "deepspeed-stock"}, "steps": args.steps, "profile": not args.plain}
+        results = run(engine, spec, args.p)
         per_action = sum(r["cpu_s"] for r in results) * 1000.0 / (args.steps * actions)
         split = results[0]["split_s"]
         total = sum(split.values()) or 1.0
-        print(f"{engine:<10} {per_action:>9.3f}  " + "  ".join(f"{100 * split[o] / total:>13.1f}%" for o in OWNERS))
+        print(f"{engine:<15} {per_action:>9.3f}  " + "  ".join(f"{100 * split[o] / total:>13.1f}%" for o in owners))
         rank_actions = args.steps * len(schedule.ranks[0])
         for own, calls, where in results[0]["functions"][:args.top]:
             print(f"    {1e3 * own / rank_actions:7.4f} ms/action {calls / rank_actions:6.2f} calls/action  {where}")

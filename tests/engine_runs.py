@@ -9,7 +9,8 @@ profile's times. It returns the start and end time of every step on this rank
 caller can take the step time as (latest end - earliest start) over ranks.
 
 A job: {"key": any, "schedule": Schedule.to_dict(), "costs": [[F, I, W] ms per virtual stage],
-"warmup": 2, "steps": 10}. The spec: {"jobs": [...], "timeout_s": 60, "hidden": 8, "seq": 2}.
+"warmup": 2, "steps": 10}; "stock": true runs DeepSpeed's own engine and 1F1B instead (DeepSpeed
+only). The spec: {"jobs": [...], "timeout_s": 60, "hidden": 8, "seq": 2}.
 """
 from __future__ import annotations
 
@@ -216,15 +217,22 @@ class _DeepSpeedRunner:
         schedule = Schedule.from_dict(job["schedule"])
         p, v, m, S = schedule.p, schedule.v, schedule.m, schedule.num_stages
         layers = [EmulatedStage(*job["costs"][s], hidden=hidden) for s in range(S)]
-        self.model = KoalaPipelineModule(layers, num_stages=p, chunks=v, placement=schedule.placement,
-                                         loss_fn=_mean_loss, partition_method="uniform")
-        fd, path = tempfile.mkstemp(prefix="koala-bench-", suffix=".json")
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(schedule.to_json())
-        config = ds_config(m, 1, world // p, koala={"schedule": path, "timeout_s": timeout_s}, schedule="koala")
+        if job.get("stock"):  # DeepSpeed's own PipelineEngine and 1F1B TrainSchedule, for comparison
+            from deepspeed.pipe import PipelineModule
+
+            self.model = PipelineModule(layers, num_stages=p, loss_fn=_mean_loss, partition_method="uniform")
+            config, path = ds_config(m, 1, world // p), None
+        else:
+            self.model = KoalaPipelineModule(layers, num_stages=p, chunks=v, placement=schedule.placement,
+                                             loss_fn=_mean_loss, partition_method="uniform")
+            fd, path = tempfile.mkstemp(prefix="koala-bench-", suffix=".json")
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(schedule.to_json())
+            config = ds_config(m, 1, world // p, koala={"schedule": path, "timeout_s": timeout_s}, schedule="koala")
         optimizer = torch.optim.SGD(self.model.parameters(), lr=0.0)
         self.engine, *_ = deepspeed.initialize(model=self.model, optimizer=optimizer, config=config)
-        os.unlink(path)
+        if path is not None:
+            os.unlink(path)
         self.data = [(torch.randn(1, seq, hidden), torch.zeros(1)) for _ in range(m)]
 
     def step(self) -> None:
