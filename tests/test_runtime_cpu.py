@@ -1,0 +1,41 @@
+"""benchmarks/runtime_cpu.py runs every engine it offers and prints one positive CPU per action
+for each (the benchmark's harness: tests/engine_runs.py, both engines, two processes each)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*args: str) -> str:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks/runtime_cpu.py"), "-p", "2", "-m", "4", "--steps", "3",
+                           *args], capture_output=True, text=True, timeout=400, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.deepspeed_ext
+@pytest.mark.timeout(600)
+def test_every_engine_prints_its_cpu_per_action():
+    plain = _run("--plain", "--engines", "megatron", "megatron-bare", "deepspeed", "deepspeed-stock")
+    for engine in ("megatron", "megatron-bare", "deepspeed", "deepspeed-stock"):
+        row = re.search(rf"^{engine} +([0-9.]+) *$", plain, re.M)
+        assert row and float(row.group(1)) > 0, plain
+    profiled = _run("--engines", "megatron", "--top", "3")
+    split = re.search(r"^megatron +([0-9.]+) +((?:[0-9.]+% *){6})$", profiled, re.M)
+    assert split and abs(sum(float(x) for x in re.findall(r"([0-9.]+)%", split.group(2))) - 100) < 0.5, profiled
+    assert len(re.findall(r"ms/action +[0-9.]+ calls/action", profiled)) == 3, profiled
+
+
+def test_the_bare_loop_and_the_stock_engine_run_only_1f1b():
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks/runtime_cpu.py"), "--schedule", "zb-h1",
+                           "--engines", "megatron-bare"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 2 and "use --schedule 1f1b" in done.stderr.splitlines()[-1]
