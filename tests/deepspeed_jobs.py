@@ -295,8 +295,9 @@ def train_worker(rank: int, world: int, spec: dict) -> dict:
     A case: {"label", "schedule" (None = DeepSpeed's stock TrainSchedule), "chunks", "placement",
     "tied", "via" ("config" | "direct"), "koala": extra pipeline.koala keys, "clip": gradient_clipping
     (absent: DeepSpeed's default), "parts": the module's cut (KoalaPipelineModule(parts=...)),
-    "module_config": build the module with config= (its pipeline.koala.parts)}. Returns per case the
-    step losses, an eval_batch loss, the final parameters and the step times (seconds).
+    "module_config": build the module with config= (its pipeline.koala.parts), "bf16", "zero": the
+    config's zero_optimization section}. Returns per case the engine's and its optimizer's class
+    names, the step losses, an eval_batch loss, the final parameters and the step times (seconds).
     spec["target_scale"] scales the targets (see `tiny_batches`)."""
     import koala_ds.deepspeed  # noqa: F401  (registers the engine with deepspeed.initialize)
 
@@ -309,6 +310,9 @@ def train_worker(rank: int, world: int, spec: dict) -> dict:
             koala = {"schedule": case["schedule"], **case.get("koala", {})}
         config = ds_config(gas, mbs, dp, koala=koala, schedule="koala" if koala is not None else None,
                            gradient_clipping=case.get("clip"), bf16=case.get("bf16", False))
+        if case.get("zero"):  # DeepSpeed's zero_optimization section; the tests' optimizer is torch's SGD
+            config["zero_optimization"] = case["zero"]
+            config["zero_allow_untested_optimizer"] = True
         model = build_model(pp, dim, spec["blocks"], case.get("tied", False), case.get("chunks", 1),
                             case.get("placement", "linear"), case.get("parts"),
                             config if case.get("module_config") else None)
@@ -328,7 +332,8 @@ def train_worker(rank: int, world: int, spec: dict) -> dict:
         if spec.get("eval", True):
             eval_loss = float(engine.eval_batch(iter(data[steps * gas:(steps + 1) * gas])))
         out["cases"][case["label"]] = {
-            "engine": type(engine).__name__, "losses": losses, "eval": eval_loss, "times": times,
+            "engine": type(engine).__name__, "optimizer": type(engine.optimizer).__name__, "losses": losses,
+            "eval": eval_loss, "times": times,
             "params": {n: p.detach().clone() for n, p in model.named_parameters()} if spec.get("params", True)
             else {},
         }

@@ -83,7 +83,7 @@ def _assert_equal_to_stock(results: list[dict], cases: list[dict], dp: int) -> N
         label = case["label"]
         if case["schedule"] is None:
             continue
-        ref = f"stock{_variant(case.get('tied', False), case.get('clip'))}"
+        ref = case.get("ref") or f"stock{_variant(case.get('tied', False), case.get('clip'))}"
         for res in results:
             mine, stock = res["value"]["cases"][label], res["value"]["cases"][ref]
             assert mine["engine"] == "KoalaPipelineEngine", label
@@ -218,6 +218,27 @@ def test_config_section_and_engine_selection():
     assert select_engine_class(model, {"schedule": "koala"}) is KoalaPipelineEngine
 
 
+@pytest.mark.parametrize("config,says", [
+    ({"fp16": {"enabled": True}}, 'remove "fp16": {"enabled": true}'),
+    ({"zero_optimization": {"stage": 2}}, '"zero_optimization": {"stage": 2} partitions the gradients'),
+    ({"zero_optimization": {"stage": 3}}, "use stage 0 or 1"),
+    ({"zero_optimization": {"stage": 1}}, None),
+    ({"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}, None),
+])
+def test_what_the_engine_cannot_run_is_one_line_naming_the_config_key(config, says):
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from koala_ds.deepspeed import KoalaPipelineEngine
+
+    config_class = DeepSpeedConfig({"train_batch_size": 2, **config})
+    if says is None:
+        KoalaPipelineEngine._check_config(config_class)
+        return
+    with pytest.raises(KoalaConfigError) as info:
+        KoalaPipelineEngine._check_config(config_class)
+    assert says in str(info.value) and "\n" not in str(info.value)
+
+
 @pytest.mark.slow
 @pytest.mark.deepspeed_ext
 @pytest.mark.timeout(120)
@@ -310,6 +331,32 @@ def test_two_stages_times_two_data_parallel_equal_stock():
     # the two data-parallel replicas saw different data yet hold the same (all-reduced) weights
     a, b = _merged(results, "zb-v", 0), _merged(results, "zb-v", 1)
     assert max((a[n] - b[n]).abs().max().item() for n in a) == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.deepspeed_ext
+@pytest.mark.timeout(600)
+def test_zero_stage_1_equals_stock_zero_stage_1():
+    """ZeRO stage 1 (optimizer states partitioned over the data-parallel replicas; DeepSpeed's
+    pipeline engine allows no higher stage), 2 stages x 2 replicas, clipping on (inside ZeRO's
+    step): the Koala engine trains as the stock engine under the same ZeRO settings, in fp32 with
+    the gradients reduced at the step's end (with tied weights too), and in bf16 with overlap_comm
+    (reduced by ZeRO's gradient hooks as they fire, in I, W and B)."""
+    cases = []
+    for suffix, extra in (("-zero1", {"zero": {"stage": 1}}),
+                          ("-zero1-overlap-bf16", {"zero": {"stage": 1, "overlap_comm": True}, "bf16": True})):
+        ref = f"stock{suffix}"
+        cases.append({**_stock(), "label": ref, **extra})
+        cases += [{**_case(name, placement), "label": f"{name}{suffix}", "ref": ref, **extra}
+                  for name, placement in (("1f1b", "linear"), ("zb-h1", "linear"), ("zb-v", "vshape"))]
+    # tied weights: across the two ranks (linear), and on one rank (the V-shape's first and last stage)
+    cases.append({**_stock(tied=True), "label": "stock-tied-zero1", "zero": {"stage": 1}})
+    cases += [{**_case(name, placement, tied=True), "label": f"{name}-tied-zero1", "ref": "stock-tied-zero1",
+               "zero": {"stage": 1}} for name, placement in (("zb-h2", "linear"), ("zb-v", "vshape"))]
+    results = launch(train_worker, 4, _spec(2, cases), timeout_s=580)
+    _assert_equal_to_stock(results, cases, dp=2)
+    for res in results:  # ZeRO's optimizer stepped every case
+        assert {c["optimizer"] for c in res["value"]["cases"].values()} == {"DeepSpeedZeroOptimizer"}
 
 
 @pytest.mark.slow

@@ -396,9 +396,10 @@ class KoalaPipelineEngine(PipelineEngine):
         if config_class.float16_config.enabled:
             raise KoalaConfigError('the Koala engine does not apply fp16 loss scaling: use "bf16" or fp32 '
                                    '(remove "fp16": {"enabled": true})')
-        if config_class.zero_optimization_stage > 0:
-            raise KoalaConfigError(f'the Koala engine supports ZeRO stage 0 only, the config has '
-                                   f'"zero_optimization": {{"stage": {config_class.zero_optimization_stage}}}')
+        stage = config_class.zero_optimization_stage
+        if stage > 1:  # stage 1 partitions the optimizer states only, as the stock pipeline engine allows
+            raise KoalaConfigError(f'"zero_optimization": {{"stage": {stage}}} partitions the gradients, which '
+                                   f"DeepSpeed's pipeline engines do not support: use stage 0 or 1")
 
     @staticmethod
     def _log_profile(schedule: Schedule, profile: str) -> None:
