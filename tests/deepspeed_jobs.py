@@ -259,15 +259,17 @@ def _mse(outputs, labels):
 
 
 def build_model(pp: int, dim: int, blocks: int, tied: bool, chunks: int = 1, placement: str = "linear",
-                parts: list | None = None, config: dict | None = None):
+                parts: list | None = None, config: dict | None = None, checkpoint_interval: int = 0):
     """A PipelineModule (chunks == 1, no parts, no config) or a KoalaPipelineModule over `tiny_layers`
-    (`parts`: a given cut; `config`: the DeepSpeed config whose pipeline.koala.parts gives it)."""
+    (`parts`: a given cut; `config`: the DeepSpeed config whose pipeline.koala.parts gives it;
+    `checkpoint_interval`: the module's activation_checkpoint_interval)."""
     from deepspeed.pipe import PipelineModule
 
     from koala_ds.deepspeed.module import KoalaPipelineModule
 
     layers = tiny_layers(dim, blocks, tied)
-    common = dict(num_stages=pp, loss_fn=_mse, partition_method="uniform", seed_layers=True)
+    common = dict(num_stages=pp, loss_fn=_mse, partition_method="uniform", seed_layers=True,
+                  activation_checkpoint_interval=checkpoint_interval)
     if chunks == 1 and placement == "linear" and parts is None and config is None:
         return PipelineModule(layers, **common)
     return KoalaPipelineModule(layers, chunks=chunks, placement=placement, parts=parts, config=config, **common)
@@ -296,8 +298,10 @@ def train_worker(rank: int, world: int, spec: dict) -> dict:
     "tied", "via" ("config" | "direct"), "koala": extra pipeline.koala keys, "clip": gradient_clipping
     (absent: DeepSpeed's default), "parts": the module's cut (KoalaPipelineModule(parts=...)),
     "module_config": build the module with config= (its pipeline.koala.parts), "bf16", "zero": the
-    config's zero_optimization section}. Returns per case the engine's and its optimizer's class
-    names, the step losses, an eval_batch loss, the final parameters and the step times (seconds).
+    config's zero_optimization section, "checkpoint_interval": the module's
+    activation_checkpoint_interval}. Returns per case the engine's and its optimizer's class names,
+    the module's checkpoint interval, the step losses, an eval_batch loss, the final parameters and
+    the step times (seconds).
     spec["target_scale"] scales the targets (see `tiny_batches`)."""
     import koala_ds.deepspeed  # noqa: F401  (registers the engine with deepspeed.initialize)
 
@@ -315,7 +319,7 @@ def train_worker(rank: int, world: int, spec: dict) -> dict:
             config["zero_allow_untested_optimizer"] = True
         model = build_model(pp, dim, spec["blocks"], case.get("tied", False), case.get("chunks", 1),
                             case.get("placement", "linear"), case.get("parts"),
-                            config if case.get("module_config") else None)
+                            config if case.get("module_config") else None, case.get("checkpoint_interval", 0))
         dp_rank = model._grid.data_parallel_id
         out["dp"], out["pipe"] = dp_rank, model._grid.get_stage_id()
         engine = _engine(model, case, config)
@@ -332,7 +336,8 @@ def train_worker(rank: int, world: int, spec: dict) -> dict:
         if spec.get("eval", True):
             eval_loss = float(engine.eval_batch(iter(data[steps * gas:(steps + 1) * gas])))
         out["cases"][case["label"]] = {
-            "engine": type(engine).__name__, "optimizer": type(engine.optimizer).__name__, "losses": losses,
+            "engine": type(engine).__name__, "optimizer": type(engine.optimizer).__name__,
+            "checkpoint_interval": engine.module.activation_checkpoint_interval, "losses": losses,
             "eval": eval_loss, "times": times,
             "params": {n: p.detach().clone() for n, p in model.named_parameters()} if spec.get("params", True)
             else {},

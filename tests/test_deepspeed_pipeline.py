@@ -362,6 +362,22 @@ def test_zero_stage_1_equals_stock_zero_stage_1():
 @pytest.mark.slow
 @pytest.mark.deepspeed_ext
 @pytest.mark.timeout(400)
+def test_activation_checkpointing_equals_stock():
+    """The module's activation_checkpoint_interval (DeepSpeed's reentrant checkpointing, every
+    layer): I recomputes a layer's forward inside its backward and W takes the recomputed inputs;
+    the losses and parameters are the stock engine's with the same checkpointing."""
+    extra = {"checkpoint_interval": 1}
+    cases = [{**_stock(), "label": "stock-ckpt", **extra}]
+    cases += [{**_case(name, placement), "label": f"{name}-ckpt", "ref": "stock-ckpt", **extra}
+              for name, placement in (("1f1b", "linear"), ("zb-h1", "linear"), ("zb-v", "vshape"))]
+    results = launch(train_worker, 2, _spec(2, cases), timeout_s=380)
+    _assert_equal_to_stock(results, cases, dp=1)
+    assert {c["checkpoint_interval"] for res in results for c in res["value"]["cases"].values()} == {1}
+
+
+@pytest.mark.slow
+@pytest.mark.deepspeed_ext
+@pytest.mark.timeout(400)
 def test_bf16_split_schedules_match_stock():
     """bf16 with DeepSpeed's bf16 optimizer (its gradient hand-over around every B, I and W): the
     split schedules, whose W adds bf16 weight gradients in their GEMMs, train as stock DeepSpeed
