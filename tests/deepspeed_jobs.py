@@ -346,6 +346,41 @@ def train_worker(rank: int, world: int, spec: dict) -> dict:
     return out
 
 
+def checkpoint_worker(rank: int, world: int, spec: dict) -> dict:
+    """Save and resume through DeepSpeed checkpoints: case spec["save"] trains 2 steps and saves
+    to spec["dir"]; case spec["load"] (a fresh model) loads it (optimizer states as
+    spec["optimizer"] says) and trains steps 3-4; also case "save" trained 4 steps straight.
+    Returns the losses of both runs, this rank's weights as saved and as loaded, or the error
+    the load raised (its class name and text)."""
+    import koala_ds.deepspeed  # noqa: F401  (registers the engine with deepspeed.initialize)
+
+    gas, mbs, dim, blocks, pp = spec["gas"], spec["mbs"], spec["dim"], spec["blocks"], world
+
+    def make(case: dict):
+        koala = {"schedule": case["schedule"]} if case.get("schedule") else None
+        config = ds_config(gas, mbs, 1, koala=koala, schedule="koala" if koala else None)
+        model = build_model(pp, dim, blocks, False, case.get("chunks", 1), case.get("placement", "linear"))
+        return model, _engine(model, case, config)
+
+    data = tiny_batches(4, gas, mbs, dim, 0, target_scale=10.0)
+
+    def train(engine, steps) -> list:
+        return [float(engine.train_batch(iter(data[s * gas:(s + 1) * gas]))) for s in steps]
+
+    straight = train(make(spec["save"])[1], range(4))
+    model, engine = make(spec["save"])
+    resumed = train(engine, range(2))
+    engine.save_checkpoint(spec["dir"], tag="t")
+    saved = {n: q.detach().clone() for n, q in model.named_parameters()}
+    model, engine = make(spec["load"])
+    try:
+        engine.load_checkpoint(spec["dir"], tag="t", load_optimizer_states=spec["optimizer"])
+    except Exception as exc:  # noqa: BLE001  (reported to the test)
+        return {"error": type(exc).__name__, "text": str(exc)}
+    loaded = {n: q.detach().clone() for n, q in model.named_parameters()}
+    return {"straight": straight, "resumed": resumed + train(engine, range(2, 4)), "saved": saved, "loaded": loaded}
+
+
 def _stop_before(engine, method: str) -> None:
     """Make this process SIGSTOP itself when `engine.<method>` is next called (a peer that
     stops mid-step, after its point-to-point work)."""

@@ -31,7 +31,7 @@ from koala_ds.deepspeed import (KoalaConfigError, KoalaPipeSchedule, KoalaPipeli
                                 check_schedule, select_engine_class)
 from koala_ds.deepspeed.schedule import BackwardInputPass, BackwardWeightPass  # noqa: E402
 from koala_ds.lowering import COMPUTE, RECV, SEND, lower  # noqa: E402
-from deepspeed_jobs import DEFAULT_EXTENSIONS_DIR, hang_worker, launch, train_worker  # noqa: E402
+from deepspeed_jobs import DEFAULT_EXTENSIONS_DIR, checkpoint_worker, hang_worker, launch, train_worker  # noqa: E402
 from koala_ds.ir import Action, Op, Placement  # noqa: E402
 from koala_ds.spawn import remove_deepspeed_shm  # noqa: E402
 from koala_ds.library import load_schedule  # noqa: E402
@@ -373,6 +373,39 @@ def test_activation_checkpointing_equals_stock():
     results = launch(train_worker, 2, _spec(2, cases), timeout_s=380)
     _assert_equal_to_stock(results, cases, dp=1)
     assert {c["checkpoint_interval"] for res in results for c in res["value"]["cases"].values()} == {1}
+
+
+def _checkpoint(tmp_path, save: dict, load: dict, optimizer: bool) -> list[dict]:
+    spec = {"gas": 4, "mbs": 2, "dim": 8, "blocks": 4, "save": save, "load": load, "optimizer": optimizer,
+            "dir": str(tmp_path / "ckpt")}
+    return [r["value"] for r in launch(checkpoint_worker, 2, spec, timeout_s=280)]
+
+
+@pytest.mark.slow
+@pytest.mark.deepspeed_ext
+@pytest.mark.timeout(300)
+def test_checkpoints_resume_exactly_and_optimizer_states_never_land_on_other_layers(tmp_path):
+    """A checkpoint saved under a placement resumes exactly under it (weights, optimizer states,
+    the next steps' losses). Loaded under another placement (here the stock engine's cut, then
+    the V-shape, which puts layers 0 and 3 on rank 0), the weights load (DeepSpeed writes them
+    per layer) but each rank's optimizer states would belong to other layers: every rank refuses
+    them in one line before anything loads. DeepSpeed loaded them silently: the momentum of
+    layers 0-1 went to layers 0 and 3."""
+    stock, zbv = {"schedule": None}, {"schedule": "zb-v", "chunks": 2, "placement": "vshape"}
+    for res in _checkpoint(tmp_path / "v", zbv, zbv, optimizer=True):
+        assert res["resumed"] == res["straight"]
+        assert all(torch.equal(res["saved"][n], res["loaded"][n]) for n in res["saved"])
+    refused = _checkpoint(tmp_path / "refused", stock, zbv, optimizer=True)
+    for res in refused:
+        assert res["error"] == "ScheduleFitError" and "\n" not in res["text"]
+        assert "saved by the stock engine with pipeline rank 0 holding layers 0-1; this run's placement gives " \
+               "it layers 0 and 3" in res["text"] and "load_optimizer_states=False" in res["text"]
+    weights = _checkpoint(tmp_path / "weights", stock, zbv, optimizer=False)
+    saved = {n: t for res in weights for n, t in res["saved"].items()}
+    loaded = {n: t for res in weights for n, t in res["loaded"].items()}
+    assert set(saved) == set(loaded) and all(torch.equal(saved[n], loaded[n]) for n in saved)
+    for res in weights:  # step 3 as straight (same weights, no momentum yet used); step 4 without the momentum
+        assert res["resumed"][:3] == res["straight"][:3] and res["resumed"][3] != res["straight"][3]
 
 
 @pytest.mark.slow

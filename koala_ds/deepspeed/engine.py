@@ -22,10 +22,12 @@ What it adds to the stock engine (deepspeed/runtime/pipe/engine.py, 0.19.8):
 - one loss per buffer on the last stage, so forwards of several microbatches may precede
   their backwards;
 - several model chunks per rank (`KoalaPipelineModule`, interleaved or V-shape placement);
-  stages of the same rank hand tensors over locally (the turn of a V).
+  stages of the same rank hand tensors over locally (the turn of a V);
+- checkpoints record which layers each rank held (`checkpoint.py`), and optimizer states saved
+  for another assignment are refused before anything loads.
 
 Refused up front, with the property named: schedules with more than one pipeline (Chimera),
-a placement that differs from the module's, fp16 loss scaling and ZeRO stages >= 1,
+a placement that differs from the module's, fp16 loss scaling and ZeRO stages >= 2,
 dynamic shapes and partitioned pipe tensors.
 """
 from __future__ import annotations
@@ -55,6 +57,7 @@ from ..resolve import DEEPSPEED, ScheduleFitError, check_fit, load, load_profile
 from ..timeout import DEFAULT_TIMEOUT_S, ENV_TIMEOUT, TimeoutSettingError, timeout_setting
 from ..validate import validate
 from ..wgrad import WeightGradQueue
+from .checkpoint import check_optimizer_layout, module_layout, write_layout
 from .module import check_model_parts
 from .schedule import BackwardInputPass, BackwardWeightPass, KoalaInferenceSchedule, KoalaPipeSchedule, WaitSends
 
@@ -549,6 +552,36 @@ class KoalaPipelineEngine(PipelineEngine):
             f"{who} gave up on {what} after {secs:g} s (timeout from {self.koala_config.timeout_source}): the peer "
             f"is hung, dead or runs a different schedule. Slow steps need a larger "
             f"\"pipeline\": {{\"koala\": {{\"timeout_s\": ...}}}} or {ENV_KOALA_TIMEOUT}. ({cause})")
+
+    # -- checkpoints: which layers each rank held ------------------------------------------
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
+        """DeepSpeed's save_checkpoint, plus `koala_layout.json` (the layers of every pipeline
+        rank) in the tag's directory, written by global rank 0."""
+        tag = str(tag) if tag is not None else f"global_step{self.global_steps}"  # as DeepSpeed names it
+        result = super().save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest,
+                                         **kwargs)
+        if self.global_rank == 0:
+            write_layout(os.path.join(save_dir, tag), module_layout(self.module))
+        return result
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+        """DeepSpeed's load_checkpoint; optimizer states saved with another assignment of layers
+        to ranks are refused first, in one line (`checkpoint.check_optimizer_layout`)."""
+        if load_optimizer_states and not load_module_only and not self.load_universal_checkpoint():
+            latest = os.path.join(load_dir, "latest")
+            if tag is None and os.path.isfile(latest):
+                with open(latest, encoding="utf-8") as fh:
+                    tag = fh.read().strip()
+            if tag is not None and os.path.isdir(os.path.join(load_dir, str(tag))):
+                try:
+                    check_optimizer_layout(os.path.join(load_dir, str(tag)), self.module)
+                except KoalaError as exc:
+                    raise KoalaConfigError(str(exc)) from None
+        return super().load_checkpoint(load_dir, tag=tag, load_module_strict=load_module_strict,
+                                       load_optimizer_states=load_optimizer_states,
+                                       load_lr_scheduler_states=load_lr_scheduler_states,
+                                       load_module_only=load_module_only, custom_load_fn=custom_load_fn)
 
     # -- every collective of a step is bounded by the same timeout -----------------------
     def train_batch(self, data_iter=None):
