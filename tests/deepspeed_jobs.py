@@ -348,37 +348,43 @@ def train_worker(rank: int, world: int, spec: dict) -> dict:
 
 def checkpoint_worker(rank: int, world: int, spec: dict) -> dict:
     """Save and resume through DeepSpeed checkpoints: case spec["save"] trains 2 steps and saves
-    to spec["dir"]; case spec["load"] (a fresh model) loads it (optimizer states as
-    spec["optimizer"] says) and trains steps 3-4; also case "save" trained 4 steps straight.
-    Returns the losses of both runs, this rank's weights as saved and as loaded, or the error
-    the load raised (its class name and text)."""
+    to spec["dir"]; case spec["load"] (a fresh model) loads it with spec["load_kwargs"] (keywords
+    of load_checkpoint) and trains steps 3-4; also case "save" trained 4 steps straight. In bf16
+    with spec["bf16"]. Returns the losses of both runs and this rank's weights as saved, as loaded
+    and after the resumed steps, or the error the load raised (its class name and text)."""
     import koala_ds.deepspeed  # noqa: F401  (registers the engine with deepspeed.initialize)
 
-    gas, mbs, dim, blocks, pp = spec["gas"], spec["mbs"], spec["dim"], spec["blocks"], world
+    gas, mbs, dim, blocks, pp, bf16 = spec["gas"], spec["mbs"], spec["dim"], spec["blocks"], world, spec["bf16"]
 
     def make(case: dict):
         koala = {"schedule": case["schedule"]} if case.get("schedule") else None
-        config = ds_config(gas, mbs, 1, koala=koala, schedule="koala" if koala else None)
+        config = ds_config(gas, mbs, 1, koala=koala, schedule="koala" if koala else None, bf16=bf16)
         model = build_model(pp, dim, blocks, False, case.get("chunks", 1), case.get("placement", "linear"))
         return model, _engine(model, case, config)
 
     data = tiny_batches(4, gas, mbs, dim, 0, target_scale=10.0)
+    if bf16:
+        data = [(x.bfloat16(), y.bfloat16()) for x, y in data]
 
     def train(engine, steps) -> list:
         return [float(engine.train_batch(iter(data[s * gas:(s + 1) * gas]))) for s in steps]
+
+    def weights(model) -> dict:
+        return {n: q.detach().clone() for n, q in model.named_parameters()}
 
     straight = train(make(spec["save"])[1], range(4))
     model, engine = make(spec["save"])
     resumed = train(engine, range(2))
     engine.save_checkpoint(spec["dir"], tag="t")
-    saved = {n: q.detach().clone() for n, q in model.named_parameters()}
+    saved = weights(model)
     model, engine = make(spec["load"])
     try:
-        engine.load_checkpoint(spec["dir"], tag="t", load_optimizer_states=spec["optimizer"])
+        engine.load_checkpoint(spec["dir"], tag="t", **spec["load_kwargs"])
     except Exception as exc:  # noqa: BLE001  (reported to the test)
         return {"error": type(exc).__name__, "text": str(exc)}
-    loaded = {n: q.detach().clone() for n, q in model.named_parameters()}
-    return {"straight": straight, "resumed": resumed + train(engine, range(2, 4)), "saved": saved, "loaded": loaded}
+    loaded = weights(model)
+    resumed += train(engine, range(2, 4))
+    return {"straight": straight, "resumed": resumed, "saved": saved, "loaded": loaded, "trained": weights(model)}
 
 
 def _stop_before(engine, method: str) -> None:

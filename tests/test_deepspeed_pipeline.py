@@ -375,10 +375,17 @@ def test_activation_checkpointing_equals_stock():
     assert {c["checkpoint_interval"] for res in results for c in res["value"]["cases"].values()} == {1}
 
 
-def _checkpoint(tmp_path, save: dict, load: dict, optimizer: bool) -> list[dict]:
-    spec = {"gas": 4, "mbs": 2, "dim": 8, "blocks": 4, "save": save, "load": load, "optimizer": optimizer,
-            "dir": str(tmp_path / "ckpt")}
+def _checkpoint(tmp_path, save: dict, load: dict, bf16: bool = False, **load_kwargs) -> list[dict]:
+    spec = {"gas": 4, "mbs": 2, "dim": 8, "blocks": 4, "save": save, "load": load, "load_kwargs": load_kwargs,
+            "bf16": bf16, "dir": str(tmp_path / "ckpt")}
     return [r["value"] for r in launch(checkpoint_worker, 2, spec, timeout_s=280)]
+
+
+def _merge(results: list[dict], key: str) -> dict:
+    return {n: t for res in results for n, t in res[key].items()}
+
+
+STOCK, ZBV = {"schedule": None}, {"schedule": "zb-v", "chunks": 2, "placement": "vshape"}
 
 
 @pytest.mark.slow
@@ -391,21 +398,33 @@ def test_checkpoints_resume_exactly_and_optimizer_states_never_land_on_other_lay
     per layer) but each rank's optimizer states would belong to other layers: every rank refuses
     them in one line before anything loads. DeepSpeed loaded them silently: the momentum of
     layers 0-1 went to layers 0 and 3."""
-    stock, zbv = {"schedule": None}, {"schedule": "zb-v", "chunks": 2, "placement": "vshape"}
-    for res in _checkpoint(tmp_path / "v", zbv, zbv, optimizer=True):
+    for res in _checkpoint(tmp_path / "v", ZBV, ZBV):
         assert res["resumed"] == res["straight"]
         assert all(torch.equal(res["saved"][n], res["loaded"][n]) for n in res["saved"])
-    refused = _checkpoint(tmp_path / "refused", stock, zbv, optimizer=True)
-    for res in refused:
+    for res in _checkpoint(tmp_path / "refused", STOCK, ZBV):
         assert res["error"] == "ScheduleFitError" and "\n" not in res["text"]
         assert "saved by the stock engine with pipeline rank 0 holding layers 0-1; this run's placement gives " \
-               "it layers 0 and 3" in res["text"] and "load_optimizer_states=False" in res["text"]
-    weights = _checkpoint(tmp_path / "weights", stock, zbv, optimizer=False)
-    saved = {n: t for res in weights for n, t in res["saved"].items()}
-    loaded = {n: t for res in weights for n, t in res["loaded"].items()}
+               "it layers 0 and 3" in res["text"] and "load_module_only=True" in res["text"]
+    weights = _checkpoint(tmp_path / "weights", STOCK, ZBV, load_optimizer_states=False)
+    saved, loaded = _merge(weights, "saved"), _merge(weights, "loaded")
     assert set(saved) == set(loaded) and all(torch.equal(saved[n], loaded[n]) for n in saved)
     for res in weights:  # step 3 as straight (same weights, no momentum yet used); step 4 without the momentum
         assert res["resumed"][:3] == res["straight"][:3] and res["resumed"][3] != res["straight"][3]
+
+
+@pytest.mark.slow
+@pytest.mark.deepspeed_ext
+@pytest.mark.timeout(300)
+def test_bf16_weights_only_load_trains_from_the_loaded_weights(tmp_path):
+    """bf16 (DeepSpeed's bf16 optimizer keeps fp32 master weights): weights loaded without the
+    optimizer states train from the loaded weights, as with load_module_only=True. DeepSpeed
+    0.19.8 left the masters at their old values under load_optimizer_states=False, so the first
+    step put the old weights back (stock engine too)."""
+    plain = _checkpoint(tmp_path / "plain", STOCK, ZBV, bf16=True, load_optimizer_states=False)
+    module_only = _checkpoint(tmp_path / "module", STOCK, ZBV, bf16=True, load_module_only=True)
+    assert [r["resumed"] for r in plain] == [r["resumed"] for r in module_only]
+    a, b = _merge(plain, "trained"), _merge(module_only, "trained")
+    assert all(torch.equal(a[n], b[n]) for n in a)
 
 
 @pytest.mark.slow

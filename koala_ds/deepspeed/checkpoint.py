@@ -8,7 +8,8 @@ placement, a searched `parts`) and loaded with another would give each parameter
 parameter's optimizer state, silently. So the Koala engine writes the assignment beside the
 checkpoint (`koala_layout.json` in the tag's directory; a checkpoint without it was saved by
 the stock engine, whose cut is known), and refuses, before loading anything, to load optimizer
-states into a different one. Weights alone (`load_optimizer_states=False`) load across any.
+states into a different one. Weights alone (`load_module_only=True`; with the Koala engine also
+`load_optimizer_states=False`) load across any.
 """
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ def check_optimizer_layout(directory: str, module) -> None:
     mine = module_layout(module)
     if saved == mine:
         return
-    advice = ("load the weights only (load_checkpoint(..., load_optimizer_states=False)) or resume with the "
+    advice = ("load the weights only (load_checkpoint(..., load_module_only=True)) or resume with the "
               "placement it was saved with")
     if len(saved) != len(mine):
         raise KoalaError(f"checkpoint {directory} was saved by {saver} with {len(saved)} pipeline ranks, this run "

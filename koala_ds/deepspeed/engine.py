@@ -578,10 +578,16 @@ class KoalaPipelineEngine(PipelineEngine):
                     check_optimizer_layout(os.path.join(load_dir, str(tag)), self.module)
                 except KoalaError as exc:
                     raise KoalaConfigError(str(exc)) from None
-        return super().load_checkpoint(load_dir, tag=tag, load_module_strict=load_module_strict,
-                                       load_optimizer_states=load_optimizer_states,
-                                       load_lr_scheduler_states=load_lr_scheduler_states,
-                                       load_module_only=load_module_only, custom_load_fn=custom_load_fn)
+        result = super().load_checkpoint(load_dir, tag=tag, load_module_strict=load_module_strict,
+                                         load_optimizer_states=load_optimizer_states,
+                                         load_lr_scheduler_states=load_lr_scheduler_states,
+                                         load_module_only=load_module_only, custom_load_fn=custom_load_fn)
+        if not load_optimizer_states and not load_module_only and not self.zero_optimization() \
+                and hasattr(self.optimizer, "refresh_fp32_params"):
+            # DeepSpeed refreshes the bf16 optimizer's fp32 master weights from loaded weights under
+            # load_module_only only: without it the next step would put the old weights back
+            self.optimizer.refresh_fp32_params()
+        return result
 
     # -- every collective of a step is bounded by the same timeout -----------------------
     def train_batch(self, data_iter=None):
