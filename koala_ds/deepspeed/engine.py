@@ -556,12 +556,13 @@ class KoalaPipelineEngine(PipelineEngine):
     # -- checkpoints: which layers each rank held ------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
         """DeepSpeed's save_checkpoint, plus `koala_layout.json` (the layers of every pipeline
-        rank) in the tag's directory, written by global rank 0."""
+        rank) in the tag's directory, written by global rank 0 before any rank returns."""
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"  # as DeepSpeed names it
         result = super().save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest,
                                          **kwargs)
         if self.global_rank == 0:
             write_layout(os.path.join(save_dir, tag), module_layout(self.module))
+        dist.barrier()  # a rank that loads right after finds the file
         return result
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
