@@ -79,29 +79,33 @@ def _short(path: str) -> str:
     return path
 
 
-def megatron_worker(rank: int, world: int, spec: dict) -> dict:
+def _on_megatron(world: int, spec: dict, make_runner) -> dict:
+    """`_profiled` on the runner `make_runner()` builds, inside megatron-core's parallel state (pp = world)."""
     import torch
     from megatron.core import parallel_state as ps
-
-    from engine_runs import _MegatronRunner
 
     torch.set_num_threads(1)
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=world)
     try:
-        return _profiled(_MegatronRunner(spec["job"], rank, 8, 2, 60), spec["steps"], spec["profile"])
+        return _profiled(make_runner(), spec["steps"], spec["profile"])
     finally:
         ps.destroy_model_parallel()
+
+
+def megatron_worker(rank: int, world: int, spec: dict) -> dict:
+    from engine_runs import _MegatronRunner
+
+    return _on_megatron(world, spec, lambda: _MegatronRunner(spec["job"], rank, 8, 2, 60))
 
 
 class _MegatronBare:
     """A bare 1F1B loop on megatron-core, no koala code: one chunk per rank, megatron-core's
     forward_step and backward_step, on the default process group's own send / recv (no
     torch.distributed argument checks): every receive of the step posted at its start (m buffers
-    per neighbour, where the koala runtime posts a receive 2 actions ahead; posted only when
-    needed, the loop took 0.46 and 0.41 ms of CPU per action against 0.35 and 0.31 in two runs
-    here), every send posted at once and waited at the step's end; no timeouts, no checks, no
-    loss hand-over. A reference to read the koala runtime's CPU against, not a runtime."""
+    per neighbour, where the koala runtime posts a receive 2 actions ahead), every send posted at
+    once and waited at the step's end; no timeouts, no checks, no loss hand-over. A reference to
+    read the koala runtime's CPU against, not a runtime."""
 
     def __init__(self, rank: int, p: int, m: int, hidden: int = 8, seq: int = 2):
         import torch
@@ -160,16 +164,7 @@ class _MegatronBare:
 
 
 def megatron_bare_worker(rank: int, world: int, spec: dict) -> dict:
-    import torch
-    from megatron.core import parallel_state as ps
-
-    torch.set_num_threads(1)
-    ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=world)
-    try:
-        return _profiled(_MegatronBare(rank, world, spec["m"]), spec["steps"], spec["profile"])
-    finally:
-        ps.destroy_model_parallel()
+    return _on_megatron(world, spec, lambda: _MegatronBare(rank, world, spec["m"]))
 
 
 def deepspeed_worker(rank: int, world: int, spec: dict) -> dict:

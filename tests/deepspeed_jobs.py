@@ -291,6 +291,37 @@ def _engine(model, case: dict, config: dict):
     return engine
 
 
+def case_engine(case: dict, spec: dict, dp: int):
+    """(model, engine) for one case of `train_worker` on the tiny model of `spec` ("pp", "gas",
+    "mbs", "dim", "blocks") with `dp` data-parallel replicas."""
+    gas, mbs = spec["gas"], spec["mbs"]
+    koala = None
+    if case.get("schedule") is not None and case.get("via", "config") == "config":
+        koala = {"schedule": case["schedule"], **case.get("koala", {})}
+    config = ds_config(gas, mbs, dp, koala=koala, schedule="koala" if koala is not None else None,
+                       gradient_clipping=case.get("clip"), bf16=case.get("bf16", False))
+    if case.get("zero"):  # DeepSpeed's zero_optimization section; the tests' optimizer is torch's SGD
+        config["zero_optimization"] = case["zero"]
+        config["zero_allow_untested_optimizer"] = True
+    model = build_model(spec["pp"], spec["dim"], spec["blocks"], case.get("tied", False), case.get("chunks", 1),
+                        case.get("placement", "linear"), case.get("parts"),
+                        config if case.get("module_config") else None, case.get("checkpoint_interval", 0))
+    return model, _engine(model, case, config)
+
+
+def case_batches(case: dict, spec: dict, steps: int, dp_rank: int) -> list:
+    """`steps` steps of microbatches for one data-parallel rank (spec["target_scale"] scales the
+    targets); bf16 tensors for a bf16 case (DeepSpeed feeds the batch as given)."""
+    data = tiny_batches(steps, spec["gas"], spec["mbs"], spec["dim"], dp_rank, target_scale=spec.get("target_scale", 1.0))
+    if case.get("bf16"):
+        data = [(x.bfloat16(), y.bfloat16()) for x, y in data]
+    return data
+
+
+def _weights(model) -> dict:
+    return {n: q.detach().clone() for n, q in model.named_parameters()}
+
+
 def train_worker(rank: int, world: int, spec: dict) -> dict:
     """Train each case of `spec["cases"]` for spec["steps"] steps on fresh model copies.
 
@@ -305,27 +336,13 @@ def train_worker(rank: int, world: int, spec: dict) -> dict:
     spec["target_scale"] scales the targets (see `tiny_batches`)."""
     import koala_ds.deepspeed  # noqa: F401  (registers the engine with deepspeed.initialize)
 
-    pp, dp = spec["pp"], world // spec["pp"]
-    gas, mbs, dim, steps = spec["gas"], spec["mbs"], spec["dim"], spec["steps"]
+    gas, steps = spec["gas"], spec["steps"]
     out: dict[str, Any] = {"cases": {}}
     for case in spec["cases"]:
-        koala = None
-        if case.get("schedule") is not None and case.get("via", "config") == "config":
-            koala = {"schedule": case["schedule"], **case.get("koala", {})}
-        config = ds_config(gas, mbs, dp, koala=koala, schedule="koala" if koala is not None else None,
-                           gradient_clipping=case.get("clip"), bf16=case.get("bf16", False))
-        if case.get("zero"):  # DeepSpeed's zero_optimization section; the tests' optimizer is torch's SGD
-            config["zero_optimization"] = case["zero"]
-            config["zero_allow_untested_optimizer"] = True
-        model = build_model(pp, dim, spec["blocks"], case.get("tied", False), case.get("chunks", 1),
-                            case.get("placement", "linear"), case.get("parts"),
-                            config if case.get("module_config") else None, case.get("checkpoint_interval", 0))
+        model, engine = case_engine(case, spec, world // spec["pp"])
         dp_rank = model._grid.data_parallel_id
         out["dp"], out["pipe"] = dp_rank, model._grid.get_stage_id()
-        engine = _engine(model, case, config)
-        data = tiny_batches(steps + 1, gas, mbs, dim, dp_rank, target_scale=spec.get("target_scale", 1.0))
-        if case.get("bf16"):  # DeepSpeed feeds the batch as given: a bf16 model takes bf16 tensors
-            data = [(x.bfloat16(), y.bfloat16()) for x, y in data]
+        data = case_batches(case, spec, steps + 1, dp_rank)
         losses, times = [], []
         for step in range(steps):
             start = time.perf_counter()
@@ -339,52 +356,39 @@ def train_worker(rank: int, world: int, spec: dict) -> dict:
             "engine": type(engine).__name__, "optimizer": type(engine.optimizer).__name__,
             "checkpoint_interval": engine.module.activation_checkpoint_interval, "losses": losses,
             "eval": eval_loss, "times": times,
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()} if spec.get("params", True)
-            else {},
+            "params": _weights(model) if spec.get("params", True) else {},
         }
         del engine, model
     return out
 
 
 def checkpoint_worker(rank: int, world: int, spec: dict) -> dict:
-    """Save and resume through DeepSpeed checkpoints: case spec["save"] trains 2 steps and saves
-    to spec["dir"]; case spec["load"] (a fresh model) loads it with spec["load_kwargs"] (keywords
-    of load_checkpoint) and trains steps 3-4; also case "save" trained 4 steps straight. In bf16
-    with spec["bf16"]. Returns the losses of both runs and this rank's weights as saved, as loaded
-    and after the resumed steps, or the error the load raised (its class name and text)."""
+    """Save and resume through DeepSpeed checkpoints: case spec["save"] (a `train_worker` case)
+    trains 2 steps and saves to spec["dir"]; case spec["load"] (a fresh model) loads it with
+    spec["load_kwargs"] (keywords of load_checkpoint) and trains steps 3-4; also case "save"
+    trained 4 steps straight. Returns the losses of both runs and this rank's weights as saved,
+    as loaded and after the resumed steps, or the error the load raised (its class name and text)."""
     import koala_ds.deepspeed  # noqa: F401  (registers the engine with deepspeed.initialize)
 
-    gas, mbs, dim, blocks, pp, bf16 = spec["gas"], spec["mbs"], spec["dim"], spec["blocks"], world, spec["bf16"]
-
-    def make(case: dict):
-        koala = {"schedule": case["schedule"]} if case.get("schedule") else None
-        config = ds_config(gas, mbs, 1, koala=koala, schedule="koala" if koala else None, bf16=bf16)
-        model = build_model(pp, dim, blocks, False, case.get("chunks", 1), case.get("placement", "linear"))
-        return model, _engine(model, case, config)
-
-    data = tiny_batches(4, gas, mbs, dim, 0, target_scale=10.0)
-    if bf16:
-        data = [(x.bfloat16(), y.bfloat16()) for x, y in data]
+    gas = spec["gas"]
+    data = case_batches(spec["save"], spec, 4, 0)
 
     def train(engine, steps) -> list:
         return [float(engine.train_batch(iter(data[s * gas:(s + 1) * gas]))) for s in steps]
 
-    def weights(model) -> dict:
-        return {n: q.detach().clone() for n, q in model.named_parameters()}
-
-    straight = train(make(spec["save"])[1], range(4))
-    model, engine = make(spec["save"])
+    straight = train(case_engine(spec["save"], spec, 1)[1], range(4))
+    model, engine = case_engine(spec["save"], spec, 1)
     resumed = train(engine, range(2))
     engine.save_checkpoint(spec["dir"], tag="t")
-    saved = weights(model)
-    model, engine = make(spec["load"])
+    saved = _weights(model)
+    model, engine = case_engine(spec["load"], spec, 1)
     try:
         engine.load_checkpoint(spec["dir"], tag="t", **spec["load_kwargs"])
     except Exception as exc:  # noqa: BLE001  (reported to the test)
         return {"error": type(exc).__name__, "text": str(exc)}
-    loaded = weights(model)
+    loaded = _weights(model)
     resumed += train(engine, range(2, 4))
-    return {"straight": straight, "resumed": resumed, "saved": saved, "loaded": loaded, "trained": weights(model)}
+    return {"straight": straight, "resumed": resumed, "saved": saved, "loaded": loaded, "trained": _weights(model)}
 
 
 def _stop_before(engine, method: str) -> None:

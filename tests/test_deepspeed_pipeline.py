@@ -376,8 +376,8 @@ def test_activation_checkpointing_equals_stock():
 
 
 def _checkpoint(tmp_path, save: dict, load: dict, bf16: bool = False, **load_kwargs) -> list[dict]:
-    spec = {"gas": 4, "mbs": 2, "dim": 8, "blocks": 4, "save": save, "load": load, "load_kwargs": load_kwargs,
-            "bf16": bf16, "dir": str(tmp_path / "ckpt")}
+    spec = {"pp": 2, "gas": 4, "mbs": 2, "dim": 8, "blocks": 4, "target_scale": 10.0, "save": {**save, "bf16": bf16},
+            "load": {**load, "bf16": bf16}, "load_kwargs": load_kwargs, "dir": str(tmp_path / "ckpt")}
     return [r["value"] for r in launch(checkpoint_worker, 2, spec, timeout_s=280)]
 
 

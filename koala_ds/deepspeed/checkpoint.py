@@ -31,8 +31,8 @@ def module_layout(module) -> list:
     """The layer ranges of every pipeline rank for `module` (a PipelineModule, or a
     KoalaPipelineModule with its placement)."""
     placement = getattr(module, "koala_placement", None)
-    if placement is None:  # a plain PipelineModule: rank r holds stage r
-        return rank_layers(module.parts, [[r] for r in range(len(module.parts) - 1)])
+    if placement is None:  # a plain PipelineModule: the stock engine's cut
+        return stock_layout(module)
     return rank_layers(module.parts, [placement.stages_of(r) for r in range(placement.p)])
 
 
