@@ -85,6 +85,31 @@ def test_install_takes_the_chunks_per_rank_from_the_layout():
         schedule_from_args(args("E|tt|tL", "zb-h1"))
 
 
+def test_install_refuses_tied_embeddings_under_a_placement_megatron_core_cannot_tie():
+    """Megatron-LM ties the embeddings unless --untie-embeddings-and-output-weights; megatron-core
+    ties them between rank 0 and rank p-1 only, so a V-shape schedule (both ends on rank 0) is
+    refused before the model is built, naming the flag. With the flag, with megatron-core's own
+    placement, or with args that do not carry the flag (a script of its own), it is accepted."""
+    pytest.importorskip("megatron.core")
+    from koala_ds.megatron import MegatronScheduleError, schedule_from_args
+
+    def args(schedule, layout, **extra):
+        return argparse.Namespace(pipeline_schedule="koala", koala_schedule=schedule, pipeline_model_parallel_size=2,
+                                  virtual_pipeline_model_parallel_size=None, pipeline_model_parallel_layout=layout,
+                                  global_batch_size=8, micro_batch_size=2, data_parallel_size=1, **extra)
+
+    with pytest.raises(MegatronScheduleError, match=r"^--koala-schedule zb-v: its vshape placement runs the embedding "
+                                                    r"\(stage 0\) on pipeline rank 0 and the output layer \(stage 3\) "
+                                                    r"on rank 0.*: add --untie-embeddings-and-output-weights") as info:
+        schedule_from_args(args("zb-v", "E|tt|t|tL", untie_embeddings_and_output_weights=False), chunks="schedule")
+    assert "\n" not in str(info.value)
+    assert schedule_from_args(args("zb-v", "E|tt|t|tL", untie_embeddings_and_output_weights=True),
+                              chunks="schedule") == "zb-v"
+    assert schedule_from_args(args("interleaved-1f1b", "Et|t|tt|L", untie_embeddings_and_output_weights=False),
+                              chunks="schedule") == "interleaved-1f1b"
+    assert schedule_from_args(args("zb-h1", "Et|t*3L", untie_embeddings_and_output_weights=False)) == "zb-h1"
+
+
 # -- end to end: examples/megatron_gpt ---------------------------------------------------------
 FLAGS = ["--tensor-model-parallel-size", "1", "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads",
          "4", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3",

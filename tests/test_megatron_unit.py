@@ -221,6 +221,34 @@ def test_runtime_refuses_chunks_built_for_another_stage():
         _check_chunk_roles([torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)], zbv, rank)  # no flags: nothing to check
 
 
+def test_runtime_refuses_tied_embeddings_where_megatron_core_cannot_tie_them():
+    """megatron-core keeps the tied embedding's two copies in chunk 0 of rank 0 and the last chunk
+    of rank p-1 and all-reduces their gradients there. A V-shape runs both ends on rank 0, so
+    finalize_model_grads would all-reduce with rank p-1, which holds neither, and wait: every
+    rank refuses chunks built tied, naming Megatron-LM's flag. Untied chunks pass, and tied ones
+    pass under the interleaved placement (megatron-core's own)."""
+    from koala_ds.library import load_schedule
+    from koala_ds.megatron import MegatronScheduleError
+    from koala_ds.megatron.runtime import _check_tied_embeddings
+
+    def chunks(stages, tied):
+        built = [_Chunk(s == 0, s == 3) for s in stages]
+        for chunk in built:
+            chunk.share_embeddings_and_output_weights = tied
+        return [_Wrapper(c) for c in built]
+
+    zbv, interleaved = load_schedule("zb-v", 2, 4, 2), load_schedule("interleaved-1f1b", 2, 4, 2)
+    for rank in range(2):
+        with pytest.raises(MegatronScheduleError, match=r"chunk 0 of pipeline rank %d was built with "
+                           r"share_embeddings_and_output_weights=True, but schedule 'zb-v' \(vshape placement\) "
+                           r"runs the embedding \(stage 0\) on pipeline rank 0 and the output layer \(stage 3\) "
+                           r"on rank 0.*--untie-embeddings-and-output-weights" % rank) as info:
+            _check_tied_embeddings(chunks(zbv.placement.stages_of(rank), True), zbv, rank)
+        assert "\n" not in str(info.value)
+        _check_tied_embeddings(chunks(zbv.placement.stages_of(rank), False), zbv, rank)
+        _check_tied_embeddings(chunks(interleaved.placement.stages_of(rank), True), interleaved, rank)
+
+
 def test_the_runtime_checks_the_chunks_before_it_runs_a_step(single_process_megatron):
     from megatron.core.transformer.transformer_config import TransformerConfig
 

@@ -24,6 +24,7 @@ from ..timeout import TimeoutSettingError, check_timeout
 from .. import library
 from ..ir import Placement
 from ..resolve import FIXED_SUFFIXES, MEGATRON, MEGATRON_LM, check_fit, load
+from .layout import tied_embeddings_fit
 from .resolve import MegatronScheduleError, check_spec, resolve
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,8 @@ def schedule_from_args(args, chunks: str = "megatron") -> str | None:
     placement = _check_sizes(spec, args, MEGATRON_LM if chunks == "megatron" else MEGATRON)
     if chunks == "megatron" and placement is not None:
         _check_megatron_chunks(spec, placement)
+    if chunks == "schedule" and placement is not None:
+        _check_tied_embeddings(spec, placement, args)
     timeout = getattr(args, "koala_p2p_timeout", None)
     if timeout is not None:
         try:
@@ -141,6 +144,22 @@ def _check_megatron_chunks(spec: str, placement: Placement) -> None:
                     f"(e.g. interleaved-1f1b, or zb-h1 with one chunk), or build each chunk from "
                     f"koala_ds.megatron.stage_layers and call install(args, chunks='schedule') as "
                     f"examples/megatron_gpt does")
+
+
+def _check_tied_embeddings(spec: str, placement: Placement, args) -> None:
+    """Megatron-LM ties the input and output embeddings unless --untie-embeddings-and-output-weights,
+    and megatron-core can tie them only where its embedding group is (`tied_embeddings_fit`).
+    Checked before the model is built: building tied chunks under another placement fails or
+    waits inside megatron-core. Args without that flag (a script of its own) are not checked
+    here; the runtime checks the chunks themselves."""
+    if getattr(args, "untie_embeddings_and_output_weights", True) or tied_embeddings_fit(placement):
+        return
+    last = placement.num_stages - 1
+    raise MegatronScheduleError(
+        f"--koala-schedule {spec}: its {placement.style} placement runs the embedding (stage 0) on pipeline rank "
+        f"{placement.rank_of(0)} and the output layer (stage {last}) on rank {placement.rank_of(last)}, where "
+        f"megatron-core ties the two embeddings only between rank 0 and rank {placement.p - 1}: add "
+        f"--untie-embeddings-and-output-weights, or choose a schedule with the interleaved placement")
 
 
 @dataclass

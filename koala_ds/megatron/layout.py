@@ -83,3 +83,13 @@ def layout_chunks(args) -> int | None:
     if stages % p:
         raise KoalaError(f"{FLAG} {layout!r} has {stages} stages, not a multiple of --pipeline-model-parallel-size {p}")
     return stages // p
+
+
+def tied_embeddings_fit(placement) -> bool:
+    """Whether megatron-core can tie the input and output embeddings under `placement`: it
+    keeps one copy in chunk 0 of pipeline rank 0 and one in the last chunk of rank p-1 (its
+    embedding group, and the chunks finalize_model_grads all-reduces), so stage 0 and the last
+    stage must be there. True for the linear and interleaved placements, false for a V-shape
+    (both ends on rank 0)."""
+    p = placement.p
+    return p == 1 or (placement.stages_of(0)[0] == 0 and placement.stages_of(p - 1)[-1] == placement.num_stages - 1)

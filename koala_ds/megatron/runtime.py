@@ -21,6 +21,7 @@ from ..ir import Op, Schedule
 from ..lowering import ACT, COMPUTE, GRAD, RECV, Message, lower
 from ..timeout import timeout_setting
 from . import resolve as _resolve
+from .layout import tied_embeddings_fit
 from .p2p import ChannelGroups, CollectiveWaiter, P2P, schedule_channels
 from .resolve import MegatronScheduleError
 from .. import wgrad
@@ -192,6 +193,33 @@ def _check_chunk_roles(models: list, schedule: Schedule, rank: int) -> None:
                     f"megatron-core's own")
 
 
+def _check_tied_embeddings(models: list, schedule: Schedule, rank: int) -> None:
+    """Chunks built with tied input and output embeddings (megatron-core's
+    `share_embeddings_and_output_weights`, Megatron-LM's default) only train right where
+    megatron-core ties them (`layout.tied_embeddings_fit`): elsewhere finalize_model_grads
+    all-reduces the embedding's gradient with a rank that holds neither end, and waits."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    placement = schedule.placement
+    if tied_embeddings_fit(placement):
+        return
+    for chunk, model in enumerate(models):
+        try:
+            tied = get_attr_wrapped_model(model, "share_embeddings_and_output_weights")
+        except RuntimeError:  # the chunk (or what it wraps) does not say
+            continue
+        if tied is True:
+            last = placement.num_stages - 1
+            raise MegatronScheduleError(
+                f"koala schedule runtime: model chunk {chunk} of pipeline rank {rank} was built with "
+                f"share_embeddings_and_output_weights=True, but schedule {schedule.name!r} ({placement.style} "
+                f"placement) runs the embedding (stage 0) on pipeline rank {placement.rank_of(0)} and the output "
+                f"layer (stage {last}) on rank {placement.rank_of(last)}, where megatron-core ties them only "
+                f"between chunk 0 of rank 0 and the last chunk of rank {placement.p - 1}: build the chunks with "
+                f"share_embeddings_and_output_weights=False (Megatron-LM: --untie-embeddings-and-output-weights), "
+                f"or choose a schedule with the interleaved placement")
+
+
 def _losses_to_last_rank(schedule: Schedule, comm, losses: list, rank: int, p: int, model_device) -> list:
     """Megatron-LM reads the losses on the last pipeline rank; a V-shape computes them elsewhere."""
     holder = schedule.placement.rank_of(schedule.num_stages - 1)
@@ -324,6 +352,7 @@ class KoalaForwardBackward:
             split = any(a.op in (Op.I, Op.W) for a in schedule.ranks[rank])
             self._check_config(config, split, forward_only, pp_group.size())
             _check_chunk_roles(models, schedule, rank)
+            _check_tied_embeddings(models, schedule, rank)
         except MegatronScheduleError as exc:
             problem = str(exc)
         key = (id(schedule), forward_only, tuple(id(m) for m in models))
