@@ -367,7 +367,8 @@ def checkpoint_worker(rank: int, world: int, spec: dict) -> dict:
     trains 2 steps and saves to spec["dir"]; case spec["load"] (a fresh model) loads it with
     spec["load_kwargs"] (keywords of load_checkpoint) and trains steps 3-4; also case "save"
     trained 4 steps straight. Returns the losses of both runs and this rank's weights as saved,
-    as loaded and after the resumed steps, or the error the load raised (its class name and text)."""
+    as loaded, after the resumed steps and after the straight run, or the error the load raised
+    (its class name and text)."""
     import koala_ds.deepspeed  # noqa: F401  (registers the engine with deepspeed.initialize)
 
     gas = spec["gas"]
@@ -376,7 +377,8 @@ def checkpoint_worker(rank: int, world: int, spec: dict) -> dict:
     def train(engine, steps) -> list:
         return [float(engine.train_batch(iter(data[s * gas:(s + 1) * gas]))) for s in steps]
 
-    straight = train(case_engine(spec["save"], spec, 1)[1], range(4))
+    model, engine = case_engine(spec["save"], spec, 1)
+    straight, straight_trained = train(engine, range(4)), _weights(model)
     model, engine = case_engine(spec["save"], spec, 1)
     resumed = train(engine, range(2))
     engine.save_checkpoint(spec["dir"], tag="t")
@@ -388,7 +390,8 @@ def checkpoint_worker(rank: int, world: int, spec: dict) -> dict:
         return {"error": type(exc).__name__, "text": str(exc)}
     loaded = _weights(model)
     resumed += train(engine, range(2, 4))
-    return {"straight": straight, "resumed": resumed, "saved": saved, "loaded": loaded, "trained": _weights(model)}
+    return {"straight": straight, "resumed": resumed, "saved": saved, "loaded": loaded, "trained": _weights(model),
+            "straight_trained": straight_trained}
 
 
 def _stop_before(engine, method: str) -> None:

@@ -429,6 +429,20 @@ def test_bf16_weights_only_load_trains_from_the_loaded_weights(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.deepspeed_ext
+@pytest.mark.timeout(300)
+def test_bf16_checkpoints_resume_exactly_with_their_optimizer_states(tmp_path):
+    """bf16 (DeepSpeed's bf16 optimizer, no ZeRO): a checkpoint loaded with its optimizer states
+    (the fp32 master weights and the momentum) resumes exactly: steps 3-4 give the straight run's
+    losses and weights. DeepSpeed 0.19.8 looked for those states in the model-states file and
+    failed with `KeyError: 0` (stock engine too); they are in its bf16_zero_*_optim_states.pt."""
+    for res in _checkpoint(tmp_path / "v", ZBV, ZBV, bf16=True):
+        assert "error" not in res, res.get("text")
+        assert res["resumed"] == res["straight"]
+        assert all(torch.equal(res["trained"][n], res["straight_trained"][n]) for n in res["trained"])
+
+
+@pytest.mark.slow
+@pytest.mark.deepspeed_ext
 @pytest.mark.timeout(400)
 def test_bf16_split_schedules_match_stock():
     """bf16 with DeepSpeed's bf16 optimizer (its gradient hand-over around every B, I and W): the

@@ -292,6 +292,16 @@ class _ParamGradStep:
             engine.optimizer.update_hp_grads(clear_lp_grads=False)
 
 
+def _latest_tag(load_dir: str):
+    """The tag DeepSpeed's `latest` file in `load_dir` names (None without one): what
+    load_checkpoint(tag=None) loads. DeepSpeed has no public function for it."""
+    latest = os.path.join(load_dir, "latest")
+    if not os.path.isfile(latest):
+        return None
+    with open(latest, encoding="utf-8") as fh:
+        return fh.read().strip()
+
+
 class KoalaPipelineEngine(PipelineEngine):
     """A `PipelineEngine` that runs a Koala schedule (see the module docstring).
 
@@ -568,22 +578,32 @@ class KoalaPipelineEngine(PipelineEngine):
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
         """DeepSpeed's load_checkpoint; optimizer states saved with another assignment of layers
-        to ranks are refused first, in one line (`checkpoint.check_optimizer_layout`)."""
-        if load_optimizer_states and not load_module_only and not self.load_universal_checkpoint():
-            latest = os.path.join(load_dir, "latest")
-            if tag is None and os.path.isfile(latest):
-                with open(latest, encoding="utf-8") as fh:
-                    tag = fh.read().strip()
+        to ranks are refused first, in one line (`checkpoint.check_optimizer_layout`).
+
+        With the bf16 optimizer (bf16 without ZeRO) its states are read from the files it wrote,
+        `bf16_zero_pp_rank_*_optim_states.pt`: DeepSpeed 0.19.8 reads the model-states file
+        instead and fails (`KeyError: 0`, stock engine too)."""
+        states = load_optimizer_states and not load_module_only and not self.load_universal_checkpoint()
+        if states:
+            tag = tag if tag is not None else _latest_tag(load_dir)
             if tag is not None and os.path.isdir(os.path.join(load_dir, str(tag))):
                 try:
                     check_optimizer_layout(os.path.join(load_dir, str(tag)), self.module)
                 except KoalaError as exc:
                     raise KoalaConfigError(str(exc)) from None
+        bf16_states = states and not self.zero_optimization() and hasattr(self.optimizer, "bf16_groups")
         result = super().load_checkpoint(load_dir, tag=tag, load_module_strict=load_module_strict,
-                                         load_optimizer_states=load_optimizer_states,
+                                         load_optimizer_states=load_optimizer_states and not bf16_states,
                                          load_lr_scheduler_states=load_lr_scheduler_states,
                                          load_module_only=load_module_only, custom_load_fn=custom_load_fn)
-        if not load_optimizer_states and not load_module_only and not self.zero_optimization() \
+        if bf16_states and result[0] is not None:
+            # DeepSpeed's own reader of those files (as under ZeRO): the fp32 master weights and the
+            # optimizer states of every data-parallel rank's partition
+            if not self._load_zero_checkpoint(load_dir, tag, load_optimizer_states=True):
+                raise KoalaConfigError(f"load_checkpoint({load_dir!r}, tag={tag!r}): the checkpoint has no bf16 "
+                                       f"optimizer states (bf16_zero_*_optim_states.pt): pass "
+                                       f"load_optimizer_states=False to load the weights alone")
+        elif not load_optimizer_states and not load_module_only and not self.zero_optimization() \
                 and hasattr(self.optimizer, "refresh_fp32_params"):
             # DeepSpeed refreshes the bf16 optimizer's fp32 master weights from loaded weights under
             # load_module_only only: without it the next step would put the old weights back
