@@ -434,11 +434,14 @@ def test_bf16_checkpoints_resume_exactly_with_their_optimizer_states(tmp_path):
     """bf16 (DeepSpeed's bf16 optimizer, no ZeRO): a checkpoint loaded with its optimizer states
     (the fp32 master weights and the momentum) resumes exactly: steps 3-4 give the straight run's
     losses and weights. DeepSpeed 0.19.8 looked for those states in the model-states file and
-    failed with `KeyError: 0` (stock engine too); they are in its bf16_zero_*_optim_states.pt."""
-    for res in _checkpoint(tmp_path / "v", ZBV, ZBV, bf16=True):
-        assert "error" not in res, res.get("text")
-        assert res["resumed"] == res["straight"]
-        assert all(torch.equal(res["trained"][n], res["straight_trained"][n]) for n in res["trained"])
+    failed with `KeyError: 0` (stock engine too); they are in its bf16_zero_*_optim_states.pt.
+    With ZeRO stage 1 (DeepSpeed's own path, BLOOM's set-up) it resumes exactly as well."""
+    zero1 = {**ZBV, "zero": {"stage": 1}}
+    for label, case in (("bf16", ZBV), ("bf16-zero1", zero1)):
+        for res in _checkpoint(tmp_path / label, case, case, bf16=True):
+            assert "error" not in res, (label, res.get("text"))
+            assert res["resumed"] == res["straight"], label
+            assert all(torch.equal(res["trained"][n], res["straight_trained"][n]) for n in res["trained"]), label
 
 
 @pytest.mark.slow
