@@ -259,16 +259,24 @@ def _mse(outputs, labels):
 
 
 def build_model(pp: int, dim: int, blocks: int, tied: bool, chunks: int = 1, placement: str = "linear",
-                parts: list | None = None, config: dict | None = None, checkpoint_interval: int = 0):
+                parts: list | None = None, config: dict | None = None, checkpoint_interval: int = 0, mp: int = 1):
     """A PipelineModule (chunks == 1, no parts, no config) or a KoalaPipelineModule over `tiny_layers`
     (`parts`: a given cut; `config`: the DeepSpeed config whose pipeline.koala.parts gives it;
-    `checkpoint_interval`: the module's activation_checkpoint_interval)."""
+    `checkpoint_interval`: the module's activation_checkpoint_interval; `mp` > 1: a pipe x model x
+    data topology with `mp` model-parallel ranks, each holding the whole (replicated) layers)."""
     from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
     from koala_ds.deepspeed.module import KoalaPipelineModule
 
     layers = tiny_layers(dim, blocks, tied)
-    common = dict(num_stages=pp, loss_fn=_mse, partition_method="uniform", seed_layers=True,
+    stages = {"num_stages": pp}
+    if mp > 1:
+        import torch.distributed as dist
+
+        stages = {"topology": PipeModelDataParallelTopology(num_pp=pp, num_mp=mp,
+                                                            num_dp=dist.get_world_size() // (pp * mp))}
+    common = dict(**stages, loss_fn=_mse, partition_method="uniform", seed_layers=True,
                   activation_checkpoint_interval=checkpoint_interval)
     if chunks == 1 and placement == "linear" and parts is None and config is None:
         return PipelineModule(layers, **common)
@@ -305,7 +313,8 @@ def case_engine(case: dict, spec: dict, dp: int):
         config["zero_allow_untested_optimizer"] = True
     model = build_model(spec["pp"], spec["dim"], spec["blocks"], case.get("tied", False), case.get("chunks", 1),
                         case.get("placement", "linear"), case.get("parts"),
-                        config if case.get("module_config") else None, case.get("checkpoint_interval", 0))
+                        config if case.get("module_config") else None, case.get("checkpoint_interval", 0),
+                        spec.get("mp", 1))
     return model, _engine(model, case, config)
 
 
@@ -339,9 +348,10 @@ def train_worker(rank: int, world: int, spec: dict) -> dict:
     gas, steps = spec["gas"], spec["steps"]
     out: dict[str, Any] = {"cases": {}}
     for case in spec["cases"]:
-        model, engine = case_engine(case, spec, world // spec["pp"])
+        model, engine = case_engine(case, spec, world // (spec["pp"] * spec.get("mp", 1)))
         dp_rank = model._grid.data_parallel_id
         out["dp"], out["pipe"] = dp_rank, model._grid.get_stage_id()
+        out["mp"] = (model._grid.get_slice_parallel_rank(), model._grid.get_slice_parallel_world_size())
         data = case_batches(case, spec, steps + 1, dp_rank)
         losses, times = [], []
         for step in range(steps):
