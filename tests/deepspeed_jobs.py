@@ -308,6 +308,8 @@ def case_engine(case: dict, spec: dict, dp: int):
         koala = {"schedule": case["schedule"], **case.get("koala", {})}
     config = ds_config(gas, mbs, dp, koala=koala, schedule="koala" if koala is not None else None,
                        gradient_clipping=case.get("clip"), bf16=case.get("bf16", False))
+    if case.get("partitioned"):  # the tensors sent between stages split over the model-parallel ranks
+        config["pipeline"].update(pipe_partitioned=True, grad_partitioned=True)
     if case.get("zero"):  # DeepSpeed's zero_optimization section; the tests' optimizer is torch's SGD
         config["zero_optimization"] = case["zero"]
         config["zero_allow_untested_optimizer"] = True
@@ -339,9 +341,10 @@ def train_worker(rank: int, world: int, spec: dict) -> dict:
     (absent: DeepSpeed's default), "parts": the module's cut (KoalaPipelineModule(parts=...)),
     "module_config": build the module with config= (its pipeline.koala.parts), "bf16", "zero": the
     config's zero_optimization section, "checkpoint_interval": the module's
-    activation_checkpoint_interval}. Returns per case the engine's and its optimizer's class names,
-    the module's checkpoint interval, the step losses, an eval_batch loss, the final parameters and
-    the step times (seconds).
+    activation_checkpoint_interval, "partitioned": pipe_partitioned and grad_partitioned on}; spec["mp"]:
+    model-parallel ranks per stage. Returns per case the engine's and its optimizer's class names,
+    the module's checkpoint interval, the step losses, an eval_batch loss, the final parameters,
+    the step times (seconds) and the message kinds the Koala engine sends as model-parallel shares.
     spec["target_scale"] scales the targets (see `tiny_batches`)."""
     import koala_ds.deepspeed  # noqa: F401  (registers the engine with deepspeed.initialize)
 
@@ -365,7 +368,7 @@ def train_worker(rank: int, world: int, spec: dict) -> dict:
         out["cases"][case["label"]] = {
             "engine": type(engine).__name__, "optimizer": type(engine.optimizer).__name__,
             "checkpoint_interval": engine.module.activation_checkpoint_interval, "losses": losses,
-            "eval": eval_loss, "times": times,
+            "eval": eval_loss, "times": times, "split": sorted(getattr(engine, "_split_kinds", ())),
             "params": _weights(model) if spec.get("params", True) else {},
         }
         del engine, model

@@ -366,20 +366,28 @@ def test_model_parallel_topology_equals_stock():
     """A pipe x model-parallel topology (2 stages x 2 model-parallel ranks, as Megatron-DeepSpeed
     builds for tensor parallelism; here each model-parallel rank holds the whole layers): every
     model-parallel rank exchanges its messages with its own counterpart in the next stage, and
-    clipping (on) measures the norm as the stock engine does; losses and parameters equal the
-    stock engine's with the same topology."""
-    cases = [{**_stock(clip=1.0), "label": "stock-mp2"}]
-    cases += [{**_case(name, placement, clip=1.0), "label": f"{name}-mp2", "ref": "stock-mp2"}
-              for name, placement in (("1f1b", "linear"), ("zb-h1", "linear"), ("zb-v", "vshape"))]
+    clipping (on) measures the norm as the stock engine does. With DeepSpeed's pipe_partitioned /
+    grad_partitioned each rank sends only its half of every activation and gradient and the
+    receiving stage all-gathers them (the Koala engine refused these settings before). Losses and
+    each model-parallel replica's parameters equal the stock engine's under the same settings."""
+    cases = []
+    for suffix, extra in (("-mp2", {}), ("-mp2-split", {"partitioned": True})):
+        cases.append({**_stock(clip=1.0), "label": f"stock{suffix}", **extra})
+        cases += [{**_case(name, placement, clip=1.0), "label": f"{name}{suffix}", "ref": f"stock{suffix}", **extra}
+                  for name, placement in (("1f1b", "linear"), ("zb-h1", "linear"), ("zb-v", "vshape"))]
     results = launch(train_worker, 4, {**_spec(2, cases), "mp": 2}, timeout_s=580)
     assert sorted((r["value"]["pipe"], r["value"]["mp"]) for r in results) == [(0, (0, 2)), (0, (1, 2)),
                                                                               (1, (0, 2)), (1, (1, 2))]
+    for res in results:  # the Koala engine split exactly the partitioned cases' messages
+        assert {label: c["split"] for label, c in res["value"]["cases"].items() if c["engine"] != "PipelineEngine"} \
+            == {c["label"]: ["act", "grad"] if c.get("partitioned") else [] for c in cases if c["schedule"]}
     _assert_equal_to_stock(results, cases, dp=1)
     for mp_rank in (0, 1):  # each model-parallel replica's parameters (the check above merges them)
         replica = [r for r in results if r["value"]["mp"][0] == mp_rank]
-        stock = _merged(replica, "stock-mp2", 0)
-        for case in cases[1:]:
-            mine = _merged(replica, case["label"], 0)
+        for case in cases:
+            if case["schedule"] is None:
+                continue
+            stock, mine = _merged(replica, case["ref"], 0), _merged(replica, case["label"], 0)
             assert set(mine) == set(stock) and all(torch.allclose(mine[n], stock[n], rtol=TOL, atol=TOL) for n in stock)
 
 

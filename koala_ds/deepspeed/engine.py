@@ -28,7 +28,8 @@ What it adds to the stock engine (deepspeed/runtime/pipe/engine.py, 0.19.8):
 
 Refused up front, with the property named: schedules with more than one pipeline (Chimera),
 a placement that differs from the module's, fp16 loss scaling and ZeRO stages >= 2,
-dynamic shapes and partitioned pipe tensors.
+and dynamic shapes. With model-parallel ranks, `pipe_partitioned` / `grad_partitioned` send each
+rank's share of a message (`slices.py`).
 """
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ from ..wgrad import WeightGradQueue
 from .checkpoint import check_optimizer_layout, module_layout, write_layout
 from .module import check_model_parts
 from .schedule import BackwardInputPass, BackwardWeightPass, KoalaInferenceSchedule, KoalaPipeSchedule, WaitSends
+from .slices import SliceSplit
 
 logger = logging.getLogger(__name__)
 
@@ -334,9 +336,12 @@ class KoalaPipelineEngine(PipelineEngine):
         self.koala_config = kcfg
         super().__init__(*args, **kwargs)
 
-        if self.is_pipe_partitioned or self.is_grad_partitioned:
-            raise KoalaConfigError('the Koala engine does not partition pipe tensors over model parallel ranks: '
-                                   'set "pipeline": {"pipe_partitioned": false, "grad_partitioned": false}')
+        # pipe_partitioned / grad_partitioned: the first tensor of each activation / gradient
+        # message goes as 1/n shares over the stage's n model-parallel ranks (slices.py)
+        self._split_kinds = frozenset(k for k, on in ((ACT, self.is_pipe_partitioned), (GRAD, self.is_grad_partitioned))
+                                      if on)
+        self._slices = SliceSplit(self.grid.get_slice_parallel_group(), self.grid.get_slice_parallel_rank(),
+                                  self.grid.get_slice_parallel_world_size()) if self._split_kinds else None
         if self.dynamic_shape:
             raise KoalaConfigError("the Koala engine exchanges activation shapes once per stage boundary: "
                                    "build the PipelineModule with dynamic_shape=False")
@@ -688,21 +693,31 @@ class KoalaPipelineEngine(PipelineEngine):
             pos += 2 + ndim
         return is_tensor, specs
 
+    def _split(self, kind: str, i: int, dtype: torch.dtype) -> bool:
+        """Whether tensor `i` of a `kind` message goes as model-parallel shares (`slices.py`)."""
+        return i == 0 and kind in self._split_kinds and dtype.is_floating_point
+
     def _post(self, message: Message, peer: int, specs: list, is_tensor: bool) -> None:
         """Post the receives of `message`'s tensors from pipeline rank `peer` (the stream's RECV step)."""
         kind, stage, mb = message
-        tensors, works = [], []
+        tensors, works, whole = [], [], None
         for i, (shape, dtype) in enumerate(specs):
-            t = torch.empty(shape, dtype=dtype, device=self.device)
+            if self._split(kind, i, dtype):
+                t, whole = self._slices.empty_share(shape, dtype, self.device), shape
+            else:
+                t = torch.empty(shape, dtype=dtype, device=self.device)
             works.append(self._irecv(t, peer, self._tag(kind, stage, mb, i)))
             tensors.append(t)
-        self._inbox[message] = (tensors, works, is_tensor, peer)
+        self._inbox[message] = (tensors, works, is_tensor, peer, whole)
 
     def _take(self, message: Message) -> tuple[list, bool]:
         """Wait for the posted receives of `message`: (its tensors, whether it is one tensor)."""
-        tensors, works, is_tensor, src = self._inbox.pop(message)
+        tensors, works, is_tensor, src, whole = self._inbox.pop(message)
         for work in works:
             self._wait(work, lambda: f"receive {message.describe()} from rank {self._pipe_global[src]}")
+        if whole is not None:
+            tensors[0] = self._slices.whole(tensors[0], whole, lambda work: self._wait(
+                work, f"the model-parallel all-gather of {message.describe()}"))
         return tensors, is_tensor
 
     def _exec_recv_activations(self, buffer_id, stage, microbatch, message, peer):
@@ -725,7 +740,8 @@ class KoalaPipelineEngine(PipelineEngine):
             self._send_meta(outputs, stage - 1, peer)
             self._meta_sent.add(stage)
         for i, t in enumerate(_as_list(outputs)):
-            self._isend(t, peer, self._tag(ACT, stage, microbatch, i),
+            self._isend(self._slices.share(t) if self._split(ACT, i, t.dtype) else t, peer,
+                        self._tag(ACT, stage, microbatch, i),
                         lambda: f"send {message.describe()} to rank {self._pipe_global[peer]}")
         if not torch.is_grad_enabled():
             self.pipe_buffers["outputs"][buffer_id] = None
@@ -738,7 +754,8 @@ class KoalaPipelineEngine(PipelineEngine):
     def _exec_send_grads(self, buffer_id, stage, microbatch, message, peer):
         """Send the input gradient of stage `stage + 1` (its inputs held in `buffer_id`) to pipeline rank `peer`."""
         for i, g in enumerate(self._input_grads(buffer_id)):
-            self._isend(g, peer, self._tag(GRAD, stage, microbatch, i),
+            self._isend(self._slices.share(g) if self._split(GRAD, i, g.dtype) else g, peer,
+                        self._tag(GRAD, stage, microbatch, i),
                         lambda: f"send {message.describe()} to rank {self._pipe_global[peer]}")
 
     def _hand_over_grads(self, buffer_id: int, stage: int, microbatch: int) -> None:
