@@ -485,6 +485,7 @@ class KoalaPipelineEngine(PipelineEngine):
         self._w_state: dict[tuple[int, int], WeightGradQueue] = {}
         self._batches: list[list | None] = []  # per microbatch pulled: [batch, uses left], None once used up
         self._pending_sends: list[tuple[Any, Any, str]] = []
+        self._kept_shares: dict[int, tuple] = {}  # buffer -> (share, shape) of an output sent as shares
         self._links = self._p2p_links(self._p2p_backend() is torch.distributed)
 
     def _p2p_links(self, direct: bool) -> list:
@@ -740,9 +741,15 @@ class KoalaPipelineEngine(PipelineEngine):
             self._send_meta(outputs, stage - 1, peer)
             self._meta_sent.add(stage)
         for i, t in enumerate(_as_list(outputs)):
-            self._isend(self._slices.share(t) if self._split(ACT, i, t.dtype) else t, peer,
-                        self._tag(ACT, stage, microbatch, i),
+            split = self._split(ACT, i, t.dtype)
+            sent = self._slices.share(t) if split else t
+            self._isend(sent, peer, self._tag(ACT, stage, microbatch, i),
                         lambda: f"send {message.describe()} to rank {self._pipe_global[peer]}")
+            if split and torch.is_grad_enabled():
+                # as the stock engine: only this rank's share is held until the backward, which
+                # all-gathers the output back (`_backward_targets`); the graph stays
+                self._kept_shares[buffer_id] = (sent.clone(), t.shape)
+                t.data = t.new_empty(0)
         if not torch.is_grad_enabled():
             self.pipe_buffers["outputs"][buffer_id] = None
 
@@ -851,6 +858,10 @@ class KoalaPipelineEngine(PipelineEngine):
                 raise KoalaConfigError("the last stage's loss_fn must return one tensor to train with Koala")
             return [self._scale_loss_by_gas(loss)], None
         outputs = [t for t in _as_list(self.pipe_buffers["outputs"][buffer_id]) if t.is_floating_point()]
+        kept = self._kept_shares.pop(buffer_id, None)
+        if kept is not None:
+            outputs[0].data = self._slices.whole(kept[0], kept[1], lambda work: self._wait(
+                work, f"the model-parallel all-gather of stage {stage}'s output, microbatch {microbatch}"))
         grads = self._take(message)[0] if message is not None else self._mail.pop(Message(GRAD, stage, microbatch))
         self.pipe_buffers["outputs"][buffer_id] = None
         return outputs, list(grads)

@@ -7,7 +7,9 @@ only its 1/n share of it to its counterpart in the next (previous) stage, and th
 stage's model-parallel ranks all-gather the shares into the whole tensor. The wire carries 1/n of
 the tensor per rank; the all-gather runs inside the stage (NVLink on a GPU node).
 
-As in the stock engine, only the first tensor of a message is split (the hidden states; an
+The sender keeps only its share of a sent output until the backward, which all-gathers it back
+(the engine's `_backward_targets`), as the stock engine does. As there, only the first tensor of
+a message is split (the hidden states; an
 attention mask or other tail tensors go whole). Shares are the flattened tensor cut into n
 equal pieces, the last padded with zeros, so the all-gather has equal sizes on every backend.
 """
