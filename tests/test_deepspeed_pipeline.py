@@ -368,13 +368,18 @@ def test_model_parallel_topology_equals_stock():
     model-parallel rank exchanges its messages with its own counterpart in the next stage, and
     clipping (on) measures the norm as the stock engine does. With DeepSpeed's pipe_partitioned /
     grad_partitioned each rank sends only its half of every activation and gradient and the
-    receiving stage all-gathers them (the Koala engine refused these settings before). Losses and
-    each model-parallel replica's parameters equal the stock engine's under the same settings."""
+    receiving stage all-gathers them (the Koala engine refused these settings before); also with
+    tied weights. Losses and each model-parallel replica's parameters equal the stock engine's
+    under the same settings."""
     cases = []
     for suffix, extra in (("-mp2", {}), ("-mp2-split", {"partitioned": True})):
         cases.append({**_stock(clip=1.0), "label": f"stock{suffix}", **extra})
         cases += [{**_case(name, placement, clip=1.0), "label": f"{name}{suffix}", "ref": f"stock{suffix}", **extra}
                   for name, placement in (("1f1b", "linear"), ("zb-h1", "linear"), ("zb-v", "vshape"))]
+    # tied weights (Megatron-DeepSpeed ties its embeddings so): on one rank under the V-shape
+    cases.append({**_stock(tied=True, clip=1.0), "label": "stock-tied-mp2-split", "partitioned": True})
+    cases.append({**_case("zb-v", "vshape", tied=True, clip=1.0), "label": "zb-v-tied-mp2-split",
+                  "ref": "stock-tied-mp2-split", "partitioned": True})
     results = launch(train_worker, 4, {**_spec(2, cases), "mp": 2}, timeout_s=580)
     assert sorted((r["value"]["pipe"], r["value"]["mp"]) for r in results) == [(0, (0, 2)), (0, (1, 2)),
                                                                               (1, (0, 2)), (1, (1, 2))]
