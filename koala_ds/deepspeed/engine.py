@@ -481,7 +481,7 @@ class KoalaPipelineEngine(PipelineEngine):
 
     def _reset_step_state(self) -> None:
         self._mail: dict[Message, Any] = {}  # hand-overs between stages of this rank
-        self._inbox: dict[Message, tuple] = {}  # posted receives: (tensors, works, is a tensor, peer)
+        self._inbox: dict[Message, tuple] = {}  # posted receives: (tensors, works, is a tensor, peer, whole shape)
         self._w_state: dict[tuple[int, int], WeightGradQueue] = {}
         self._batches: list[list | None] = []  # per microbatch pulled: [batch, uses left], None once used up
         self._pending_sends: list[tuple[Any, Any, str]] = []

@@ -24,7 +24,7 @@ from ..timeout import TimeoutSettingError, check_timeout
 from .. import library
 from ..ir import Placement
 from ..resolve import FIXED_SUFFIXES, MEGATRON, MEGATRON_LM, check_fit, load
-from .layout import tied_embeddings_fit
+from .layout import tied_embeddings_conflict
 from .resolve import MegatronScheduleError, check_spec, resolve
 
 log = logging.getLogger(__name__)
@@ -148,18 +148,17 @@ def _check_megatron_chunks(spec: str, placement: Placement) -> None:
 
 def _check_tied_embeddings(spec: str, placement: Placement, args) -> None:
     """Megatron-LM ties the input and output embeddings unless --untie-embeddings-and-output-weights,
-    and megatron-core can tie them only where its embedding group is (`tied_embeddings_fit`).
+    and megatron-core can tie them only where its embedding group is (`tied_embeddings_conflict`).
     Checked before the model is built: building tied chunks under another placement fails or
     waits inside megatron-core. Args without that flag (a script of its own) are not checked
     here; the runtime checks the chunks themselves."""
-    if getattr(args, "untie_embeddings_and_output_weights", True) or tied_embeddings_fit(placement):
+    if getattr(args, "untie_embeddings_and_output_weights", True):
         return
-    last = placement.num_stages - 1
-    raise MegatronScheduleError(
-        f"--koala-schedule {spec}: its {placement.style} placement runs the embedding (stage 0) on pipeline rank "
-        f"{placement.rank_of(0)} and the output layer (stage {last}) on rank {placement.rank_of(last)}, where "
-        f"megatron-core ties the two embeddings only between rank 0 and rank {placement.p - 1}: add "
-        f"--untie-embeddings-and-output-weights, or choose a schedule with the interleaved placement")
+    conflict = tied_embeddings_conflict(placement)
+    if conflict is not None:
+        raise MegatronScheduleError(f"--koala-schedule {spec}: its {placement.style} placement {conflict}: add "
+                                    f"--untie-embeddings-and-output-weights, or choose a schedule with the "
+                                    f"interleaved placement")
 
 
 @dataclass

@@ -85,11 +85,15 @@ def layout_chunks(args) -> int | None:
     return stages // p
 
 
-def tied_embeddings_fit(placement) -> bool:
-    """Whether megatron-core can tie the input and output embeddings under `placement`: it
-    keeps one copy in chunk 0 of pipeline rank 0 and one in the last chunk of rank p-1 (its
-    embedding group, and the chunks finalize_model_grads all-reduces), so stage 0 and the last
-    stage must be there. True for the linear and interleaved placements, false for a V-shape
-    (both ends on rank 0)."""
-    p = placement.p
-    return p == 1 or (placement.stages_of(0)[0] == 0 and placement.stages_of(p - 1)[-1] == placement.num_stages - 1)
+def tied_embeddings_conflict(placement) -> str | None:
+    """Why megatron-core cannot tie the input and output embeddings under `placement` (None when
+    it can): it keeps one copy in chunk 0 of pipeline rank 0 and one in the last chunk of rank p-1
+    (its embedding group, and the chunks finalize_model_grads all-reduces), so stage 0 and the
+    last stage must be there. None for the linear and interleaved placements; a V-shape puts both
+    ends on rank 0."""
+    p, last = placement.p, placement.num_stages - 1
+    if p == 1 or (placement.stages_of(0)[0] == 0 and placement.stages_of(p - 1)[-1] == last):
+        return None
+    return (f"runs the embedding (stage 0) on pipeline rank {placement.rank_of(0)} and the output layer "
+            f"(stage {last}) on rank {placement.rank_of(last)}, where megatron-core ties the two only between "
+            f"chunk 0 of rank 0 and the last chunk of rank {p - 1}")

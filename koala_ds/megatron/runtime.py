@@ -21,7 +21,7 @@ from ..ir import Op, Schedule
 from ..lowering import ACT, COMPUTE, GRAD, RECV, Message, lower
 from ..timeout import timeout_setting
 from . import resolve as _resolve
-from .layout import tied_embeddings_fit
+from .layout import tied_embeddings_conflict
 from .p2p import ChannelGroups, CollectiveWaiter, P2P, schedule_channels
 from .resolve import MegatronScheduleError
 from .. import wgrad
@@ -196,12 +196,12 @@ def _check_chunk_roles(models: list, schedule: Schedule, rank: int) -> None:
 def _check_tied_embeddings(models: list, schedule: Schedule, rank: int) -> None:
     """Chunks built with tied input and output embeddings (megatron-core's
     `share_embeddings_and_output_weights`, Megatron-LM's default) only train right where
-    megatron-core ties them (`layout.tied_embeddings_fit`): elsewhere finalize_model_grads
+    megatron-core ties them (`layout.tied_embeddings_conflict`): elsewhere finalize_model_grads
     all-reduces the embedding's gradient with a rank that holds neither end, and waits."""
     from megatron.core.utils import get_attr_wrapped_model
 
-    placement = schedule.placement
-    if tied_embeddings_fit(placement):
+    conflict = tied_embeddings_conflict(schedule.placement)
+    if conflict is None:
         return
     for chunk, model in enumerate(models):
         try:
@@ -209,13 +209,10 @@ def _check_tied_embeddings(models: list, schedule: Schedule, rank: int) -> None:
         except RuntimeError:  # the chunk (or what it wraps) does not say
             continue
         if tied is True:
-            last = placement.num_stages - 1
             raise MegatronScheduleError(
                 f"koala schedule runtime: model chunk {chunk} of pipeline rank {rank} was built with "
-                f"share_embeddings_and_output_weights=True, but schedule {schedule.name!r} ({placement.style} "
-                f"placement) runs the embedding (stage 0) on pipeline rank {placement.rank_of(0)} and the output "
-                f"layer (stage {last}) on rank {placement.rank_of(last)}, where megatron-core ties them only "
-                f"between chunk 0 of rank 0 and the last chunk of rank {placement.p - 1}: build the chunks with "
+                f"share_embeddings_and_output_weights=True, but schedule {schedule.name!r} "
+                f"({schedule.placement.style} placement) {conflict}: build the chunks with "
                 f"share_embeddings_and_output_weights=False (Megatron-LM: --untie-embeddings-and-output-weights), "
                 f"or choose a schedule with the interleaved placement")
 
