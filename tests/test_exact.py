@@ -36,7 +36,7 @@ def test_exact_solution_simulates_to_its_objective_and_ga_reaches_it(p, m, backw
     problem = SearchProblem(profile, p, m, 1, backward, limit)
     ga = search(problem, time_budget=None, generations=60, seed=0)
     exact = solve_exact(problem, problem.parts[0], hint=ga.best_for(problem.parts[0].placement),
-                        time_limit=60, workers=2)
+                        time_limit=60, workers=1)
     assert exact.status == "optimal"
     validate(exact.schedule)
     sim = simulate(exact.schedule, problem.search_profile, timeline=False)
@@ -88,7 +88,7 @@ def _two_chunks_tight(style: str):
     problem = SearchProblem(profile, 2, 4, 2, "split", limit, placement=style)
     part = problem.parts[0]
     ga = search(problem, time_budget=None, generations=30, seed=0)
-    ordered = solve_exact(problem, part, hint=ga.best_for(part.placement), time_limit=60, workers=2)
+    ordered = solve_exact(problem, part, hint=ga.best_for(part.placement), time_limit=60, workers=1)
     return problem, ga, ordered
 
 
@@ -99,7 +99,7 @@ def test_microbatch_order_loses_nothing_and_the_bound_holds(style):
     # koala_ds/search/exact.py); the model with free orders proves the same optimum.
     problem, ga, ordered = _two_chunks_tight(style)
     part = problem.parts[0]
-    free = solve_exact(problem, part, hint=ga.best_for(part.placement), time_limit=60, workers=2, in_order=False)
+    free = solve_exact(problem, part, hint=ga.best_for(part.placement), time_limit=60, workers=1, in_order=False)
     assert free.status == "optimal" and ordered.status == "optimal"
     assert ordered.objective == pytest.approx(free.objective, abs=1e-9)
     assert part.lower_bound <= free.objective + 1e-9
