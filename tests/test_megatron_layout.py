@@ -110,6 +110,32 @@ def test_install_refuses_tied_embeddings_under_a_placement_megatron_core_cannot_
     assert schedule_from_args(args("zb-h1", "Et|t*3L", untie_embeddings_and_output_weights=False)) == "zb-h1"
 
 
+def test_install_refuses_checkpoints_of_chunks_built_per_the_schedule():
+    """Chunks built per the schedule's placement (chunks="schedule") number their layers from 0
+    in megatron-core's checkpoints, so every chunk would save to and load from the same slots:
+    --save, --load and --pretrained-checkpoint are refused in one line naming the flag. Chunks
+    from megatron-core's own builder (the default) and a single stage keep them."""
+    pytest.importorskip("megatron.core")
+    from koala_ds.megatron import MegatronScheduleError, schedule_from_args
+
+    def args(schedule, p=2, **extra):
+        v = 2 if schedule == "zb-v" else None
+        return argparse.Namespace(pipeline_schedule="koala", koala_schedule=schedule, pipeline_model_parallel_size=p,
+                                  virtual_pipeline_model_parallel_size=v, global_batch_size=8,
+                                  micro_batch_size=2, data_parallel_size=1, untie_embeddings_and_output_weights=True,
+                                  **extra)
+
+    for schedule in ("zb-v", "1f1b"):
+        for attr, flag in (("save", "--save"), ("load", "--load"), ("pretrained_checkpoint", "--pretrained-checkpoint")):
+            with pytest.raises(MegatronScheduleError, match=rf"^{flag}: checkpoints of model chunks built per the "
+                                                            rf"schedule's placement are not supported yet") as info:
+                schedule_from_args(args(schedule, **{attr: "/ckpt"}), chunks="schedule")
+            assert "\n" not in str(info.value) and f"drop {flag}" in str(info.value)
+    assert schedule_from_args(args("zb-v", save=None, load=None), chunks="schedule") == "zb-v"
+    assert schedule_from_args(args("1f1b", save="/ckpt", load="/ckpt")) == "1f1b"  # megatron-core's builder
+    assert schedule_from_args(args("1f1b", p=1, save="/ckpt"), chunks="schedule") == "1f1b"  # one stage
+
+
 # -- end to end: examples/megatron_gpt ---------------------------------------------------------
 FLAGS = ["--tensor-model-parallel-size", "1", "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads",
          "4", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3",

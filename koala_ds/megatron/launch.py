@@ -76,6 +76,7 @@ def schedule_from_args(args, chunks: str = "megatron") -> str | None:
         _check_megatron_chunks(spec, placement)
     if chunks == "schedule" and placement is not None:
         _check_tied_embeddings(spec, placement, args)
+        _check_no_checkpoints(placement, args)
     timeout = getattr(args, "koala_p2p_timeout", None)
     if timeout is not None:
         try:
@@ -159,6 +160,25 @@ def _check_tied_embeddings(spec: str, placement: Placement, args) -> None:
         raise MegatronScheduleError(f"--koala-schedule {spec}: its {placement.style} placement {conflict}: add "
                                     f"--untie-embeddings-and-output-weights, or choose a schedule with the "
                                     f"interleaved placement")
+
+
+#: Megatron-LM's flags that save or load model weights, as (attribute, flag).
+CHECKPOINT_FLAGS = (("save", "--save"), ("load", "--load"), ("pretrained_checkpoint", "--pretrained-checkpoint"))
+
+
+def _check_no_checkpoints(placement: Placement, args) -> None:
+    """Chunks built per the schedule's placement number their layers from 0 in megatron-core's
+    checkpoints (docs/megatron.md, Limits), so on more than one stage every chunk would save
+    to, and load from, the same checkpoint slots: refused before anything is built or loaded."""
+    if placement.num_stages == 1:
+        return
+    for attr, flag in CHECKPOINT_FLAGS:
+        if getattr(args, attr, None):
+            raise MegatronScheduleError(
+                f"{flag}: checkpoints of model chunks built per the schedule's placement are not supported yet "
+                f"(docs/megatron.md, Limits): megatron-core numbers each such chunk's layers from 0, so every chunk "
+                f"would save to and load from the same checkpoint slots; drop {flag}, or build the chunks with "
+                f"megatron-core's own builder (koala_ds.megatron.install(args)) and a schedule with its placement")
 
 
 @dataclass
