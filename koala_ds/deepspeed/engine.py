@@ -747,7 +747,8 @@ class KoalaPipelineEngine(PipelineEngine):
                         lambda: f"send {message.describe()} to rank {self._pipe_global[peer]}")
             if split and torch.is_grad_enabled():
                 # as the stock engine: only this rank's share is held until the backward, which
-                # all-gathers the output back (`_backward_targets`); the graph stays
+                # all-gathers the output back (`_backward_targets`); the graph stays. A copy: the
+                # share may be a view of the output's storage, which would keep it all alive
                 self._kept_shares[buffer_id] = (sent.clone(), t.shape)
                 t.data = t.new_empty(0)
         if not torch.is_grad_enabled():
