@@ -10,14 +10,19 @@ even when the script already said what to fix. Here:
 - the root cause exited with `USER_ERROR_EXIT` (2: a `KoalaError` reported by
   `koala_ds.errors.run_main`, or an argument error): nothing more is printed, exit code 2;
 - any other failure: torchrun's failure table (which ranks, exit codes, error files), without
-  the launcher's own traceback, and the root cause's exit code (1 for a signal).
+  the launcher's own traceback, and the root cause's exit code (1 for a signal);
+- a `--master-port` already in use on this machine, by another run or one that has not ended:
+  one line naming the option, exit code 2 (torchrun prints its own traceback, about 40 lines).
+  Without `--master-port`, a one-node run binds a port the system picks.
 """
 from __future__ import annotations
 
 import logging
+import re
 import sys
 
-from .errors import USER_ERROR_EXIT
+from .errors import USER_ERROR_EXIT, report_user_error
+from .ir import KoalaError
 
 #: torchrun's log lines about ending a failed run, which the exit code and table already say.
 _ENDING_MESSAGES = ("Sending process", "failed (exitcode")
@@ -31,6 +36,7 @@ class _DropEndingLines(logging.Filter):
 
 def main(argv: list[str] | None = None) -> int:
     """Run torchrun with `argv` (default: the command line); return the exit code."""
+    from torch.distributed import DistNetworkError
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -40,7 +46,24 @@ def main(argv: list[str] | None = None) -> int:
         torchrun.run(args)
     except ChildFailedError as exc:
         return failure_exit_code(exc)
+    except DistNetworkError as exc:
+        taken = port_taken(args, exc)
+        if taken is None:
+            raise
+        report_user_error(taken, "koala-run")
+        return USER_ERROR_EXIT
     return 0
+
+
+def port_taken(args, exc: Exception) -> KoalaError | None:
+    """The one-line error for a static rendezvous (torchrun's default) whose port is already in
+    use; None for any other failure."""
+    if args.rdzv_backend != "static" or "EADDRINUSE" not in str(exc):
+        return None
+    port = re.search(r"\bport: (\d+)", str(exc))  # the port bound (a multi-node run's default is 29500)
+    return KoalaError(f"port {port.group(1) if port else args.master_port} of --master-port is already in use on this machine (another "
+                      f"run, or one that has not ended, holds it): pass a free port with --master-port, "
+                      f"or --standalone to have one picked")
 
 
 def failure_exit_code(exc) -> int:

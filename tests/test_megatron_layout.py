@@ -143,10 +143,8 @@ FLAGS = ["--tensor-model-parallel-size", "1", "--num-layers", "4", "--hidden-siz
 
 
 def _example(tmp_path: Path, nproc: int, extra: list[str]) -> subprocess.CompletedProcess:
-    from koala_ds.spawn import free_port
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-           str(free_port()), str(ROOT / "examples/megatron_gpt/pretrain_gpt.py"), *FLAGS, *extra]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",  # a port the system picks
+           str(ROOT / "examples/megatron_gpt/pretrain_gpt.py"), *FLAGS, *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
 
