@@ -42,7 +42,8 @@ def test_a_hanging_step_is_stopped_with_its_children_and_the_next_step_still_run
     gc = gpu_check()
 
     def hang(sizes, device, work):
-        return gc.Step("a", "hangs", 1, [gc.Run("a", [sys.executable, "-c", HANG], 2)], lambda w, r: ("", {}))
+        # 1 s: its child is started and named within about 0.1 s of the step's start
+        return gc.Step("a", "hangs", 1, [gc.Run("a", [sys.executable, "-c", HANG], 1)], lambda w, r: ("", {}))
 
     def fine(sizes, device, work):
         return gc.Step("b", "fine", 1, [gc.Run("b", [sys.executable, "-c", "print('| done |')"], 30)],
