@@ -81,7 +81,6 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from koala_ds.outputs import atomic_write  # noqa: E402
-from koala_ds.spawn import free_port  # noqa: E402
 
 WHEELS = ROOT / ".gpu-wheels"
 SITE = Path(tempfile.gettempdir()) / "koala-gpu-site"
@@ -263,7 +262,7 @@ def step_b(sz: dict, device: str, work: Path) -> Step:
 def step_c(sz: dict, device: str, work: Path) -> Step:
     s, runs = sz["c"], []
     for name, extra in SCHEDULES:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", free_port(),
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
                ROOT / "examples/megatron_gpt/pretrain_gpt.py", "--tensor-model-parallel-size", "1",
                "--pipeline-model-parallel-size", "2", "--num-layers", s["layers"], "--hidden-size", s["hidden"],
                "--num-attention-heads", s["heads"], "--seq-length", s["seq"], "--micro-batch-size", s["mbs"],
