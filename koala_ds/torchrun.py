@@ -11,8 +11,9 @@ even when the script already said what to fix. Here:
   `koala_ds.errors.run_main`, or an argument error): nothing more is printed, exit code 2;
 - any other failure: torchrun's failure table (which ranks, exit codes, error files), without
   the launcher's own traceback, and the root cause's exit code (1 for a signal);
-- a `--master-port` already in use on this machine, by another run or one that has not ended:
-  one line naming the option, exit code 2 (torchrun prints its own traceback, about 40 lines).
+- a `--master-port` (or a static rendezvous's `--rdzv-endpoint`) already in use on this
+  machine, by another run or one that has not ended: one line naming the option, exit code 2
+  (torchrun prints its own traceback, about 40 lines).
   Without `--master-port`, a one-node run binds a port the system picks.
 """
 from __future__ import annotations
@@ -61,8 +62,9 @@ def port_taken(args, exc: Exception) -> KoalaError | None:
     if args.rdzv_backend != "static" or "EADDRINUSE" not in str(exc):
         return None
     port = re.search(r"\bport: (\d+)", str(exc))  # the port bound (a multi-node run's default is 29500)
-    return KoalaError(f"port {port.group(1) if port else args.master_port} of --master-port is already in use on this machine (another "
-                      f"run, or one that has not ended, holds it): pass a free port with --master-port, "
+    option = "--rdzv-endpoint" if args.rdzv_endpoint else "--master-port"  # static: the endpoint wins
+    return KoalaError(f"port {port.group(1) if port else args.master_port} of {option} is already in use on this "
+                      f"machine (another run, or one that has not ended, holds it): pass a free port with {option}, "
                       f"or --standalone to have one picked")
 
 

@@ -298,9 +298,10 @@ def test_koala_run_keeps_torchruns_report_for_a_crash(tmp_path):
     assert "ChildFailedError" not in done.stderr  # the launcher's own traceback is not a finding
 
 
-def test_koala_run_says_in_one_line_that_its_port_is_taken(tmp_path, monkeypatch, capsys):
-    """torchrun ended in its own 39-line traceback (DistNetworkError, EADDRINUSE) when the
-    rendezvous port was in use, e.g. by another run on its default port 29500."""
+@pytest.mark.parametrize("option", ["--master-port", "--rdzv-endpoint"])
+def test_koala_run_says_in_one_line_that_its_port_is_taken(tmp_path, monkeypatch, capsys, option):
+    """torchrun ended in its own 39-line traceback (DistNetworkError, EADDRINUSE) when the port
+    of its static rendezvous was in use, e.g. by another run."""
     from koala_ds import torchrun
 
     monkeypatch.delenv("RANK", raising=False)
@@ -311,11 +312,13 @@ def test_koala_run_says_in_one_line_that_its_port_is_taken(tmp_path, monkeypatch
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        code = torchrun.main(["--nproc-per-node", "2", "--master-port", str(port), str(script)])
+        rendezvous = (["--master-port", str(port)] if option == "--master-port" else
+                      ["--rdzv-backend", "static", "--rdzv-endpoint", f"127.0.0.1:{port}"])
+        code = torchrun.main(["--nproc-per-node", "2", *rendezvous, str(script)])
     assert code == USER_ERROR_EXIT
     assert capsys.readouterr().err == (
-        f"koala-run: error: port {port} of --master-port is already in use on this machine (another run, or one "
-        f"that has not ended, holds it): pass a free port with --master-port, or --standalone to have one picked\n")
+        f"koala-run: error: port {port} of {option} is already in use on this machine (another run, or one "
+        f"that has not ended, holds it): pass a free port with {option}, or --standalone to have one picked\n")
 
 
 def test_one_line_user_errors_around_a_call(monkeypatch, capsys):
