@@ -176,20 +176,14 @@ def test_example_runs_uneven_layouts_with_the_losses_of_one_process(tmp_path):
 def test_example_refuses_a_bad_layout_in_one_line():
     """Both ranks exit with code 2; rank 0 says why in one line naming the flag (no traceback)."""
     pytest.importorskip("megatron.core")
-    from koala_ds.spawn import free_port
+    from rank_processes import run_ranks
 
-    port, procs = str(free_port()), []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=port, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        cmd = [sys.executable, str(ROOT / "examples/megatron_gpt/pretrain_gpt.py"), *FLAGS,
-               "--pipeline-model-parallel-size", "2", "--koala-schedule", "zb-h1",
-               "--pipeline-model-parallel-layout", "Et|ttL"]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                      cwd=ROOT))
-    results = [proc.communicate(timeout=240) for proc in procs]
-    err = "".join(e for _, e in results)
-    assert [proc.returncode for proc in procs] == [2, 2], err[-3000:]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, str(ROOT / "examples/megatron_gpt/pretrain_gpt.py"), *FLAGS,
+           "--pipeline-model-parallel-size", "2", "--koala-schedule", "zb-h1", "--pipeline-model-parallel-layout", "Et|ttL"]
+    results = run_ranks(cmd, 2, env, 240, ROOT)
+    err = "".join(r.stderr for r in results)
+    assert [r.returncode for r in results] == [2, 2], err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     errors = [line for line in err.splitlines() if "error" in line.lower()]
     assert len(errors) == 1, errors

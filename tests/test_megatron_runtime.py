@@ -29,25 +29,29 @@ def _megatron_core():
     pytest.importorskip("megatron.core")
 
 
-def _launch(tmp_path_factory, world: int, suite: str, port: int, timeout: int) -> list[dict]:
-    # a free port, not a fixed one: under xdist two workers may each launch a suite at once
+def _launch(tmp_path_factory, world: int, suite: str, timeout: int) -> list[dict]:
+    # a free port, not a fixed one: under xdist two workers may each launch a suite at once; and
+    # again on a new one when another process took it before rank 0 bound it (EADDRINUSE)
     out = tmp_path_factory.mktemp(suite) / "result.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "megatron_worker.py"), "--world", str(world),
-                           "--suite", suite, "--out", str(out), "--port", str(port)],
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    for _attempt in range(3):
+        proc = subprocess.run([sys.executable, os.path.join(HERE, "megatron_worker.py"), "--world", str(world),
+                               "--suite", suite, "--out", str(out), "--port", str(free_port())],
+                              capture_output=True, text=True, timeout=timeout, env=env)
+        if "EADDRINUSE" not in proc.stderr:
+            break
     assert proc.returncode == 0 and out.exists(), f"worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
     return json.loads(out.read_text())["ranks"]
 
 
 @pytest.fixture(scope="module")
 def pp2(tmp_path_factory):
-    return _launch(tmp_path_factory, 2, "pp2", free_port(), 400)
+    return _launch(tmp_path_factory, 2, "pp2", 400)
 
 
 @pytest.fixture(scope="module")
 def pp4(tmp_path_factory):
-    return _launch(tmp_path_factory, 4, "pp4", free_port(), 600)
+    return _launch(tmp_path_factory, 4, "pp4", 600)
 
 
 def _entries(ranks, topology):

@@ -15,7 +15,6 @@ import pytest
 
 from koala_ds.errors import USER_ERROR_EXIT, run_main
 from koala_ds.ir import KoalaError
-from koala_ds.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 P4_ONLY = """schedule p4only
@@ -172,26 +171,20 @@ def test_deepspeed_example_user_error_is_one_line_on_one_rank(tmp_path):
 
     path = tmp_path / "m4.json"
     path.write_text(load_schedule("1f1b", 2, 4).to_json())
-    port = str(free_port())
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=port, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
-                   TORCH_EXTENSIONS_DIR=str(extensions_dir()),
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-        cmd = [sys.executable, str(ROOT / "examples/deepspeed_pipe/train.py"), "--schedule", str(path),
-               "--microbatches", "8", "--steps", "1"]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                      cwd=ROOT))
-    results = [proc.communicate(timeout=240) for proc in procs]
-    codes = [proc.returncode for proc in procs]
-    err = "".join(e for _, e in results)
+    from rank_processes import run_ranks
+
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TORCH_EXTENSIONS_DIR=str(extensions_dir()),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    cmd = [sys.executable, str(ROOT / "examples/deepspeed_pipe/train.py"), "--schedule", str(path),
+           "--microbatches", "8", "--steps", "1"]
+    results = run_ranks(cmd, 2, env, 240, ROOT)
+    err = "".join(r.stderr for r in results)
     errors = [line for line in err.splitlines() if "error" in line.lower()]
-    assert codes == [2, 2], err[-3000:]
+    assert [r.returncode for r in results] == [2, 2], err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     assert len(errors) == 1, errors
     assert errors[0].startswith("train.py: error: --schedule ") and "set --microbatches 4" in errors[0]
-    assert results[1][1].strip() == "" or "error" not in results[1][1].lower()
+    assert results[1].stderr.strip() == "" or "error" not in results[1].stderr.lower()
 
 
 @pytest.mark.parametrize("flags, says", [
