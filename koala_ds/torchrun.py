@@ -11,6 +11,8 @@ even when the script already said what to fix. Here:
   `koala_ds.errors.run_main`, or an argument error): nothing more is printed, exit code 2;
 - any other failure: torchrun's failure table (which ranks, exit codes, error files), without
   the launcher's own traceback, and the root cause's exit code (1 for a signal);
+- a bad option, or a training script that does not exist: one line, exit code 2 (torchrun
+  prints its usage, about 40 lines, or starts every rank to fail on the missing file);
 - a `--master-port` (or a static rendezvous's `--rdzv-endpoint`) already in use on this
   machine, by another run or one that has not ended: one line naming the option, exit code 2
   (torchrun prints its own traceback, about 40 lines).
@@ -19,10 +21,11 @@ even when the script already said what to fix. Here:
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 
-from .errors import USER_ERROR_EXIT, report_user_error
+from .errors import USER_ERROR_EXIT, rank_zero_argument_errors, report_user_error
 from .ir import KoalaError
 
 #: torchrun's log lines about ending a failed run, which the exit code and table already say.
@@ -41,7 +44,13 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
+    parser = rank_zero_argument_errors(torchrun.get_args_parser())
+    parser.prog = "koala-run"
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    missing = missing_script(args)
+    if missing is not None:
+        report_user_error(missing, "koala-run")
+        return USER_ERROR_EXIT
     logging.getLogger(_ELASTIC_API_LOGGER).addFilter(_DropEndingLines())
     try:
         torchrun.run(args)
@@ -54,6 +63,14 @@ def main(argv: list[str] | None = None) -> int:
         report_user_error(taken, "koala-run")
         return USER_ERROR_EXIT
     return 0
+
+
+def missing_script(args) -> KoalaError | None:
+    """The one-line error for a training script that is not a file (unless it names a module,
+    `-m`, or a program on the PATH, `--no-python`); None when it is one."""
+    if args.module or args.no_python or os.path.isfile(args.training_script):
+        return None
+    return KoalaError(f"training script {args.training_script!r} does not exist (from {os.getcwd()})")
 
 
 def port_taken(args, exc: Exception) -> KoalaError | None:

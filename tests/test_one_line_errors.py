@@ -314,6 +314,22 @@ def test_koala_run_says_in_one_line_that_its_port_is_taken(tmp_path, monkeypatch
         f"that has not ended, holds it): pass a free port with {option}, or --standalone to have one picked\n")
 
 
+def test_koala_run_bad_options_and_a_missing_script_are_one_line(tmp_path, monkeypatch, capfd):
+    """torchrun printed its 40-line usage for a bad option, and started every rank, each failing
+    on the missing file, for a training script that does not exist."""
+    from koala_ds import torchrun
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        torchrun.main(["--nproc-per-node", "2", "--bogus-flag", "t.py"])
+    assert info.value.code == USER_ERROR_EXIT
+    assert capfd.readouterr().err == "koala-run: error: unrecognized arguments: --bogus-flag (see koala-run -h)\n"
+    assert torchrun.main(["--nproc-per-node", "2", "t.py", "--steps", "1"]) == USER_ERROR_EXIT
+    assert capfd.readouterr().err == f"koala-run: error: training script 't.py' does not exist (from {tmp_path})\n"
+
+
 def test_one_line_user_errors_around_a_call(monkeypatch, capsys):
     from koala_ds.errors import one_line_user_errors
 
