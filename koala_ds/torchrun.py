@@ -74,8 +74,8 @@ def missing_script(args) -> KoalaError | None:
 
 
 def port_taken(args, exc: Exception) -> KoalaError | None:
-    """The one-line error for a static rendezvous (torchrun's default) whose port is already in
-    use; None for any other failure."""
+    """The one-line error for a static rendezvous (torchrun's with `--master-port`, or on more
+    than one node) whose port is already in use; None for any other failure."""
     if args.rdzv_backend != "static" or "EADDRINUSE" not in str(exc):
         return None
     port = re.search(r"\bport: (\d+)", str(exc))  # the port bound (a multi-node run's default is 29500)

@@ -73,7 +73,8 @@ def test_megatron_core_schedules_refuse_gloo_with_cuda_tensors():
 
 def run(tmp_path: Path, schedule: str, extra: list[str]) -> dict:
     log = tmp_path / f"{schedule}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",  # a port the system picks
+    # --standalone: the launcher binds a port the system picks
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
            str(ROOT / "examples/megatron_gpt/pretrain_gpt.py"), *FLAGS, *extra, "--koala-schedule", schedule,
            "--loss-log", str(log)]
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -143,7 +143,8 @@ FLAGS = ["--tensor-model-parallel-size", "1", "--num-layers", "4", "--hidden-siz
 
 
 def _example(tmp_path: Path, nproc: int, extra: list[str]) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",  # a port the system picks
+    # --standalone: the launcher binds a port the system picks
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
            str(ROOT / "examples/megatron_gpt/pretrain_gpt.py"), *FLAGS, *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
@@ -180,7 +181,8 @@ def test_example_refuses_a_bad_layout_in_one_line():
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, str(ROOT / "examples/megatron_gpt/pretrain_gpt.py"), *FLAGS,
-           "--pipeline-model-parallel-size", "2", "--koala-schedule", "zb-h1", "--pipeline-model-parallel-layout", "Et|ttL"]
+           "--pipeline-model-parallel-size", "2", "--koala-schedule", "zb-h1",
+           "--pipeline-model-parallel-layout", "Et|ttL"]
     results = run_ranks(cmd, 2, env, 240, ROOT)
     err = "".join(r.stderr for r in results)
     assert [r.returncode for r in results] == [2, 2], err[-3000:]
