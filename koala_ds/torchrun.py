@@ -11,8 +11,9 @@ even when the script already said what to fix. Here:
   `koala_ds.errors.run_main`, or an argument error): nothing more is printed, exit code 2;
 - any other failure: torchrun's failure table (which ranks, exit codes, error files), without
   the launcher's own traceback, and the root cause's exit code (1 for a signal);
-- a bad option, or a training script that does not exist: one line, exit code 2 (torchrun
-  prints its usage, about 40 lines, or starts every rank to fail on the missing file);
+- a bad option, a bad `--nproc-per-node` or `--nnodes`, or a training script that does not
+  exist: one line, exit code 2 (torchrun prints its usage, about 40 lines, or its traceback, or
+  starts every rank to fail on the missing file);
 - a `--master-port` (or a static rendezvous's `--rdzv-endpoint`) already in use on this
   machine, by another run or one that has not ended: one line naming the option, exit code 2
   (torchrun prints its own traceback, about 40 lines).
@@ -47,9 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = rank_zero_argument_errors(torchrun.get_args_parser())
     parser.prog = "koala-run"
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    missing = missing_script(args)
-    if missing is not None:
-        report_user_error(missing, "koala-run")
+    bad = bad_sizes(args, torchrun) or missing_script(args)
+    if bad is not None:
+        report_user_error(bad, "koala-run")
         return USER_ERROR_EXIT
     logging.getLogger(_ELASTIC_API_LOGGER).addFilter(_DropEndingLines())
     try:
@@ -63,6 +64,25 @@ def main(argv: list[str] | None = None) -> int:
         report_user_error(taken, "koala-run")
         return USER_ERROR_EXIT
     return 0
+
+
+def bad_sizes(args, torchrun) -> KoalaError | None:
+    """The one-line error for a `--nproc-per-node` or `--nnodes` that torchrun would refuse with
+    a traceback (checked with torchrun's own parsers); None when both are valid."""
+    try:
+        nproc = torchrun.determine_local_world_size(args.nproc_per_node)
+    except ValueError as exc:
+        return KoalaError(f"--nproc-per-node {args.nproc_per_node}: {str(exc).rstrip('.')} (use an integer >= 1, "
+                          f"or cpu, gpu, xpu or auto)")
+    if nproc < 1:
+        return KoalaError(f"--nproc-per-node {args.nproc_per_node}: at least 1 process per node")
+    try:
+        low, high = torchrun.parse_min_max_nnodes(args.nnodes)
+    except (ValueError, RuntimeError):
+        low = high = 0
+    if not 0 < low <= high:
+        return KoalaError(f"--nnodes {args.nnodes}: a number of nodes N or a range MIN:MAX, with 0 < MIN <= MAX")
+    return None
 
 
 def missing_script(args) -> KoalaError | None:

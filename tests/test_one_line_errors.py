@@ -330,6 +330,24 @@ def test_koala_run_bad_options_and_a_missing_script_are_one_line(tmp_path, monke
     assert capfd.readouterr().err == f"koala-run: error: training script 't.py' does not exist (from {tmp_path})\n"
 
 
+@pytest.mark.parametrize("sizes, says", [
+    (["--nproc-per-node", "x"], "--nproc-per-node x: Unsupported nproc_per_node value: x (use an integer >= 1, "),
+    (["--nproc-per-node", "0"], "--nproc-per-node 0: at least 1 process per node"),
+    (["--nnodes", "2:1"], "--nnodes 2:1: a number of nodes N or a range MIN:MAX, with 0 < MIN <= MAX"),
+    (["--nnodes", "a"], "--nnodes a: a number of nodes N"),
+])
+def test_koala_run_bad_sizes_are_one_line(tmp_path, monkeypatch, capfd, sizes, says):
+    """torchrun ended these in its traceback (ValueError, or an AssertionError with no message)."""
+    from koala_ds import torchrun
+
+    monkeypatch.delenv("RANK", raising=False)
+    script = tmp_path / "t.py"
+    script.write_text("raise SystemExit('never started')\n")
+    assert torchrun.main([*sizes, str(script)]) == USER_ERROR_EXIT
+    err = capfd.readouterr().err
+    assert err.startswith(f"koala-run: error: {says}") and err.count("\n") == 1, err
+
+
 def test_one_line_user_errors_around_a_call(monkeypatch, capsys):
     from koala_ds.errors import one_line_user_errors
 
