@@ -37,12 +37,10 @@ def _init_single_process_megatron(seed: int, attention_elements: int = 1 << 22) 
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from ..spawn import free_port
-
     if not dist.is_initialized():
-        # a free port given directly, not through MASTER_PORT: setting it in os.environ would hand
-        # this process's listening port to every child it starts later (EADDRINUSE there)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        # one rank: an in-process store, no port (a port in MASTER_PORT would be handed to every
+        # child this process starts later, EADDRINUSE there; and a free one could be taken first)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(1, 1)
     from ..megatron.cpu import prepare_cpu
