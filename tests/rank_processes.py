@@ -4,7 +4,8 @@ MASTER_ADDR, MASTER_PORT), for tests that check what each rank prints and its ex
 
 The port comes from `free_port()`, which another process can take before rank 0 binds it: rank
 0 then fails with EADDRINUSE while the other ranks wait on whatever holds the port. Such a
-launch is stopped and started again on a new port (as `koala_ds.spawn.launch` does).
+launch is stopped and started again on a new port (as `koala_ds.spawn.launch` does);
+`on_a_free_port` does that for any launch given a port (a launcher's own command too).
 """
 from __future__ import annotations
 
@@ -13,26 +14,38 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable, TypeVar
 
 from koala_ds.spawn import free_port
 
 ATTEMPTS = 3
 
 
+T = TypeVar("T")
+
+
+def on_a_free_port(launch: Callable[[str], T], port_taken: Callable[[T], bool] | None = None) -> T:
+    """`launch(port)` on a port from `free_port()`, again on a new one (up to ATTEMPTS in all)
+    while `port_taken(result)` says another process took it first (by default: a
+    CompletedProcess whose output says so)."""
+    port_taken = port_taken or (lambda done: _says_port_taken((done.stdout or "") + (done.stderr or "")))
+    for _ in range(ATTEMPTS - 1):
+        result = launch(str(free_port()))
+        if not port_taken(result):
+            return result
+    return launch(str(free_port()))
+
+
 def run_ranks(cmd: list[str], world: int, env: dict, timeout_s: float, cwd: str | os.PathLike
               ) -> list[subprocess.CompletedProcess]:
     """Each rank's exit code, stdout and stderr; raises TimeoutError (after killing every rank)
     when they are not all done within `timeout_s`."""
-    for attempt in range(ATTEMPTS):
-        results, port_taken = _run_once(cmd, world, env, timeout_s, cwd)
-        if not port_taken or attempt == ATTEMPTS - 1:
-            return results
-    raise AssertionError("unreachable")
+    return on_a_free_port(lambda port: _run_once(cmd, world, env, timeout_s, cwd, port),
+                          lambda results: _says_port_taken(results[0].stderr))
 
 
-def _run_once(cmd: list[str], world: int, env: dict, timeout_s: float, cwd: str | os.PathLike
-              ) -> tuple[list[subprocess.CompletedProcess], bool]:
-    port = str(free_port())
+def _run_once(cmd: list[str], world: int, env: dict, timeout_s: float, cwd: str | os.PathLike, port: str
+              ) -> list[subprocess.CompletedProcess]:
     with tempfile.TemporaryDirectory(prefix="koala-ranks-") as tmp:
         logs = [(Path(tmp) / f"{rank}.out", Path(tmp) / f"{rank}.err") for rank in range(world)]
         procs = []
@@ -42,7 +55,8 @@ def _run_once(cmd: list[str], world: int, env: dict, timeout_s: float, cwd: str 
             with open(out, "w") as stdout, open(err, "w") as stderr:
                 procs.append(subprocess.Popen(cmd, stdout=stdout, stderr=stderr, env=rank_env, cwd=cwd))
         deadline, timed_out = time.monotonic() + timeout_s, False
-        while any(proc.poll() is None for proc in procs) and not _port_taken(procs[0], logs[0][1]):
+        while any(proc.poll() is None for proc in procs) and not (
+                procs[0].poll() is not None and _says_port_taken(logs[0][1].read_text())):
             timed_out = time.monotonic() > deadline
             if timed_out:
                 break
@@ -52,12 +66,12 @@ def _run_once(cmd: list[str], world: int, env: dict, timeout_s: float, cwd: str 
             raise TimeoutError(f"{cmd[1]}: {world} ranks not done within {timeout_s:g} s; rank 0's stderr:\n"
                                + logs[0][1].read_text()[-3000:])
         return [subprocess.CompletedProcess(cmd, proc.returncode, out.read_text(), err.read_text())
-                for proc, (out, err) in zip(procs, logs)], _port_taken(procs[0], logs[0][1])
+                for proc, (out, err) in zip(procs, logs)]
 
 
-def _port_taken(rank0: subprocess.Popen, stderr: Path) -> bool:
-    """Rank 0 ended because MASTER_PORT was already bound (torch's TCPStore says EADDRINUSE)."""
-    return rank0.poll() is not None and "EADDRINUSE" in stderr.read_text()
+def _says_port_taken(output: str) -> bool:
+    """The port was already bound when the launch's rendezvous store tried (torch's TCPStore says EADDRINUSE)."""
+    return "EADDRINUSE" in output
 
 
 def _kill(procs: list[subprocess.Popen]) -> None:

@@ -633,18 +633,17 @@ def test_launcher_patch_applies_and_the_flag_reaches_the_engine(patched_deepspee
     env = {**os.environ, "PYTHONPATH": f"{copy}{os.pathsep}{REPO}", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
            "TORCH_EXTENSIONS_DIR": str(DEFAULT_EXTENSIONS_DIR)}
     env.pop("DS_PIPELINE_SCHEDULE", None)
-    from koala_ds.spawn import free_port
+    from rank_processes import on_a_free_port
 
-    for _attempt in range(3):  # again on a new port when another process took this one first
-        port = str(free_port())
+    def launch(port: str) -> subprocess.CompletedProcess:
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", port,
                "--pipeline_schedule", "koala", "--koala_schedule", "zb-h1", str(script)]
         try:
-            run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+            return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
         finally:
             remove_deepspeed_shm(int(port))
-        if "EADDRINUSE" not in run.stdout + run.stderr:
-            break
+
+    run = on_a_free_port(launch)  # again on a new port when another process took this one first
     # two ranks print to one pipe: their lines may interleave, so pick the JSON objects out
     lines = sorted((json.loads(m) for m in re.findall(r"RESULT (\{[^{}]*\})", run.stdout)), key=lambda r: r["rank"])
     assert len(lines) == 2, run.stdout[-3000:] + run.stderr[-3000:]

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from koala_ds.spawn import free_port
+from rank_processes import on_a_free_port
 
 pytestmark = pytest.mark.slow  # multi-process
 torch = pytest.importorskip("torch")
@@ -34,12 +34,9 @@ def _launch(tmp_path_factory, world: int, suite: str, timeout: int) -> list[dict
     # again on a new one when another process took it before rank 0 bound it (EADDRINUSE)
     out = tmp_path_factory.mktemp(suite) / "result.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    for _attempt in range(3):
-        proc = subprocess.run([sys.executable, os.path.join(HERE, "megatron_worker.py"), "--world", str(world),
-                               "--suite", suite, "--out", str(out), "--port", str(free_port())],
-                              capture_output=True, text=True, timeout=timeout, env=env)
-        if "EADDRINUSE" not in proc.stderr:
-            break
+    proc = on_a_free_port(lambda port: subprocess.run(
+        [sys.executable, os.path.join(HERE, "megatron_worker.py"), "--world", str(world), "--suite", suite,
+         "--out", str(out), "--port", port], capture_output=True, text=True, timeout=timeout, env=env))
     assert proc.returncode == 0 and out.exists(), f"worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
     return json.loads(out.read_text())["ranks"]
 

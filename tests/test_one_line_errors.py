@@ -291,42 +291,44 @@ def test_koala_run_keeps_torchruns_report_for_a_crash(tmp_path):
     assert "ChildFailedError" not in done.stderr  # the launcher's own traceback is not a finding
 
 
-@pytest.mark.parametrize("option", ["--master-port", "--rdzv-endpoint"])
-def test_koala_run_says_in_one_line_that_its_port_is_taken(tmp_path, monkeypatch, capsys, option):
-    """torchrun ended in its own 39-line traceback (DistNetworkError, EADDRINUSE) when the port
-    of its static rendezvous was in use, e.g. by another run."""
+@pytest.fixture
+def koala_run_here(tmp_path, monkeypatch):
+    """koala_ds.torchrun, to call in this process as rank 0, in `tmp_path`, which holds a script
+    never_started.py (OMP_NUM_THREADS set: torchrun warns when it is not, and sets it)."""
     from koala_ds import torchrun
 
     monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # torchrun warns when it is unset (and sets it)
-    script = tmp_path / "t.py"
-    script.write_text("raise SystemExit('never started')\n")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "never_started.py").write_text("raise SystemExit('never started')\n")
+    return torchrun
+
+
+@pytest.mark.parametrize("option", ["--master-port", "--rdzv-endpoint"])
+def test_koala_run_says_in_one_line_that_its_port_is_taken(koala_run_here, capsys, option):
+    """torchrun ended in its own 39-line traceback (DistNetworkError, EADDRINUSE) when the port
+    of its static rendezvous was in use, e.g. by another run."""
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
         rendezvous = (["--master-port", str(port)] if option == "--master-port" else
                       ["--rdzv-backend", "static", "--rdzv-endpoint", f"127.0.0.1:{port}"])
-        code = torchrun.main(["--nproc-per-node", "2", *rendezvous, str(script)])
+        code = koala_run_here.main(["--nproc-per-node", "2", *rendezvous, "never_started.py"])
     assert code == USER_ERROR_EXIT
     assert capsys.readouterr().err == (
         f"koala-run: error: port {port} of {option} is already in use on this machine (another run, or one "
         f"that has not ended, holds it): pass a free port with {option}, or --standalone to have one picked\n")
 
 
-def test_koala_run_bad_options_and_a_missing_script_are_one_line(tmp_path, monkeypatch, capfd):
+def test_koala_run_bad_options_and_a_missing_script_are_one_line(koala_run_here, tmp_path, capfd):
     """torchrun printed its 40-line usage for a bad option, and started every rank, each failing
     on the missing file, for a training script that does not exist."""
-    from koala_ds import torchrun
-
-    monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as info:
-        torchrun.main(["--nproc-per-node", "2", "--bogus-flag", "t.py"])
+        koala_run_here.main(["--nproc-per-node", "2", "--bogus-flag", "t.py"])
     assert info.value.code == USER_ERROR_EXIT
     assert capfd.readouterr().err == "koala-run: error: unrecognized arguments: --bogus-flag (see koala-run -h)\n"
-    assert torchrun.main(["--nproc-per-node", "2", "t.py", "--steps", "1"]) == USER_ERROR_EXIT
+    assert koala_run_here.main(["--nproc-per-node", "2", "t.py", "--steps", "1"]) == USER_ERROR_EXIT
     assert capfd.readouterr().err == f"koala-run: error: training script 't.py' does not exist (from {tmp_path})\n"
 
 
@@ -336,14 +338,9 @@ def test_koala_run_bad_options_and_a_missing_script_are_one_line(tmp_path, monke
     (["--nnodes", "2:1"], "--nnodes 2:1: a number of nodes N or a range MIN:MAX, with 0 < MIN <= MAX"),
     (["--nnodes", "a"], "--nnodes a: a number of nodes N"),
 ])
-def test_koala_run_bad_sizes_are_one_line(tmp_path, monkeypatch, capfd, sizes, says):
+def test_koala_run_bad_sizes_are_one_line(koala_run_here, capfd, sizes, says):
     """torchrun ended these in its traceback (ValueError, or an AssertionError with no message)."""
-    from koala_ds import torchrun
-
-    monkeypatch.delenv("RANK", raising=False)
-    script = tmp_path / "t.py"
-    script.write_text("raise SystemExit('never started')\n")
-    assert torchrun.main([*sizes, str(script)]) == USER_ERROR_EXIT
+    assert koala_run_here.main([*sizes, "never_started.py"]) == USER_ERROR_EXIT
     err = capfd.readouterr().err
     assert err.startswith(f"koala-run: error: {says}") and err.count("\n") == 1, err
 
