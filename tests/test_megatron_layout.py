@@ -68,14 +68,21 @@ def test_bad_layouts_are_one_line_naming_the_flag(layout, match):
     assert "\n" not in str(info.value)
 
 
+def megatron_args(schedule: str, layout: str | None = None, p: int = 2, v: int | None = None,
+                  **extra) -> argparse.Namespace:
+    """Megatron-LM's parsed flags as `schedule_from_args` reads them: --pipeline-schedule koala,
+    a global batch of 8 in microbatches of 2, no data parallelism."""
+    return argparse.Namespace(pipeline_schedule="koala", koala_schedule=schedule, pipeline_model_parallel_size=p,
+                              virtual_pipeline_model_parallel_size=v, pipeline_model_parallel_layout=layout,
+                              global_batch_size=8, micro_batch_size=2, data_parallel_size=1, **extra)
+
+
 def test_install_takes_the_chunks_per_rank_from_the_layout():
     pytest.importorskip("megatron.core")
     from koala_ds.megatron import MegatronScheduleError, schedule_from_args
 
     def args(layout, schedule):
-        return argparse.Namespace(pipeline_schedule="koala", koala_schedule=schedule, pipeline_model_parallel_size=2,
-                                  virtual_pipeline_model_parallel_size=None, pipeline_model_parallel_layout=layout,
-                                  global_batch_size=8, micro_batch_size=2, data_parallel_size=1)
+        return megatron_args(schedule, layout)
 
     # v = 2 from the layout's 4 stages (a V-shape: with chunks built per the schedule's placement)
     assert schedule_from_args(args("E|tt|t|tL", "zb-v"), chunks="schedule") == "zb-v"
@@ -93,21 +100,17 @@ def test_install_refuses_tied_embeddings_under_a_placement_megatron_core_cannot_
     pytest.importorskip("megatron.core")
     from koala_ds.megatron import MegatronScheduleError, schedule_from_args
 
-    def args(schedule, layout, **extra):
-        return argparse.Namespace(pipeline_schedule="koala", koala_schedule=schedule, pipeline_model_parallel_size=2,
-                                  virtual_pipeline_model_parallel_size=None, pipeline_model_parallel_layout=layout,
-                                  global_batch_size=8, micro_batch_size=2, data_parallel_size=1, **extra)
-
     with pytest.raises(MegatronScheduleError, match=r"^--koala-schedule zb-v: its vshape placement runs the embedding "
                                                     r"\(stage 0\) on pipeline rank 0 and the output layer \(stage 3\) "
                                                     r"on rank 0.*: add --untie-embeddings-and-output-weights") as info:
-        schedule_from_args(args("zb-v", "E|tt|t|tL", untie_embeddings_and_output_weights=False), chunks="schedule")
+        schedule_from_args(megatron_args("zb-v", "E|tt|t|tL", untie_embeddings_and_output_weights=False),
+                           chunks="schedule")
     assert "\n" not in str(info.value)
-    assert schedule_from_args(args("zb-v", "E|tt|t|tL", untie_embeddings_and_output_weights=True),
+    assert schedule_from_args(megatron_args("zb-v", "E|tt|t|tL", untie_embeddings_and_output_weights=True),
                               chunks="schedule") == "zb-v"
-    assert schedule_from_args(args("interleaved-1f1b", "Et|t|tt|L", untie_embeddings_and_output_weights=False),
+    assert schedule_from_args(megatron_args("interleaved-1f1b", "Et|t|tt|L", untie_embeddings_and_output_weights=False),
                               chunks="schedule") == "interleaved-1f1b"
-    assert schedule_from_args(args("zb-h1", "Et|t*3L", untie_embeddings_and_output_weights=False)) == "zb-h1"
+    assert schedule_from_args(megatron_args("zb-h1", "Et|t*3L", untie_embeddings_and_output_weights=False)) == "zb-h1"
 
 
 def test_install_refuses_checkpoints_of_chunks_built_per_the_schedule():
@@ -119,11 +122,8 @@ def test_install_refuses_checkpoints_of_chunks_built_per_the_schedule():
     from koala_ds.megatron import MegatronScheduleError, schedule_from_args
 
     def args(schedule, p=2, **extra):
-        v = 2 if schedule == "zb-v" else None
-        return argparse.Namespace(pipeline_schedule="koala", koala_schedule=schedule, pipeline_model_parallel_size=p,
-                                  virtual_pipeline_model_parallel_size=v, global_batch_size=8,
-                                  micro_batch_size=2, data_parallel_size=1, untie_embeddings_and_output_weights=True,
-                                  **extra)
+        return megatron_args(schedule, p=p, v=2 if schedule == "zb-v" else None,
+                             untie_embeddings_and_output_weights=True, **extra)
 
     for schedule in ("zb-v", "1f1b"):
         for attr, flag in (("save", "--save"), ("load", "--load"), ("pretrained_checkpoint", "--pretrained-checkpoint")):
