@@ -14,6 +14,9 @@ even when the script already said what to fix. Here:
 - a bad option, a bad `--nproc-per-node` or `--nnodes`, or a training script that does not
   exist: one line, exit code 2 (torchrun prints its usage, about 40 lines, or its traceback, or
   starts every rank to fail on the missing file);
+- any other option value torchrun refuses before it starts a rank (`--max-restarts -1`,
+  `--rdzv-conf`, `--redirects`, `--rdzv-backend`, a port out of range, ...): one line naming
+  the option, with torchrun's reason, exit code 2 (torchrun ends in its traceback);
 - a `--master-port` (or a static rendezvous's `--rdzv-endpoint`) already in use on this
   machine, by another run or one that has not ended: one line naming the option, exit code 2
   (torchrun prints its own traceback, about 40 lines).
@@ -25,6 +28,7 @@ import logging
 import os
 import re
 import sys
+import traceback
 
 from .errors import USER_ERROR_EXIT, rank_zero_argument_errors, report_user_error
 from .ir import KoalaError
@@ -48,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = rank_zero_argument_errors(torchrun.get_args_parser())
     parser.prog = "koala-run"
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    bad = bad_sizes(args, torchrun) or missing_script(args)
+    bad = bad_numbers(args, torchrun) or missing_script(args)
     if bad is not None:
         report_user_error(bad, "koala-run")
         return USER_ERROR_EXIT
@@ -63,12 +67,19 @@ def main(argv: list[str] | None = None) -> int:
             raise
         report_user_error(taken, "koala-run")
         return USER_ERROR_EXIT
+    except (ValueError, AssertionError) as exc:
+        refused = refused_option(args, exc)
+        if refused is None:
+            raise
+        report_user_error(refused, "koala-run")
+        return USER_ERROR_EXIT
     return 0
 
 
-def bad_sizes(args, torchrun) -> KoalaError | None:
-    """The one-line error for a `--nproc-per-node` or `--nnodes` that torchrun would refuse with
-    a traceback (checked with torchrun's own parsers); None when both are valid."""
+def bad_numbers(args, torchrun) -> KoalaError | None:
+    """The one-line error for a `--nproc-per-node`, `--nnodes` or `--monitor-interval` that
+    torchrun would refuse with a traceback, some with no message (the first two checked with
+    torchrun's own parsers); None when all are valid."""
     try:
         nproc = torchrun.determine_local_world_size(args.nproc_per_node)
     except ValueError as exc:
@@ -82,6 +93,8 @@ def bad_sizes(args, torchrun) -> KoalaError | None:
         low = high = 0
     if not 0 < low <= high:
         return KoalaError(f"--nnodes {args.nnodes}: a number of nodes N or a range MIN:MAX, with 0 < MIN <= MAX")
+    if not args.monitor_interval > 0:  # torch's WorkerSpec asserts it, with no message
+        return KoalaError(f"--monitor-interval {args.monitor_interval}: seconds between checks of the ranks, > 0")
     return None
 
 
@@ -103,6 +116,44 @@ def port_taken(args, exc: Exception) -> KoalaError | None:
     return KoalaError(f"port {port.group(1) if port else args.master_port} of {option} is already in use on this "
                       f"machine (another run, or one that has not ended, holds it): pass a free port with {option}, "
                       f"or --standalone to have one picked")
+
+
+#: Words in torchrun's refusal of an option value, and the option: (words, attribute of the
+#: parsed arguments, option).
+_REFUSED = (
+    ("max_restarts", "max_restarts", "--max-restarts"),
+    ("local_ranks_filter", "local_ranks_filter", "--local-ranks-filter"),
+    ("rendezvous configuration", "rdzv_conf", "--rdzv-conf"),
+    ("rendezvous backend", "rdzv_backend", "--rdzv-backend"),
+    ("torchrun.logs_specs", "logs_specs", "--logs-specs"),
+    ("shutdown_timeout", "shutdown_timeout", "--shutdown-timeout"),
+)
+#: torch's Std.from_str refuses --redirects and --tee in these words.
+_STD = "does not match"
+#: The agent's loop, in which ranks start: a ValueError from there is not about an option.
+_AGENT_LOOP = "_invoke_run"
+
+
+def refused_option(args, exc: Exception) -> KoalaError | None:
+    """The one-line error for an option value torchrun refused (a ValueError or an
+    AssertionError raised before the agent's loop started any rank); None for anything else."""
+    if any(frame.name == _AGENT_LOOP for frame in traceback.extract_tb(exc.__traceback__)):
+        return None
+    said = str(exc) or type(exc).__name__
+    if args.no_python and args.module and "--no-python" in said:
+        return KoalaError("--no-python and -m (--module) cannot be used together")
+    if _STD in said:
+        option, value = ("--redirects", args.redirects) if said.startswith(f"{args.redirects} ") else ("--tee", args.tee)
+        return KoalaError(f"{option} {value}: 0 (none), 1 (stdout), 2 (stderr) or 3 (both), or per local rank "
+                          f"as RANK:N,... (e.g. 0:3,1:0)")
+    if "rendezvous endpoint" in said:  # a static rendezvous's is --master-addr and --master-port
+        option = (f"--rdzv-endpoint {args.rdzv_endpoint}" if args.rdzv_endpoint else
+                  f"--master-addr {args.master_addr} / --master-port {args.master_port}")
+        return KoalaError(f"{option}: {said}")
+    for words, attribute, option in _REFUSED:
+        if words in said:
+            return KoalaError(f"{option} {getattr(args, attribute)}: {said}")
+    return KoalaError(f"torchrun refused its options: {said} (see koala-run -h)")
 
 
 def failure_exit_code(exc) -> int:

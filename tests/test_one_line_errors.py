@@ -299,6 +299,7 @@ def koala_run_here(tmp_path, monkeypatch):
 
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("TORCHELASTIC_SIGNALS_TO_HANDLE", "")  # torchrun's launcher sets it
     monkeypatch.chdir(tmp_path)
     (tmp_path / "never_started.py").write_text("raise SystemExit('never started')\n")
     return torchrun
@@ -343,6 +344,42 @@ def test_koala_run_bad_sizes_are_one_line(koala_run_here, capfd, sizes, says):
     assert koala_run_here.main([*sizes, "never_started.py"]) == USER_ERROR_EXIT
     err = capfd.readouterr().err
     assert err.startswith(f"koala-run: error: {says}") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("options, says", [
+    (["--max-restarts", "-1"], "--max-restarts -1: max_restarts must be >= 0"),
+    (["--monitor-interval", "0"], "--monitor-interval 0.0: seconds between checks of the ranks, > 0"),
+    (["--local-ranks-filter", "x"], "--local-ranks-filter x: --local_ranks_filter must be a comma-separated list"),
+    (["--rdzv-conf", "abc"], "--rdzv-conf abc: The rendezvous configuration option 'abc' must have a value"),
+    (["--rdzv-conf", "join_timeout=x"], "--rdzv-conf join_timeout=x: The rendezvous configuration option"),
+    (["--redirects", "9"], "--redirects 9: 0 (none), 1 (stdout), 2 (stderr) or 3 (both), or per local rank"),
+    (["--redirects", "1", "--tee", "7"], "--tee 7: 0 (none)"),
+    (["--logs-specs", "nope"], "--logs-specs nope: Could not find entrypoint"),
+    (["--no-python", "-m"], "--no-python and -m (--module) cannot be used together"),
+    (["--rdzv-backend", "nope", "--rdzv-endpoint", "localhost:0"], "--rdzv-backend nope: The rendezvous backend 'nope' is not registered"),
+    (["--rdzv-endpoint", "localhost:99999"], "--rdzv-endpoint localhost:99999: The port number of the rendezvous"),
+    (["--master-port", "99999"], "--master-addr 127.0.0.1 / --master-port 99999: The port number of the rendezvous"),
+    (["--shutdown-timeout", "-1"], "--shutdown-timeout -1: shutdown_timeout must be non-negative"),
+])
+def test_koala_run_option_values_torchrun_refuses_are_one_line(koala_run_here, capfd, options, says):
+    """torchrun ended each of these in its traceback (a ValueError, or an AssertionError, some
+    with no message) before it started a rank."""
+    assert koala_run_here.main(["--nproc-per-node", "2", *options, "never_started.py"]) == USER_ERROR_EXIT
+    err = capfd.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"koala-run: error: {says}"), err
+
+
+def test_koala_run_leaves_a_value_error_from_the_running_agent_alone(koala_run_here, monkeypatch):
+    """Only a refusal before the agent's loop is an option's: the same error type raised once
+    ranks start keeps torchrun's traceback."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    def start_workers(self, worker_group):
+        raise ValueError("not about an option")
+
+    monkeypatch.setattr(LocalElasticAgent, "_start_workers", start_workers)
+    with pytest.raises(ValueError, match="not about an option"):
+        koala_run_here.main(["--nproc-per-node", "1", "--standalone", "never_started.py"])
 
 
 def test_one_line_user_errors_around_a_call(monkeypatch, capsys):
