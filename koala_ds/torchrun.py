@@ -21,14 +21,20 @@ even when the script already said what to fix. Here:
   machine, by another run or one that has not ended: one line naming the option, exit code 2
   (torchrun prints its own traceback, about 40 lines).
   Without `--master-port`, a one-node run binds a port the system picks.
+- a c10d `--rdzv-endpoint` on this machine whose port is held by a process that is not a
+  rendezvous store: one line after `--rdzv-conf read_timeout` (default 60 s), exit code 2
+  (torch's store client waits for that process's answer with no deadline).
 """
 from __future__ import annotations
 
 import logging
 import os
 import re
+import socket
 import sys
+import threading
 import traceback
+from datetime import timedelta
 
 from .errors import USER_ERROR_EXIT, rank_zero_argument_errors, report_user_error
 from .ir import KoalaError
@@ -52,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = rank_zero_argument_errors(torchrun.get_args_parser())
     parser.prog = "koala-run"
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    bad = bad_numbers(args, torchrun) or missing_script(args)
+    bad = bad_numbers(args, torchrun) or missing_script(args) or store_not_answering(args)
     if bad is not None:
         report_user_error(bad, "koala-run")
         return USER_ERROR_EXIT
@@ -104,6 +110,64 @@ def missing_script(args) -> KoalaError | None:
     if args.module or args.no_python or os.path.isfile(args.training_script):
         return None
     return KoalaError(f"training script {args.training_script!r} does not exist (from {os.getcwd()})")
+
+
+#: torch's c10d rendezvous: its port when the endpoint names none, and its store's read timeout.
+C10D_DEFAULT_PORT, C10D_READ_TIMEOUT_S = 29400, 60
+#: How much longer than its read timeout the store client is given before it counts as stuck.
+PROBE_GRACE_S = 2.0
+
+
+def store_not_answering(args) -> KoalaError | None:
+    """The one-line error for a c10d `--rdzv-endpoint` on this machine whose port is in use, but
+    not by a rendezvous store that answers. torch's store client waits for such a process's
+    answer with no deadline (its read timeout not kept): koala-run tries a client first, and
+    gives up after the read timeout. None when the port is free (this agent will host the
+    store), the endpoint is on another machine, or a store answered."""
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname, parse_rendezvous_endpoint
+
+    if args.standalone or args.rdzv_backend != "c10d" or not args.rdzv_endpoint:
+        return None
+    try:
+        host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=C10D_DEFAULT_PORT)
+        timeout_s = int(_rendezvous_conf(args.rdzv_conf).get("read_timeout", C10D_READ_TIMEOUT_S))
+    except ValueError:
+        return None  # torchrun says what is wrong (refused_option)
+    if port == 0 or timeout_s <= 0 or not _matches_machine_hostname(host) or _port_free(host, port):
+        return None
+    answer: list = []
+
+    def connect() -> None:
+        try:
+            answer.append(TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s)))
+        except Exception as exc:  # noqa: BLE001 - whatever the client raises, no store answered
+            answer.append(exc)
+
+    client = threading.Thread(target=connect, name="koala-run store probe", daemon=True)
+    client.start()
+    client.join(timeout_s + PROBE_GRACE_S)
+    if answer and not isinstance(answer[0], Exception):
+        return None
+    return KoalaError(f"--rdzv-endpoint {args.rdzv_endpoint}: port {port} is in use on this machine, but no "
+                      f"rendezvous store answered there within {timeout_s} s (--rdzv-conf read_timeout): pass a "
+                      f"free port, or --standalone to have one picked")
+
+
+def _rendezvous_conf(conf: str) -> dict[str, str]:
+    """`--rdzv-conf` as key=value pairs (torchrun checks it; an item without '=' is skipped here)."""
+    return dict(item.split("=", 1) for item in conf.split(",") if "=" in item)
+
+
+def _port_free(host: str, port: int) -> bool:
+    """Whether `port` can be bound on `host` (a port in TIME_WAIT counts as free)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def port_taken(args, exc: Exception) -> KoalaError | None:

@@ -382,6 +382,44 @@ def test_koala_run_leaves_a_value_error_from_the_running_agent_alone(koala_run_h
         koala_run_here.main(["--nproc-per-node", "1", "--standalone", "never_started.py"])
 
 
+@pytest.mark.timeout(60, method="thread")  # the old hang was in C++, out of reach of a signal
+def test_koala_run_says_in_one_line_that_no_rendezvous_store_answers(koala_run_here, capsys, monkeypatch):
+    """torchrun waited with no deadline (more than 20 minutes, its read timeout not kept) when a
+    c10d --rdzv-endpoint on this machine named a port held by a process that never answers."""
+    monkeypatch.setattr(koala_run_here, "PROBE_GRACE_S", 0.1)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        code = koala_run_here.main(["--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                                    f"localhost:{port}", "--rdzv-conf", "read_timeout=1", "never_started.py"])
+    assert code == USER_ERROR_EXIT
+    assert capsys.readouterr().err == (
+        f"koala-run: error: --rdzv-endpoint localhost:{port}: port {port} is in use on this machine, but no "
+        f"rendezvous store answered there within 1 s (--rdzv-conf read_timeout): pass a free port, or "
+        f"--standalone to have one picked\n")
+
+
+def test_the_store_probe_lets_a_store_that_answers_and_a_free_port_through(koala_run_here):
+    """Two agents of one job on one machine: the second finds the first's store at the endpoint."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    from torch.distributed import run as torchrun
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    for port in (store.port, _free_port_number()):
+        args = torchrun.get_args_parser().parse_args(["--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}",
+                                                       "--rdzv-conf", "read_timeout=5", "never_started.py"])
+        assert koala_run_here.store_not_answering(args) is None
+
+
+def _free_port_number() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def test_one_line_user_errors_around_a_call(monkeypatch, capsys):
     from koala_ds.errors import one_line_user_errors
 
