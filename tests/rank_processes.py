@@ -9,12 +9,14 @@ launch is stopped and started again on a new port (as `koala_ds.spawn.launch` do
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable, Iterator, TypeVar
 
 from koala_ds.spawn import free_port
 
@@ -34,6 +36,16 @@ def on_a_free_port(launch: Callable[[str], T], port_taken: Callable[[T], bool] |
         if not port_taken(result):
             return result
     return launch(str(free_port()))
+
+
+@contextlib.contextmanager
+def held_port() -> Iterator[int]:
+    """A port of 127.0.0.1 held, while inside, by a listening socket that never answers (as
+    another run, or a process of another kind, holds one)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        yield held.getsockname()[1]
 
 
 def run_ranks(cmd: list[str], world: int, env: dict, timeout_s: float, cwd: str | os.PathLike

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,8 @@ import pytest
 
 from koala_ds.errors import USER_ERROR_EXIT, run_main
 from koala_ds.ir import KoalaError
+from koala_ds.spawn import free_port
+from rank_processes import held_port
 
 ROOT = Path(__file__).resolve().parents[1]
 P4_ONLY = """schedule p4only
@@ -309,10 +310,7 @@ def koala_run_here(tmp_path, monkeypatch):
 def test_koala_run_says_in_one_line_that_its_port_is_taken(koala_run_here, capsys, option):
     """torchrun ended in its own 39-line traceback (DistNetworkError, EADDRINUSE) when the port
     of its static rendezvous was in use, e.g. by another run."""
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen()
-        port = held.getsockname()[1]
+    with held_port() as port:
         rendezvous = (["--master-port", str(port)] if option == "--master-port" else
                       ["--rdzv-backend", "static", "--rdzv-endpoint", f"127.0.0.1:{port}"])
         code = koala_run_here.main(["--nproc-per-node", "2", *rendezvous, "never_started.py"])
@@ -387,10 +385,7 @@ def test_koala_run_says_in_one_line_that_no_rendezvous_store_answers(koala_run_h
     """torchrun waited with no deadline (more than 20 minutes, its read timeout not kept) when a
     c10d --rdzv-endpoint on this machine named a port held by a process that never answers."""
     monkeypatch.setattr(koala_run_here, "PROBE_GRACE_S", 0.1)
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen()
-        port = held.getsockname()[1]
+    with held_port() as port:
         code = koala_run_here.main(["--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
                                     f"localhost:{port}", "--rdzv-conf", "read_timeout=1", "never_started.py"])
     assert code == USER_ERROR_EXIT
@@ -408,16 +403,10 @@ def test_the_store_probe_lets_a_store_that_answers_and_a_free_port_through(koala
     from torch.distributed import run as torchrun
 
     store = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
-    for port in (store.port, _free_port_number()):
+    for port in (store.port, free_port()):
         args = torchrun.get_args_parser().parse_args(["--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}",
                                                        "--rdzv-conf", "read_timeout=5", "never_started.py"])
         assert koala_run_here.store_not_answering(args) is None
-
-
-def _free_port_number() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def test_one_line_user_errors_around_a_call(monkeypatch, capsys):

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 
 import pytest
@@ -38,10 +37,8 @@ else:
 def test_a_launch_whose_port_was_taken_runs_again_on_a_new_port(tmp_path, monkeypatch):
     script = tmp_path / "rank.py"
     script.write_text(RANK)
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen()
-        ports = [held.getsockname()[1]]  # the first launch gets the held port, the next a free one
+    with rank_processes.held_port() as port:
+        ports = [port]  # the first launch gets the held port, the next a free one
         free = rank_processes.free_port
         monkeypatch.setattr(rank_processes, "free_port", lambda: ports.pop() if ports else free())
         done = rank_processes.run_ranks([sys.executable, str(script)], 2, dict(os.environ), 30, tmp_path)
