@@ -67,17 +67,11 @@ def main(argv: list[str] | None = None) -> int:
         torchrun.run(args)
     except ChildFailedError as exc:
         return failure_exit_code(exc)
-    except DistNetworkError as exc:
-        taken = port_taken(args, exc)
-        if taken is None:
+    except (DistNetworkError, ValueError, AssertionError) as exc:
+        error = port_taken(args, exc) if isinstance(exc, DistNetworkError) else refused_option(args, exc)
+        if error is None:
             raise
-        report_user_error(taken, "koala-run")
-        return USER_ERROR_EXIT
-    except (ValueError, AssertionError) as exc:
-        refused = refused_option(args, exc)
-        if refused is None:
-            raise
-        report_user_error(refused, "koala-run")
+        report_user_error(error, "koala-run")
         return USER_ERROR_EXIT
     return 0
 
