@@ -21,12 +21,14 @@ even when the script already said what to fix. Here:
   machine, by another run or one that has not ended: one line naming the option, exit code 2
   (torchrun prints its own traceback, about 40 lines).
   Without `--master-port`, a one-node run binds a port the system picks.
-- a c10d `--rdzv-endpoint` on this machine whose port is held by a process that is not a
-  rendezvous store: one line after `--rdzv-conf read_timeout` (default 60 s), exit code 2
-  (torch's store client waits for that process's answer with no deadline).
+- a c10d `--rdzv-endpoint` where no rendezvous store answers (on this machine, a port held by
+  a process of another kind; on another machine, no store up, or not a store): one line after
+  `--rdzv-conf read_timeout` (default 60 s), exit code 2 (torch's store client waits for a
+  process that never answers with no deadline, and ends a wait for a store in its traceback).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -34,6 +36,7 @@ import socket
 import sys
 import threading
 import traceback
+from collections.abc import Iterator
 from datetime import timedelta
 
 from .errors import USER_ERROR_EXIT, rank_zero_argument_errors, report_user_error
@@ -110,15 +113,16 @@ def missing_script(args) -> KoalaError | None:
 C10D_DEFAULT_PORT, C10D_READ_TIMEOUT_S = 29400, 60
 #: How much longer than its read timeout the store client is given before it counts as stuck.
 PROBE_GRACE_S = 2.0
+PROBE_THREAD = "koala-run store probe"
 
 
 def store_not_answering(args) -> KoalaError | None:
-    """The one-line error for a c10d `--rdzv-endpoint` on this machine whose port is in use, but
-    not by a rendezvous store that answers. torch's store client waits for such a process's
-    answer with no deadline (its read timeout not kept): koala-run tries a client first, and
-    gives up after the read timeout. None when the port is free (this agent will host the
-    store), the endpoint is on another machine, or a store answered."""
-    from torch.distributed import TCPStore
+    """The one-line error for a c10d `--rdzv-endpoint` where no rendezvous store answers: a port
+    on this machine in use by another kind of process, or an endpoint on another machine (no
+    store there yet, or not a store). torch's store client waits for a process that accepts and
+    never answers with no deadline (its read timeout not kept), and ends a wait for a store that
+    never comes up in a traceback: koala-run tries a client first, and gives up after the read
+    timeout. None when the port here is free (this agent will host the store) or a store answered."""
     from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname, parse_rendezvous_endpoint
 
     if args.standalone or args.rdzv_backend != "c10d" or not args.rdzv_endpoint:
@@ -128,8 +132,22 @@ def store_not_answering(args) -> KoalaError | None:
         timeout_s = int(_rendezvous_conf(args.rdzv_conf).get("read_timeout", C10D_READ_TIMEOUT_S))
     except ValueError:
         return None  # torchrun says what is wrong (refused_option)
-    if port == 0 or timeout_s <= 0 or not _matches_machine_hostname(host) or _port_free(host, port):
+    here = _matches_machine_hostname(host)
+    if port == 0 or timeout_s <= 0 or (here and _port_free(host, port)) or _store_answers(host, port, timeout_s):
         return None
+    where = (f"port {port} is in use on this machine, but no rendezvous store answered there" if here else
+             f"no rendezvous store answered at {host}:{port}")
+    fix = ("pass a free port, or --standalone to have one picked" if here else
+           "start the agent that hosts it (on that machine, the same koala-run), or check the address and port")
+    return KoalaError(f"--rdzv-endpoint {args.rdzv_endpoint}: {where} within {timeout_s} s "
+                      f"(--rdzv-conf read_timeout): {fix}")
+
+
+def _store_answers(host: str, port: int, timeout_s: int) -> bool:
+    """Whether a TCPStore client at host:port connects within `timeout_s` (+ PROBE_GRACE_S): it
+    runs in a daemon thread, so a client stuck in torch's C++ wait is left behind."""
+    from torch.distributed import TCPStore
+
     answer: list = []
 
     def connect() -> None:
@@ -138,14 +156,26 @@ def store_not_answering(args) -> KoalaError | None:
         except Exception as exc:  # noqa: BLE001 - whatever the client raises, no store answered
             answer.append(exc)
 
-    client = threading.Thread(target=connect, name="koala-run store probe", daemon=True)
-    client.start()
-    client.join(timeout_s + PROBE_GRACE_S)
-    if answer and not isinstance(answer[0], Exception):
-        return None
-    return KoalaError(f"--rdzv-endpoint {args.rdzv_endpoint}: port {port} is in use on this machine, but no "
-                      f"rendezvous store answered there within {timeout_s} s (--rdzv-conf read_timeout): pass a "
-                      f"free port, or --standalone to have one picked")
+    client = threading.Thread(target=connect, name=PROBE_THREAD, daemon=True)
+    with _cpp_logs_dropped():
+        client.start()
+        client.join(timeout_s + PROBE_GRACE_S)
+    return bool(answer) and not isinstance(answer[0], Exception)
+
+
+@contextlib.contextmanager
+def _cpp_logs_dropped() -> Iterator[None]:
+    """Inside, file descriptor 2 goes to /dev/null: torch's C++ store client logs each failed
+    try to connect there, with a C++ stack of 30 frames, and koala-run says it in one line."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _rendezvous_conf(conf: str) -> dict[str, str]:
@@ -223,5 +253,17 @@ def failure_exit_code(exc) -> int:
     return root.exitcode if root.exitcode > 0 else 1
 
 
+def cli() -> None:
+    """The `koala-run` command: `main`, then exit with its code. When a store probe is still
+    waiting in torch's C++ client (`store_not_answering`), the process ends without the
+    interpreter's teardown, which then aborts it (std::terminate: exit code 134, not 2)."""
+    code = main()
+    if any(thread.name == PROBE_THREAD and thread.is_alive() for thread in threading.enumerate()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -303,7 +304,10 @@ def koala_run_here(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_SIGNALS_TO_HANDLE", "")  # torchrun's launcher sets it
     monkeypatch.chdir(tmp_path)
     (tmp_path / "never_started.py").write_text("raise SystemExit('never started')\n")
-    return torchrun
+    yield torchrun
+    for thread in threading.enumerate():  # a store probe left waiting ends once its port closes or its retries end;
+        if thread.name == torchrun.PROBE_THREAD:  # one still in torch's C++ client as pytest exits aborts it
+            thread.join(30)
 
 
 @pytest.mark.parametrize("option", ["--master-port", "--rdzv-endpoint"])
@@ -395,6 +399,37 @@ def test_koala_run_says_in_one_line_that_no_rendezvous_store_answers(koala_run_h
         f"--standalone to have one picked\n")
 
 
+@pytest.fixture
+def endpoints_elsewhere(monkeypatch):
+    """torch (its rendezvous utilities and its c10d backend) takes every endpoint for one on
+    another machine: the agent never hosts the store there and only connects as a client."""
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, utils
+
+    for module in (utils, c10d_rendezvous_backend):
+        monkeypatch.setattr(module, "_matches_machine_hostname", lambda host: False)
+
+
+@pytest.mark.timeout(60, method="thread")  # the old hang was in C++, out of reach of a signal
+@pytest.mark.parametrize("listener", ["not a store", "nothing"])
+def test_koala_run_says_in_one_line_that_no_store_answers_on_another_machine(koala_run_here, endpoints_elsewhere,
+                                                                             capfd, monkeypatch, listener):
+    """An endpoint on another machine: a process there that never answers held torchrun with no
+    end (read_timeout not kept); with nothing listening it waited read_timeout, then ended in its
+    traceback, after torch's C++ store client logged each try with a stack of 30 frames."""
+    monkeypatch.setattr(koala_run_here, "PROBE_GRACE_S", 0.1)
+    with held_port() as port:
+        if listener == "nothing":
+            port = free_port()
+        code = koala_run_here.main(["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "read_timeout=1",
+                                    "never_started.py"])
+    assert code == USER_ERROR_EXIT
+    assert capfd.readouterr().err == (
+        f"koala-run: error: --rdzv-endpoint 127.0.0.1:{port}: no rendezvous store answered at 127.0.0.1:{port} "
+        f"within 1 s (--rdzv-conf read_timeout): start the agent that hosts it (on that machine, the same "
+        f"koala-run), or check the address and port\n")
+
+
 def test_the_store_probe_lets_a_store_that_answers_and_a_free_port_through(koala_run_here):
     """Two agents of one job on one machine: the second finds the first's store at the endpoint."""
     from datetime import timedelta
@@ -407,6 +442,40 @@ def test_the_store_probe_lets_a_store_that_answers_and_a_free_port_through(koala
         args = torchrun.get_args_parser().parse_args(["--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}",
                                                        "--rdzv-conf", "read_timeout=5", "never_started.py"])
         assert koala_run_here.store_not_answering(args) is None
+
+
+def test_the_store_probe_lets_a_store_on_another_machine_through(koala_run_here, endpoints_elsewhere):
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    from torch.distributed import run as torchrun
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    args = torchrun.get_args_parser().parse_args(["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                                                   f"127.0.0.1:{store.port}", "never_started.py"])
+    assert koala_run_here.store_not_answering(args) is None
+
+
+@pytest.mark.parametrize("probing", [True, False])
+def test_koala_run_ends_without_the_interpreters_teardown_while_a_store_probe_waits(koala_run_here, monkeypatch,
+                                                                                    probing):
+    """A store probe that ends in torch's C++ client while the interpreter tears down aborts the
+    process (std::terminate; exit code 134 instead of 2, in 1 of 2 runs with a 0.1 s grace)."""
+    monkeypatch.setattr(koala_run_here, "main", lambda: 2)
+
+    def os_exit(code: int):
+        raise SystemExit(f"os._exit({code})")
+    monkeypatch.setattr(koala_run_here.os, "_exit", os_exit)
+    done = threading.Event()
+    waiting = threading.Thread(target=done.wait, name=koala_run_here.PROBE_THREAD if probing else "other", daemon=True)
+    waiting.start()
+    try:
+        with pytest.raises(SystemExit) as info:
+            koala_run_here.cli()
+    finally:
+        done.set()
+        waiting.join()
+    assert info.value.code == ("os._exit(2)" if probing else 2)
 
 
 def test_one_line_user_errors_around_a_call(monkeypatch, capsys):
