@@ -23,8 +23,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# test-fast keeps Python's bytecode caches (__pycache__, ignored by git) even where the environment
+# turns them off (PYTHONDONTWRITEBYTECODE, set on this project's machines): each xdist worker
+# otherwise compiles koala_ds and rewrites every test module's asserts again on every run.
 test-fast: $(STAMP)  # everything but the multi-process tests (marked slow), on every core (pytest-xdist)
-	$(PY) -m pytest -q -m "not slow" -n auto
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -m "not slow" -n auto
 
 # What the GPU machine (no network; Python 3.12, torch with CUDA already there) needs to run
 # benchmarks/gpu_check.py: deepspeed (source-only on PyPI: its wheel is built here, pure Python,
