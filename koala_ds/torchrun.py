@@ -21,10 +21,12 @@ even when the script already said what to fix. Here:
   machine, by another run or one that has not ended: one line naming the option, exit code 2
   (torchrun prints its own traceback, about 40 lines).
   Without `--master-port`, a one-node run binds a port the system picks.
-- a c10d `--rdzv-endpoint` where no rendezvous store answers (on this machine, a port held by
-  a process of another kind; on another machine, no store up, or not a store): one line after
-  `--rdzv-conf read_timeout` (default 60 s), exit code 2 (torch's store client waits for a
-  process that never answers with no deadline, and ends a wait for a store in its traceback).
+- a c10d `--rdzv-endpoint`, or node 0's address for a static rendezvous's other nodes, where
+  no rendezvous store answers (on this machine, a port held by a process of another kind; on
+  another machine, no store up, or not a store): one line after the rendezvous timeout
+  (`--rdzv-conf read_timeout`, default 60 s; static: `timeout`, 600 s), exit code 2 (torch's
+  store client waits for a process that never answers with no deadline, and ends a wait for a
+  store in its traceback); a wait of more than WAIT_NOTICE_S is announced in one line.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Iterator
+from typing import TextIO
 from datetime import timedelta
 
 from .errors import USER_ERROR_EXIT, rank_zero_argument_errors, report_user_error
@@ -111,41 +114,70 @@ def missing_script(args) -> KoalaError | None:
 
 #: torch's c10d rendezvous: its port when the endpoint names none, and its store's read timeout.
 C10D_DEFAULT_PORT, C10D_READ_TIMEOUT_S = 29400, 60
+#: torch's static rendezvous: node 0's port when --master-port is not given, and its timeout.
+STATIC_DEFAULT_PORT, STATIC_TIMEOUT_S = 29500, 600
 #: How much longer than its read timeout the store client is given before it counts as stuck.
 PROBE_GRACE_S = 2.0
 PROBE_THREAD = "koala-run store probe"
+#: After this many seconds without an answer, koala-run says that it waits for the store.
+WAIT_NOTICE_S = 5.0
 
 
 def store_not_answering(args) -> KoalaError | None:
-    """The one-line error for a c10d `--rdzv-endpoint` where no rendezvous store answers: a port
-    on this machine in use by another kind of process, or an endpoint on another machine (no
-    store there yet, or not a store). torch's store client waits for a process that accepts and
-    never answers with no deadline (its read timeout not kept), and ends a wait for a store that
-    never comes up in a traceback: koala-run tries a client first, and gives up after the read
-    timeout. None when the port here is free (this agent will host the store) or a store answered."""
+    """The one-line error for a rendezvous store that does not answer where this agent connects
+    to it: a c10d `--rdzv-endpoint`, or node 0's for a static rendezvous's other nodes
+    (`--node-rank` > 0: `--master-addr`/`--master-port`, or `--rdzv-endpoint`). There, a port on
+    this machine in use by another kind of process, or an endpoint on another machine with no
+    store up or a process that is not one. torch's store client waits for a process that
+    accepts and never answers with no deadline (its timeout not kept), and ends a wait for a
+    store that never comes up in its traceback: koala-run tries a client first, and gives up
+    after the rendezvous timeout. None when this agent hosts the store or a store answered."""
     from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname, parse_rendezvous_endpoint
 
-    if args.standalone or args.rdzv_backend != "c10d" or not args.rdzv_endpoint:
+    client = _store_client(args)
+    if client is None:
         return None
+    option, endpoint, timeout_key, timeout_default = client
+    c10d = args.rdzv_backend == "c10d"
     try:
-        host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=C10D_DEFAULT_PORT)
-        timeout_s = int(_rendezvous_conf(args.rdzv_conf).get("read_timeout", C10D_READ_TIMEOUT_S))
+        host, port = parse_rendezvous_endpoint(endpoint, default_port=C10D_DEFAULT_PORT if c10d else -1)
+        timeout_s = int(_rendezvous_conf(args.rdzv_conf).get(timeout_key, timeout_default))
     except ValueError:
         return None  # torchrun says what is wrong (refused_option)
+    if port <= 0 or timeout_s <= 0:
+        return None  # c10d's port 0 (this agent hosts the store on any port), or torchrun's own error
     here = _matches_machine_hostname(host)
-    if port == 0 or timeout_s <= 0 or (here and _port_free(host, port)) or _store_answers(host, port, timeout_s):
-        return None
-    where = (f"port {port} is in use on this machine, but no rendezvous store answered there" if here else
+    taken = here and not _port_free(host, port)
+    if (c10d and here and not taken) or _store_answers(host, port, timeout_s, option, timeout_key):
+        return None  # c10d with a free port here: this agent hosts the store
+    where = (f"port {port} is in use on this machine, but no rendezvous store answered there" if taken else
              f"no rendezvous store answered at {host}:{port}")
-    fix = ("pass a free port, or --standalone to have one picked" if here else
-           "start the agent that hosts it (on that machine, the same koala-run), or check the address and port")
-    return KoalaError(f"--rdzv-endpoint {args.rdzv_endpoint}: {where} within {timeout_s} s "
-                      f"(--rdzv-conf read_timeout): {fix}")
+    fix = (("pass a free port, or --standalone to have one picked" if taken else
+            "start the agent that hosts it (on that machine, the same koala-run), or check the address and port")
+           if c10d else "pass the port node 0 listens on" if taken else
+           "start node 0 (--node-rank 0) at this address and port, or check them")
+    return KoalaError(f"{option} {endpoint}: {where} within {timeout_s} s (--rdzv-conf {timeout_key}): {fix}")
 
 
-def _store_answers(host: str, port: int, timeout_s: int) -> bool:
+def _store_client(args) -> tuple[str, str, str, int] | None:
+    """Where this agent may be a rendezvous store's client: (the option naming the endpoint, the
+    endpoint, the --rdzv-conf key of its timeout, that timeout's default); None where it never is."""
+    if args.standalone:
+        return None
+    if args.rdzv_backend == "c10d" and args.rdzv_endpoint:
+        return "--rdzv-endpoint", args.rdzv_endpoint, "read_timeout", C10D_READ_TIMEOUT_S
+    if args.rdzv_backend == "static" and args.node_rank > 0:
+        if args.rdzv_endpoint:
+            return "--rdzv-endpoint", args.rdzv_endpoint, "timeout", STATIC_TIMEOUT_S
+        endpoint = f"{args.master_addr}:{args.master_port or STATIC_DEFAULT_PORT}"
+        return "--master-addr / --master-port", endpoint, "timeout", STATIC_TIMEOUT_S
+    return None
+
+
+def _store_answers(host: str, port: int, timeout_s: int, option: str, timeout_key: str) -> bool:
     """Whether a TCPStore client at host:port connects within `timeout_s` (+ PROBE_GRACE_S): it
-    runs in a daemon thread, so a client stuck in torch's C++ wait is left behind."""
+    runs in a daemon thread, so a client stuck in torch's C++ wait is left behind. A wait longer
+    than WAIT_NOTICE_S is announced in one line (torch's own retry logs are dropped)."""
     from torch.distributed import TCPStore
 
     answer: list = []
@@ -157,22 +189,30 @@ def _store_answers(host: str, port: int, timeout_s: int) -> bool:
             answer.append(exc)
 
     client = threading.Thread(target=connect, name=PROBE_THREAD, daemon=True)
-    with _cpp_logs_dropped():
+    limit = timeout_s + PROBE_GRACE_S
+    with _cpp_logs_dropped() as stderr:
         client.start()
-        client.join(timeout_s + PROBE_GRACE_S)
+        client.join(min(WAIT_NOTICE_S, limit))
+        if client.is_alive() and limit > WAIT_NOTICE_S:
+            stderr.write(f"koala-run: waiting for the rendezvous store at {host}:{port} ({option}), up to "
+                         f"{timeout_s} s (--rdzv-conf {timeout_key})\n")
+            stderr.flush()
+            client.join(limit - WAIT_NOTICE_S)
     return bool(answer) and not isinstance(answer[0], Exception)
 
 
 @contextlib.contextmanager
-def _cpp_logs_dropped() -> Iterator[None]:
+def _cpp_logs_dropped() -> Iterator[TextIO]:
     """Inside, file descriptor 2 goes to /dev/null: torch's C++ store client logs each failed
-    try to connect there, with a C++ stack of 30 frames, and koala-run says it in one line."""
+    try to connect there, with a C++ stack of 30 frames, and koala-run says it in one line.
+    Yields the real standard error."""
     sys.stderr.flush()
     saved = os.dup(2)
     try:
         with open(os.devnull, "w") as null:
             os.dup2(null.fileno(), 2)
-        yield
+        with os.fdopen(os.dup(saved), "w") as stderr:
+            yield stderr
     finally:
         os.dup2(saved, 2)
         os.close(saved)

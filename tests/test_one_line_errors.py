@@ -456,6 +456,49 @@ def test_the_store_probe_lets_a_store_on_another_machine_through(koala_run_here,
     assert koala_run_here.store_not_answering(args) is None
 
 
+@pytest.mark.timeout(60, method="thread")  # the old hang was in C++, out of reach of a signal
+@pytest.mark.parametrize("listener", ["not a store", "nothing"])
+def test_koala_run_says_in_one_line_that_node_0s_store_does_not_answer(koala_run_here, capfd, monkeypatch, listener):
+    """A static rendezvous's node 1 (--node-rank 1) connects to node 0's store at --master-addr /
+    --master-port: held by a process that never answers, torchrun waited with no end; with
+    nothing listening it waited `timeout`, then ended in its traceback. A wait longer than
+    WAIT_NOTICE_S is announced in one line first."""
+    monkeypatch.setattr(koala_run_here, "PROBE_GRACE_S", 0.1)
+    monkeypatch.setattr(koala_run_here, "WAIT_NOTICE_S", 0.3)
+    with held_port() as port:
+        if listener == "nothing":
+            port = free_port()
+        code = koala_run_here.main(["--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "1", "--master-addr",
+                                    "127.0.0.1", "--master-port", str(port), "--rdzv-conf", "timeout=1",
+                                    "never_started.py"])
+    assert code == USER_ERROR_EXIT
+    where, fix = ((f"port {port} is in use on this machine, but no rendezvous store answered there",
+                   "pass the port node 0 listens on") if listener == "not a store" else
+                  (f"no rendezvous store answered at 127.0.0.1:{port}",
+                   "start node 0 (--node-rank 0) at this address and port, or check them"))
+    assert capfd.readouterr().err == (
+        f"koala-run: waiting for the rendezvous store at 127.0.0.1:{port} (--master-addr / --master-port), up to 1 s "
+        f"(--rdzv-conf timeout)\n"
+        f"koala-run: error: --master-addr / --master-port 127.0.0.1:{port}: {where} within 1 s (--rdzv-conf timeout): "
+        f"{fix}\n")
+
+
+def test_the_store_probe_lets_node_1_through_to_node_0s_store(koala_run_here):
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    from torch.distributed import run as torchrun
+
+    store = TCPStore("127.0.0.1", 0, world_size=2, is_master=True, timeout=timedelta(seconds=10),
+                     wait_for_workers=False)
+    parse = torchrun.get_args_parser().parse_args
+    for node_rank, endpoint in ((1, ["--master-addr", "127.0.0.1", "--master-port", str(store.port)]),
+                                (1, ["--rdzv-endpoint", f"127.0.0.1:{store.port}"]),
+                                (0, ["--master-addr", "127.0.0.1", "--master-port", str(free_port())])):
+        args = parse(["--nnodes", "2", "--node-rank", str(node_rank), *endpoint, "never_started.py"])
+        assert koala_run_here.store_not_answering(args) is None
+
+
 @pytest.mark.parametrize("probing", [True, False])
 def test_koala_run_ends_without_the_interpreters_teardown_while_a_store_probe_waits(koala_run_here, monkeypatch,
                                                                                     probing):
