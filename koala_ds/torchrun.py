@@ -39,8 +39,8 @@ import sys
 import threading
 import traceback
 from collections.abc import Iterator
-from typing import TextIO
 from datetime import timedelta
+from typing import TextIO
 
 from .errors import USER_ERROR_EXIT, rank_zero_argument_errors, report_user_error
 from .ir import KoalaError
@@ -148,8 +148,8 @@ def store_not_answering(args) -> KoalaError | None:
         return None  # c10d's port 0 (this agent hosts the store on any port), or torchrun's own error
     here = _matches_machine_hostname(host)
     taken = here and not _port_free(host, port)
-    if (c10d and here and not taken) or _store_answers(host, port, timeout_s, option, timeout_key):
-        return None  # c10d with a free port here: this agent hosts the store
+    if (c10d and _hosts_store(args, here and not taken)) or _store_answers(host, port, timeout_s, option, timeout_key):
+        return None
     where = (f"port {port} is in use on this machine, but no rendezvous store answered there" if taken else
              f"no rendezvous store answered at {host}:{port}")
     fix = (("pass a free port, or --standalone to have one picked" if taken else
@@ -162,6 +162,8 @@ def store_not_answering(args) -> KoalaError | None:
 def _store_client(args) -> tuple[str, str, str, int] | None:
     """Where this agent may be a rendezvous store's client: (the option naming the endpoint, the
     endpoint, the --rdzv-conf key of its timeout, that timeout's default); None where it never is."""
+    from torch.distributed.run import parse_min_max_nnodes
+
     if args.standalone:
         return None
     if args.rdzv_backend == "c10d" and args.rdzv_endpoint:
@@ -169,9 +171,20 @@ def _store_client(args) -> tuple[str, str, str, int] | None:
     if args.rdzv_backend == "static" and args.node_rank > 0:
         if args.rdzv_endpoint:
             return "--rdzv-endpoint", args.rdzv_endpoint, "timeout", STATIC_TIMEOUT_S
+        if args.master_port is None and parse_min_max_nnodes(args.nnodes)[1] == 1:
+            return None  # torchrun runs one node on a c10d store of its own
         endpoint = f"{args.master_addr}:{args.master_port or STATIC_DEFAULT_PORT}"
         return "--master-addr / --master-port", endpoint, "timeout", STATIC_TIMEOUT_S
     return None
+
+
+def _hosts_store(args, port_free_here: bool) -> bool:
+    """Whether this c10d agent hosts the store: as `--rdzv-conf is_host` says, else (as torch
+    decides) when the endpoint is on this machine and its port is free."""
+    is_host = _rendezvous_conf(args.rdzv_conf).get("is_host", "").strip().lower()
+    if is_host in ("1", "true", "t", "yes", "y"):
+        return True
+    return port_free_here and is_host not in ("0", "false", "f", "no", "n")
 
 
 def _store_answers(host: str, port: int, timeout_s: int, option: str, timeout_key: str) -> bool:

@@ -456,6 +456,19 @@ def test_the_store_probe_lets_a_store_on_another_machine_through(koala_run_here,
     assert koala_run_here.store_not_answering(args) is None
 
 
+def test_the_store_probe_lets_through_an_agent_that_hosts_the_store(koala_run_here, endpoints_elsewhere):
+    """`--rdzv-conf is_host=true` (for an address of this machine that torch takes for another's)
+    and a one-node static run with no --master-port (torchrun gives it a c10d store of its own)
+    host their store: nothing to wait for."""
+    from torch.distributed import run as torchrun
+
+    parse = torchrun.get_args_parser().parse_args
+    for argv in (["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+                  "--rdzv-conf", "is_host=true,read_timeout=1"],
+                 ["--nnodes", "1", "--node-rank", "1"]):
+        assert koala_run_here.store_not_answering(parse([*argv, "never_started.py"])) is None
+
+
 @pytest.mark.timeout(60, method="thread")  # the old hang was in C++, out of reach of a signal
 @pytest.mark.parametrize("listener", ["not a store", "nothing"])
 def test_koala_run_says_in_one_line_that_node_0s_store_does_not_answer(koala_run_here, capfd, monkeypatch, listener):
