@@ -141,14 +141,16 @@ def store_not_answering(args) -> KoalaError | None:
     c10d = args.rdzv_backend == "c10d"
     try:
         host, port = parse_rendezvous_endpoint(endpoint, default_port=C10D_DEFAULT_PORT if c10d else -1)
-        timeout_s = int(_rendezvous_conf(args.rdzv_conf).get(timeout_key, timeout_default))
+        params = _rendezvous_params(args, endpoint)
+        timeout_s, is_host = params.get_as_int(timeout_key, timeout_default), params.get_as_bool("is_host")
     except ValueError:
         return None  # torchrun says what is wrong (refused_option)
     if port <= 0 or timeout_s <= 0:
         return None  # c10d's port 0 (this agent hosts the store on any port), or torchrun's own error
     here = _matches_machine_hostname(host)
     taken = here and not _port_free(host, port)
-    if (c10d and _hosts_store(args, here and not taken)) or _store_answers(host, port, timeout_s, option, timeout_key):
+    hosts = c10d and (here and not taken if is_host is None else is_host)  # as torch's c10d backend decides
+    if hosts or _store_answers(host, port, timeout_s, option, timeout_key):
         return None
     where = (f"port {port} is in use on this machine, but no rendezvous store answered there" if taken else
              f"no rendezvous store answered at {host}:{port}")
@@ -176,15 +178,6 @@ def _store_client(args) -> tuple[str, str, str, int] | None:
         endpoint = f"{args.master_addr}:{args.master_port or STATIC_DEFAULT_PORT}"
         return "--master-addr / --master-port", endpoint, "timeout", STATIC_TIMEOUT_S
     return None
-
-
-def _hosts_store(args, port_free_here: bool) -> bool:
-    """Whether this c10d agent hosts the store: as `--rdzv-conf is_host` says, else (as torch
-    decides) when the endpoint is on this machine and its port is free."""
-    is_host = _rendezvous_conf(args.rdzv_conf).get("is_host", "").strip().lower()
-    if is_host in ("1", "true", "t", "yes", "y"):
-        return True
-    return port_free_here and is_host not in ("0", "false", "f", "no", "n")
 
 
 def _store_answers(host: str, port: int, timeout_s: int, option: str, timeout_key: str) -> bool:
@@ -231,9 +224,15 @@ def _cpp_logs_dropped() -> Iterator[TextIO]:
         os.close(saved)
 
 
-def _rendezvous_conf(conf: str) -> dict[str, str]:
-    """`--rdzv-conf` as key=value pairs (torchrun checks it; an item without '=' is skipped here)."""
-    return dict(item.split("=", 1) for item in conf.split(",") if "=" in item)
+def _rendezvous_params(args, endpoint: str):
+    """`--rdzv-conf` read by torch's own parser into the parameters its rendezvous backends get
+    (raises ValueError where torchrun would refuse them)."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.run import _parse_rendezvous_config, parse_min_max_nnodes
+
+    low, high = parse_min_max_nnodes(args.nnodes)
+    return RendezvousParameters(args.rdzv_backend, endpoint, args.rdzv_id, low, high,
+                                **_parse_rendezvous_config(args.rdzv_conf))
 
 
 def _port_free(host: str, port: int) -> bool:
