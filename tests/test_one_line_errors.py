@@ -384,14 +384,24 @@ def test_koala_run_leaves_a_value_error_from_the_running_agent_alone(koala_run_h
         koala_run_here.main(["--nproc-per-node", "1", "--standalone", "never_started.py"])
 
 
+def _koala_run_at_a_port(koala_run, monkeypatch, listener: str, argv) -> tuple[int, int]:
+    """koala-run's exit code for `argv(port)` and the script never_started.py, and the port: one
+    held by a socket that listens and never answers ("not a store"), or a free one ("nothing").
+    The store probe gets 0.1 s more than its timeout."""
+    monkeypatch.setattr(koala_run, "PROBE_GRACE_S", 0.1)
+    with held_port() as port:
+        if listener == "nothing":
+            port = free_port()
+        return koala_run.main([*argv(port), "never_started.py"]), port
+
+
 @pytest.mark.timeout(60, method="thread")  # the old hang was in C++, out of reach of a signal
 def test_koala_run_says_in_one_line_that_no_rendezvous_store_answers(koala_run_here, capsys, monkeypatch):
     """torchrun waited with no deadline (more than 20 minutes, its read timeout not kept) when a
     c10d --rdzv-endpoint on this machine named a port held by a process that never answers."""
-    monkeypatch.setattr(koala_run_here, "PROBE_GRACE_S", 0.1)
-    with held_port() as port:
-        code = koala_run_here.main(["--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                                    f"localhost:{port}", "--rdzv-conf", "read_timeout=1", "never_started.py"])
+    code, port = _koala_run_at_a_port(koala_run_here, monkeypatch, "not a store", lambda port: [
+        "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}",
+        "--rdzv-conf", "read_timeout=1"])
     assert code == USER_ERROR_EXIT
     assert capsys.readouterr().err == (
         f"koala-run: error: --rdzv-endpoint localhost:{port}: port {port} is in use on this machine, but no "
@@ -416,13 +426,9 @@ def test_koala_run_says_in_one_line_that_no_store_answers_on_another_machine(koa
     """An endpoint on another machine: a process there that never answers held torchrun with no
     end (read_timeout not kept); with nothing listening it waited read_timeout, then ended in its
     traceback, after torch's C++ store client logged each try with a stack of 30 frames."""
-    monkeypatch.setattr(koala_run_here, "PROBE_GRACE_S", 0.1)
-    with held_port() as port:
-        if listener == "nothing":
-            port = free_port()
-        code = koala_run_here.main(["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-                                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "read_timeout=1",
-                                    "never_started.py"])
+    code, port = _koala_run_at_a_port(koala_run_here, monkeypatch, listener, lambda port: [
+        "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+        "--rdzv-conf", "read_timeout=1"])
     assert code == USER_ERROR_EXIT
     assert capfd.readouterr().err == (
         f"koala-run: error: --rdzv-endpoint 127.0.0.1:{port}: no rendezvous store answered at 127.0.0.1:{port} "
@@ -430,29 +436,36 @@ def test_koala_run_says_in_one_line_that_no_store_answers_on_another_machine(koa
         f"koala-run), or check the address and port\n")
 
 
-def test_the_store_probe_lets_a_store_that_answers_and_a_free_port_through(koala_run_here):
-    """Two agents of one job on one machine: the second finds the first's store at the endpoint."""
+@pytest.fixture
+def store_port():
+    """The port of a rendezvous store (a TCPStore server on 127.0.0.1) that answers."""
     from datetime import timedelta
 
     from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, world_size=2, is_master=True, timeout=timedelta(seconds=10),
+                     wait_for_workers=False)
+    yield store.port
+    del store
+
+
+def _torchrun_args(*argv: str):
+    """torchrun's parsed arguments for `argv` and a script never_started.py."""
     from torch.distributed import run as torchrun
 
-    store = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
-    for port in (store.port, free_port()):
-        args = torchrun.get_args_parser().parse_args(["--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}",
-                                                       "--rdzv-conf", "read_timeout=5", "never_started.py"])
+    return torchrun.get_args_parser().parse_args([*argv, "never_started.py"])
+
+
+def test_the_store_probe_lets_a_store_that_answers_and_a_free_port_through(koala_run_here, store_port):
+    """Two agents of one job on one machine: the second finds the first's store at the endpoint."""
+    for port in (store_port, free_port()):
+        args = _torchrun_args("--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}",
+                              "--rdzv-conf", "read_timeout=5")
         assert koala_run_here.store_not_answering(args) is None
 
 
-def test_the_store_probe_lets_a_store_on_another_machine_through(koala_run_here, endpoints_elsewhere):
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-    from torch.distributed import run as torchrun
-
-    store = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
-    args = torchrun.get_args_parser().parse_args(["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                                                   f"127.0.0.1:{store.port}", "never_started.py"])
+def test_the_store_probe_lets_a_store_on_another_machine_through(koala_run_here, endpoints_elsewhere, store_port):
+    args = _torchrun_args("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store_port}")
     assert koala_run_here.store_not_answering(args) is None
 
 
@@ -460,13 +473,10 @@ def test_the_store_probe_lets_through_an_agent_that_hosts_the_store(koala_run_he
     """`--rdzv-conf is_host=true` (for an address of this machine that torch takes for another's)
     and a one-node static run with no --master-port (torchrun gives it a c10d store of its own)
     host their store: nothing to wait for."""
-    from torch.distributed import run as torchrun
-
-    parse = torchrun.get_args_parser().parse_args
     for argv in (["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
                   "--rdzv-conf", "is_host=true,read_timeout=1"],
                  ["--nnodes", "1", "--node-rank", "1"]):
-        assert koala_run_here.store_not_answering(parse([*argv, "never_started.py"])) is None
+        assert koala_run_here.store_not_answering(_torchrun_args(*argv)) is None
 
 
 @pytest.mark.timeout(60, method="thread")  # the old hang was in C++, out of reach of a signal
@@ -476,14 +486,10 @@ def test_koala_run_says_in_one_line_that_node_0s_store_does_not_answer(koala_run
     --master-port: held by a process that never answers, torchrun waited with no end; with
     nothing listening it waited `timeout`, then ended in its traceback. A wait longer than
     WAIT_NOTICE_S is announced in one line first."""
-    monkeypatch.setattr(koala_run_here, "PROBE_GRACE_S", 0.1)
     monkeypatch.setattr(koala_run_here, "WAIT_NOTICE_S", 0.3)
-    with held_port() as port:
-        if listener == "nothing":
-            port = free_port()
-        code = koala_run_here.main(["--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "1", "--master-addr",
-                                    "127.0.0.1", "--master-port", str(port), "--rdzv-conf", "timeout=1",
-                                    "never_started.py"])
+    code, port = _koala_run_at_a_port(koala_run_here, monkeypatch, listener, lambda port: [
+        "--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+        "--master-port", str(port), "--rdzv-conf", "timeout=1"])
     assert code == USER_ERROR_EXIT
     where, fix = ((f"port {port} is in use on this machine, but no rendezvous store answered there",
                    "pass the port node 0 listens on") if listener == "not a store" else
@@ -496,19 +502,11 @@ def test_koala_run_says_in_one_line_that_node_0s_store_does_not_answer(koala_run
         f"{fix}\n")
 
 
-def test_the_store_probe_lets_node_1_through_to_node_0s_store(koala_run_here):
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-    from torch.distributed import run as torchrun
-
-    store = TCPStore("127.0.0.1", 0, world_size=2, is_master=True, timeout=timedelta(seconds=10),
-                     wait_for_workers=False)
-    parse = torchrun.get_args_parser().parse_args
-    for node_rank, endpoint in ((1, ["--master-addr", "127.0.0.1", "--master-port", str(store.port)]),
-                                (1, ["--rdzv-endpoint", f"127.0.0.1:{store.port}"]),
+def test_the_store_probe_lets_node_1_through_to_node_0s_store(koala_run_here, store_port):
+    for node_rank, endpoint in ((1, ["--master-addr", "127.0.0.1", "--master-port", str(store_port)]),
+                                (1, ["--rdzv-endpoint", f"127.0.0.1:{store_port}"]),
                                 (0, ["--master-addr", "127.0.0.1", "--master-port", str(free_port())])):
-        args = parse(["--nnodes", "2", "--node-rank", str(node_rank), *endpoint, "never_started.py"])
+        args = _torchrun_args("--nnodes", "2", "--node-rank", str(node_rank), *endpoint)
         assert koala_run_here.store_not_answering(args) is None
 
 
