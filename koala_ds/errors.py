@@ -8,7 +8,8 @@ A `KoalaError` (a bad schedule, a config that does not fit it: KoalaConfigError,
 MegatronScheduleError, the library's errors) is the user's to fix, and every rank detects the
 same one before any communication. So instead of a traceback per rank, rank 0 prints
 `error: <message>` on stderr and every rank exits with code 2 (`USER_ERROR_EXIT`). Any other
-exception keeps its traceback. `rank_zero_argument_errors(parser)` does the same for argparse
+exception keeps its traceback, written in one piece: ranks that fail together (every rank meets
+the same bug) print theirs one after another, not mixed line by line or word by word. `rank_zero_argument_errors(parser)` does the same for argparse
 errors (the koala flags' `add_arguments` applies it to the parser it extends). torchrun itself
 then prints its summary of the failed ranks (about 40 lines); `koala-run`, which takes
 torchrun's arguments (koala_ds/torchrun.py), leaves a user error at the one line.
@@ -23,6 +24,7 @@ import argparse
 import os
 import sys
 import time
+import traceback
 from contextlib import contextmanager
 from typing import Callable, Iterator, NoReturn
 
@@ -69,10 +71,38 @@ def run_main(main: Callable[[], object], prog: str | None = None,
              grace_s: float = OTHER_RANKS_GRACE_S) -> NoReturn:
     """Run `main()` and exit with its return value (0 for None); a KoalaError becomes one line
     on rank 0 and exit code USER_ERROR_EXIT on every rank, without a traceback (the other
-    ranks exit `grace_s` later, unless their launcher ends them first)."""
-    with one_line_user_errors(prog, grace_s):
-        code = main()
+    ranks exit `grace_s` later, unless their launcher ends them first). Any other exception: its
+    traceback in one write and exit code 1, as Python itself would (a custom sys.excepthook is
+    left to do its own printing)."""
+    try:
+        with one_line_user_errors(prog, grace_s):
+            code = main()
+    except Exception:
+        if sys.excepthook is not sys.__excepthook__:
+            raise
+        write_whole(traceback.format_exc())
+        sys.exit(1)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def write_whole(text: str) -> None:
+    """Write `text` to stderr in one write call: the ranks of one job share their launcher's
+    stderr, and text written piece by piece, as Python prints a traceback, mixes with the other
+    ranks' when they fail at the same moment. (A terminal takes a write whole; a pipe takes up
+    to 4 KiB whole, PIPE_BUF.)"""
+    _flush()
+    try:
+        fd = sys.stderr.fileno()
+    except (OSError, ValueError, AttributeError):  # a replaced sys.stderr, with no file descriptor
+        sys.stderr.write(text)
+        _flush()
+        return
+    data = text.encode(sys.stderr.encoding or "utf-8", "backslashreplace")
+    try:
+        while data:
+            data = data[os.write(fd, data):]
+    except OSError:  # stderr is gone (a closed pipe): nothing can be said
+        pass
 
 
 @contextmanager
