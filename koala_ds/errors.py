@@ -21,11 +21,11 @@ exit first, rank 0 could be stopped before it printed the message. So the other 
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import sys
 import time
-import traceback
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr
 from typing import Callable, Iterator, NoReturn
 
 from .ir import KoalaError
@@ -72,15 +72,15 @@ def run_main(main: Callable[[], object], prog: str | None = None,
     """Run `main()` and exit with its return value (0 for None); a KoalaError becomes one line
     on rank 0 and exit code USER_ERROR_EXIT on every rank, without a traceback (the other
     ranks exit `grace_s` later, unless their launcher ends them first). Any other exception: its
-    traceback in one write and exit code 1, as Python itself would (a custom sys.excepthook is
-    left to do its own printing)."""
+    traceback (what sys.excepthook prints) in one write and exit code 1, as Python's own."""
     try:
         with one_line_user_errors(prog, grace_s):
             code = main()
     except Exception:
-        if sys.excepthook is not sys.__excepthook__:
-            raise
-        write_whole(traceback.format_exc())
+        printed = io.StringIO()
+        with redirect_stderr(printed):  # what sys.excepthook prints (Python's: the traceback)
+            sys.excepthook(*sys.exc_info())
+        write_whole(printed.getvalue())
         sys.exit(1)
     sys.exit(code if isinstance(code, int) else 0)
 
