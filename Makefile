@@ -20,8 +20,10 @@ demo: $(STAMP)
 	$(VENV)/bin/koala search --profile gpt-chunks-8 -v 2 -m 8 --time-budget 10 --seed 0 --quiet \
 		-o out/best.koala --gantt out/best.png
 
-test: $(STAMP)
-	$(PY) -m pytest -q
+# test: everything, in two runs: the fast tests on every core (test-fast), then the multi-process
+# ones (marked slow), one at a time, as each starts its own ranks and some time their deadlines.
+test: test-fast
+	$(PY) -m pytest -q -m slow
 
 # test-fast keeps Python's bytecode caches (__pycache__, ignored by git) even where the environment
 # turns them off (PYTHONDONTWRITEBYTECODE, set on this project's machines): each xdist worker

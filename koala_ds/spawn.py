@@ -1,11 +1,13 @@
 """Run a function in several local processes with a process group and a deadline.
 
 Used by the engine tests, the profiler and the benchmarks. `launch("pkg.module:func", world,
-spec)` starts `world` spawned processes with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+spec)` starts `world` spawned processes (or, with `preload`, forks them from a fork server that
+has imported torch and the engines once) with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
 MASTER_PORT set, initialises a gloo process group (through torch, or through
 `deepspeed.init_distributed` with `init="deepspeed"`), calls `func(rank, world, spec)` in each
 and returns one result dict per rank. Processes still alive at the deadline, or 15 s after
-another rank failed, are killed: nothing hangs. torch is imported only in the workers.
+another rank failed, are killed: nothing hangs. torch is imported only in the workers (and the
+fork server).
 """
 from __future__ import annotations
 
@@ -50,7 +52,9 @@ def _init_process_group(init: str | None, pg_timeout_s: float) -> None:
 
 
 def _entry(target: str, rank: int, world: int, port: int, spec: Any, out: str, pg_timeout_s: float,
-           init: str | None, env: dict) -> None:
+           init: str | None, env: dict, base_env: dict) -> None:
+    os.environ.clear()  # the launching process's environment (a forked rank has the fork server's)
+    os.environ.update(base_env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "LOCAL_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                        "OMP_NUM_THREADS": "1", **env})
@@ -81,16 +85,24 @@ def _entry(target: str, rank: int, world: int, port: int, spec: Any, out: str, p
 
 def launch(target: Callable | str, world: int, spec: Any = None, *, timeout_s: float = 300.0,
            pg_timeout_s: float = 60.0, init: str | None = "gloo", env: dict | None = None,
-           allow_failures: bool = False, wait_ranks: list[int] | None = None, retries: int = 3) -> list[dict]:
+           allow_failures: bool = False, wait_ranks: list[int] | None = None, retries: int = 3,
+           preload: tuple[str, ...] = ()) -> list[dict]:
     """`target(rank, world, spec)` in `world` processes; one dict per rank: {"ok": True, "value": ...}
     or {"ok": False, "type", "message", "traceback"}. A failed rank raises `SpawnError` unless
     `allow_failures`. With `wait_ranks`, the other ranks are killed once those have finished. A
-    launch whose rendezvous port was taken meanwhile (EADDRINUSE) is retried on a new port."""
+    launch whose rendezvous port was taken meanwhile (EADDRINUSE) is retried on a new port.
+
+    `preload` (CPU jobs only): modules that a fork server imports once for all the launches of
+    this process; the ranks are forked from it instead of each importing torch and its engine
+    anew (seconds of CPU per rank). The first launch with a preload starts the server; later
+    launches use it as it is. Not for CUDA: importing an engine may initialise CUDA, which a
+    forked process cannot use. Every rank gets this process's environment at the launch, with
+    `env` on top, either way."""
     if not isinstance(target, str):
         target = f"{target.__module__}:{target.__qualname__}"
     for attempt in range(retries + 1):
         results, timed_out = _launch_once(target, world, spec, timeout_s, pg_timeout_s, init, dict(env or {}),
-                                          wait_ranks)
+                                          wait_ranks, preload)
         bad = [(r, res) for r, res in enumerate(results) if not res["ok"]]
         if bad and attempt < retries and any("EADDRINUSE" in res["message"] for _, res in bad):
             continue
@@ -121,13 +133,16 @@ def remove_deepspeed_shm(port: int) -> None:
 
 
 def _launch_once(target: str, world: int, spec: Any, timeout_s: float, pg_timeout_s: float, init: str | None,
-                 env: dict, wait_ranks: list[int] | None) -> tuple[list[dict], bool]:
+                 env: dict, wait_ranks: list[int] | None, preload: tuple[str, ...]) -> tuple[list[dict], bool]:
     import multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver" if preload else "spawn")
+    if preload:
+        ctx.set_forkserver_preload(list(preload))
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="koala-spawn-") as out:
-        procs = [ctx.Process(target=_entry, args=(target, r, world, port, spec, out, pg_timeout_s, init, env),
+        base_env = dict(os.environ)
+        procs = [ctx.Process(target=_entry, args=(target, r, world, port, spec, out, pg_timeout_s, init, env, base_env),
                              daemon=True) for r in range(world)]
         for proc in procs:
             proc.start()

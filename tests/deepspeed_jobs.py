@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 
 from koala_ds.spawn import SpawnError, launch as spawn_launch
+from rank_processes import PRELOAD
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +188,7 @@ def launch(worker: Callable | str, world_size: int, spec: Any = None, timeout_s:
     clear_stale_locks(ext_dir)  # else every worker would wait on a lock a killed process left
     env = {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(ext_dir)}
     return spawn_launch(worker, world_size, spec, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s, init="deepspeed",
-                        env=env, allow_failures=allow_failures, wait_ranks=wait_ranks)
+                        env=env, allow_failures=allow_failures, wait_ranks=wait_ranks, preload=PRELOAD)
 
 
 # -- a tiny model --------------------------------------------------------------------------

@@ -397,9 +397,12 @@ def main(argv=None):
     ap.add_argument("--port", type=int, default=29511)
     args = ap.parse_args(argv)
     import torch.multiprocessing as mp
+    from rank_processes import PRELOAD
 
+    mp.set_forkserver_preload(list(PRELOAD))  # the ranks import torch and megatron-core once, not each
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(worker, args=(args.world, args.port, args.suite, args.out, tmp), nprocs=args.world, join=True)
+        mp.start_processes(worker, args=(args.world, args.port, args.suite, args.out, tmp), nprocs=args.world,
+                           join=True, start_method="forkserver")
 
 
 if __name__ == "__main__":

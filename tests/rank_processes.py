@@ -22,6 +22,11 @@ from koala_ds.spawn import free_port
 
 ATTEMPTS = 3
 
+#: What the tests' ranks import, once, in the fork server of `koala_ds.spawn.launch(preload=...)`
+#: (on CPU): a spawned rank imported them itself, 3-7 s of CPU each.
+PRELOAD = ("torch", "torch.distributed", "deepspeed", "megatron.core",
+           "megatron.core.pipeline_parallel.schedules", "megatron.core.models.gpt")
+
 
 T = TypeVar("T")
 

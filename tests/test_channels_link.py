@@ -35,8 +35,9 @@ def link_worker(rank: int, world: int, spec: dict) -> dict:
 @pytest.mark.slow
 def test_link_sends_to_the_global_rank_given_on_any_group():
     from koala_ds.spawn import spawn
+    from rank_processes import PRELOAD
 
-    got = spawn("test_channels_link:link_worker", 3, {}, timeout_s=120)[2]
+    got = spawn("test_channels_link:link_worker", 3, {}, timeout_s=120, preload=PRELOAD)[2]
     for src in (0, 1):
         assert got[src][0] == [float(i + src) for i in range(6)]
         assert got[src][1] == [complex(1, 2) * (src + 1), complex(0, -3) * (src + 1)]

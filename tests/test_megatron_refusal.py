@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from koala_ds.spawn import launch
+from rank_processes import PRELOAD
 
 TIMEOUT_S = 30
 
@@ -25,7 +26,7 @@ def _megatron_core():
 @pytest.mark.timeout(180)
 def test_a_chunk_refused_on_one_rank_is_refused_on_every_rank_before_the_step():
     results = launch("megatron_roles_worker:roles_worker", 3, {"timeout_s": TIMEOUT_S}, timeout_s=150,
-                     pg_timeout_s=120)
+                     pg_timeout_s=120, preload=PRELOAD)
     outs = [r["value"] for r in results]
     assert all(o["error"] == "ScheduleFitError" for o in outs), outs  # MegatronScheduleError is its alias
     first = outs[0]["message"]

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from koala_ds.spawn import launch
+from rank_processes import PRELOAD
 
 TIMEOUT_S = 3
 
@@ -28,7 +29,7 @@ def run_stopped(stop: str) -> tuple[dict, float]:
     """Rank 0's result and when the launch returned (time.time())."""
     spec = {"stop": stop, "stopped_rank": 1}
     results = launch("megatron_stop_worker:stop_worker", 2, spec, timeout_s=45, pg_timeout_s=100,
-                     env={"KOALA_TIMEOUT_S": str(TIMEOUT_S)}, allow_failures=True, wait_ranks=[0])
+                     env={"KOALA_TIMEOUT_S": str(TIMEOUT_S)}, allow_failures=True, wait_ranks=[0], preload=PRELOAD)
     return results[0], time.time()
 
 

@@ -193,6 +193,7 @@ def test_emulated_model_through_koala_megatron_matches_the_simulator():
     from koala_ds.library import load_schedule
     from engine_runs import step_times_ms
     from koala_ds.spawn import spawn
+    from rank_processes import PRELOAD
 
     p, m = 2, 4
     profile = CostProfile.uniform(p, 10.0, 10.0, 10.0)
@@ -204,7 +205,7 @@ def test_emulated_model_through_koala_megatron_matches_the_simulator():
         # the runtime has no input gradient on stage 0: its I is empty and W runs the whole backward
         folded = CostProfile((profile.stages[0].__class__(10.0, 0.0, 20.0),) + profile.stages[1:])
         sims.append(simulate(sched, folded).makespan)
-    res = spawn("engine_runs:megatron_worker", p, {"jobs": jobs, "timeout_s": 60}, timeout_s=140)
+    res = spawn("engine_runs:megatron_worker", p, {"jobs": jobs, "timeout_s": 60}, timeout_s=140, preload=PRELOAD)
     for (job, steps), sim in zip(zip(jobs, step_times_ms(res, 1)), sims):
         got = statistics.median(steps)
         assert 0.97 * sim <= got <= 1.6 * sim, f"{job['key']}: measured {got:.1f} ms, simulated {sim:.1f} ms"

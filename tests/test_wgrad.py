@@ -471,8 +471,9 @@ def test_megatron_linears_with_sequence_parallelism_split_equals_a_full_backward
     the sequence-sharded input, and the gradients are those of megatron-core's own backward."""
     pytest.importorskip("megatron.core")
     from koala_ds.spawn import spawn
+    from rank_processes import PRELOAD
 
-    for rank, got in enumerate(spawn("test_wgrad:sequence_parallel_worker", 2, {}, timeout_s=180)):
+    for rank, got in enumerate(spawn("test_wgrad:sequence_parallel_worker", 2, {}, timeout_s=180, preload=PRELOAD)):
         assert got["deferred"] == 6, (rank, got)  # both linears, three microbatches
         assert max(got["grads"]) <= 1e-6 and max(got["input_grads"]) <= 1e-6, (rank, got)
 
