@@ -183,8 +183,9 @@ def deepspeed_worker(rank: int, world: int, spec: dict) -> dict:
 def run(engine: str, spec: dict, p: int) -> list[dict]:
     if engine.startswith("megatron"):
         from koala_ds.spawn import spawn
+        from rank_processes import PRELOAD  # ranks forked with torch and megatron-core imported (CPU only)
 
-        return spawn(f"runtime_cpu:{engine.replace('-', '_')}_worker", p, spec, timeout_s=600)
+        return spawn(f"runtime_cpu:{engine.replace('-', '_')}_worker", p, spec, timeout_s=600, preload=PRELOAD)
     from deepspeed_jobs import launch
 
     return [r["value"] for r in launch("runtime_cpu:deepspeed_worker", p, spec, timeout_s=600)]

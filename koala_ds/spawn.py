@@ -132,13 +132,29 @@ def remove_deepspeed_shm(port: int) -> None:
             pass
 
 
+def _start_fork_server(ctx, preload: tuple[str, ...], env: dict) -> None:
+    """Start this process's fork server unless it runs: it imports `preload` with `env` in its
+    environment, as the ranks will have it (DeepSpeed picks its accelerator, DS_ACCELERATOR, on
+    import)."""
+    from multiprocessing import forkserver
+
+    ctx.set_forkserver_preload(list(preload))
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def _launch_once(target: str, world: int, spec: Any, timeout_s: float, pg_timeout_s: float, init: str | None,
                  env: dict, wait_ranks: list[int] | None, preload: tuple[str, ...]) -> tuple[list[dict], bool]:
     import multiprocessing as mp
 
     ctx = mp.get_context("forkserver" if preload else "spawn")
     if preload:
-        ctx.set_forkserver_preload(list(preload))
+        _start_fork_server(ctx, preload, env)
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="koala-spawn-") as out:
         base_env = dict(os.environ)

@@ -59,6 +59,9 @@ def test_run_main_other_ranks_exit_2_quietly_after_rank_zero(monkeypatch, capsys
 
 def test_run_main_keeps_other_exceptions_and_return_codes(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "0")
+    # Python's own hook (torch.distributed installs one that prefixes each line with the rank
+    # once a process group is up, as an earlier test in this process may have done)
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
 
     def crash():
         raise RuntimeError("a bug, not a user error")
@@ -68,6 +71,13 @@ def test_run_main_keeps_other_exceptions_and_return_codes(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.startswith("Traceback (most recent call last):\n") and "in crash\n" in err
     assert err.endswith("RuntimeError: a bug, not a user error\n")
+    # a hook of the user's (or torch's) says what is printed
+    monkeypatch.setattr(sys, "excepthook", lambda kind, exc, tb: print(f"[rank0]: {kind.__name__}: {exc}",
+                                                                       file=sys.stderr))
+    with pytest.raises(SystemExit) as info:
+        run_main(crash)
+    assert info.value.code == 1
+    assert capsys.readouterr().err == "[rank0]: RuntimeError: a bug, not a user error\n"
     with pytest.raises(SystemExit) as info:
         run_main(lambda: 3)
     assert info.value.code == 3

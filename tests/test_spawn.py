@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from koala_ds.spawn import spawn
 from rank_processes import PRELOAD
 
+ROOT = Path(__file__).resolve().parents[1]
 NAMES = ("KOALA_SPAWN_TEST_SET", "KOALA_SPAWN_TEST_GONE", "KOALA_SPAWN_TEST_EXTRA", "RANK", "OMP_NUM_THREADS")
 
 
@@ -31,3 +35,33 @@ def test_ranks_get_the_launching_processs_environment_at_the_launch(monkeypatch,
     assert got == [{"KOALA_SPAWN_TEST_SET": "after", "KOALA_SPAWN_TEST_GONE": None,
                     "KOALA_SPAWN_TEST_EXTRA": "from env=", "RANK": str(rank), "OMP_NUM_THREADS": "1"}
                    for rank in range(2)]
+
+
+SEEN_AT_IMPORT = """import os
+SEEN = os.environ.get("KOALA_SPAWN_TEST_AT_IMPORT")
+
+
+def worker(rank, world, spec):
+    return SEEN
+"""
+LAUNCHER = """from koala_ds.spawn import spawn
+
+if __name__ == "__main__":
+    print(spawn("seen_at_import:worker", 1, timeout_s=120, init=None, preload=("seen_at_import",),
+                env={"KOALA_SPAWN_TEST_AT_IMPORT": "from env="}))
+"""
+
+
+@pytest.mark.slow  # multi-process
+@pytest.mark.timeout(240)
+def test_the_fork_server_imports_its_modules_with_the_launchs_env(tmp_path):
+    """DeepSpeed picks its accelerator on import: a preloaded module must see DS_ACCELERATOR=cpu
+    where the launch's `env` sets it (a fresh process, so that this launch starts the server)."""
+    (tmp_path / "seen_at_import.py").write_text(SEEN_AT_IMPORT)
+    (tmp_path / "launcher.py").write_text(LAUNCHER)
+    env = {k: v for k, v in os.environ.items() if k != "KOALA_SPAWN_TEST_AT_IMPORT"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, str(tmp_path / "launcher.py")], capture_output=True, text=True,
+                          env=env, timeout=200, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "['from env=']\n"
