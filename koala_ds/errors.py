@@ -9,10 +9,11 @@ MegatronScheduleError, the library's errors) is the user's to fix, and every ran
 same one before any communication. So instead of a traceback per rank, rank 0 prints
 `error: <message>` on stderr and every rank exits with code 2 (`USER_ERROR_EXIT`). Any other
 exception keeps its traceback, written in one piece: ranks that fail together (every rank meets
-the same bug) print theirs one after another, not mixed line by line or word by word. `rank_zero_argument_errors(parser)` does the same for argparse
-errors (the koala flags' `add_arguments` applies it to the parser it extends). torchrun itself
-then prints its summary of the failed ranks (about 40 lines); `koala-run`, which takes
-torchrun's arguments (koala_ds/torchrun.py), leaves a user error at the one line.
+the same bug) print theirs one after another, not mixed line by line or word by word.
+`rank_zero_argument_errors(parser)` does the same for argparse errors (the koala flags'
+`add_arguments` applies it to the parser it extends). torchrun itself then prints its summary
+of the failed ranks (about 40 lines); `koala-run`, which takes torchrun's arguments
+(koala_ds/torchrun.py), leaves a user error at the one line.
 
 torchrun (and the deepspeed launcher) stop the other ranks as soon as one exits: were rank 1 to
 exit first, rank 0 could be stopped before it printed the message. So the other ranks wait
