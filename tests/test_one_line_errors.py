@@ -106,8 +106,8 @@ run_main(main, "t.py")
 def test_ranks_that_crash_together_print_whole_tracebacks(tmp_path):
     """Ranks share their launcher's stderr; Python prints a traceback in many small writes, so
     ranks that met the same bug at the same moment printed them mixed: `RuntimeErrorRuntimeError:
-    : a buga bug` (the crash test through koala-run below, in CI and again here; 5 of 5 runs of
-    this test before the fix)."""
+    : a buga bug` (the crash test through koala-run below, in CI and again here; 3 of 3 runs of
+    this test failed before the fix)."""
     script, ready = tmp_path / "crash.py", tmp_path / "ready"
     script.write_text(CRASH_TOGETHER)
     ready.mkdir()

@@ -27,7 +27,7 @@ def test_ranks_get_the_launching_processs_environment_at_the_launch(monkeypatch,
     (by the first launch with a preload, in another test perhaps): the launch's is passed on."""
     monkeypatch.setenv("KOALA_SPAWN_TEST_GONE", "set before the first launch")
     monkeypatch.setenv("KOALA_SPAWN_TEST_SET", "before")
-    spawn("test_spawn:environment_worker", 1, timeout_s=180, preload=preload)  # starts the server
+    spawn("test_spawn:environment_worker", 1, timeout_s=180, preload=preload)  # forked: the server runs now
     monkeypatch.delenv("KOALA_SPAWN_TEST_GONE")
     monkeypatch.setenv("KOALA_SPAWN_TEST_SET", "after")
     got = spawn("test_spawn:environment_worker", 2, timeout_s=180, preload=preload,
