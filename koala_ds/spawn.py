@@ -6,8 +6,9 @@ has imported torch and the engines once) with RANK, WORLD_SIZE, LOCAL_RANK, MAST
 MASTER_PORT set, initialises a gloo process group (through torch, or through
 `deepspeed.init_distributed` with `init="deepspeed"`), calls `func(rank, world, spec)` in each
 and returns one result dict per rank. Processes still alive at the deadline, or 15 s after
-another rank failed, are killed: nothing hangs. torch is imported only in the workers (and the
-fork server).
+another rank failed, are killed, and so is a fork server that has not forked the ranks by the
+deadline (its imports hang): nothing hangs. torch is imported only in the workers (and the fork
+server).
 """
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ import importlib
 import os
 import pickle
 import socket
+import signal
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -97,7 +100,8 @@ def launch(target: Callable | str, world: int, spec: Any = None, *, timeout_s: f
     anew (seconds of CPU per rank). The first launch with a preload starts the server; later
     launches use it as it is. Not for CUDA: importing an engine may initialise CUDA, which a
     forked process cannot use. Every rank gets this process's environment at the launch, with
-    `env` on top, either way."""
+    `env` on top, either way. The deadline counts from before the ranks start: a fork server
+    still importing `preload` at the deadline is killed (the next launch starts a new one)."""
     if not isinstance(target, str):
         target = f"{target.__module__}:{target.__qualname__}"
     for attempt in range(retries + 1):
@@ -148,10 +152,44 @@ def _start_fork_server(ctx, preload: tuple[str, ...], env: dict) -> None:
         os.environ.update(saved)
 
 
+def _start_by(procs: list, deadline: float, forked: bool) -> str | None:
+    """Start `procs`; None once all have started, else why not. A forked process's `start()`
+    waits for the fork server to fork it, which it does once it has imported its preload
+    modules: if that has not happened by `deadline`, the server is killed (its connections
+    close, so the waiting `start()` fails), and the next launch starts a new one."""
+    from multiprocessing import forkserver
+
+    errors: list[BaseException] = []
+
+    def start_all() -> None:
+        try:
+            for proc in procs:
+                proc.start()
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    starter = threading.Thread(target=start_all, name="koala-spawn-start", daemon=True)
+    starter.start()
+    starter.join(max(0.0, deadline - time.monotonic()))
+    if not starter.is_alive():
+        return f"{type(errors[0]).__name__}: {errors[0]}" if errors else None
+    server = forkserver._forkserver._forkserver_pid  # private, but the only handle on it there is
+    if forked and server is not None:
+        try:
+            os.kill(server, signal.SIGKILL)
+        except ProcessLookupError:  # it ended meanwhile
+            pass
+    starter.join(10)
+    if not forked:
+        return "the ranks had not started by the deadline"
+    return "the fork server had not forked the ranks by the deadline (still importing its preload modules?): killed"
+
+
 def _launch_once(target: str, world: int, spec: Any, timeout_s: float, pg_timeout_s: float, init: str | None,
                  env: dict, wait_ranks: list[int] | None, preload: tuple[str, ...]) -> tuple[list[dict], bool]:
     import multiprocessing as mp
 
+    deadline = time.monotonic() + timeout_s
     ctx = mp.get_context("forkserver" if preload else "spawn")
     if preload:
         _start_fork_server(ctx, preload, env)
@@ -160,31 +198,37 @@ def _launch_once(target: str, world: int, spec: Any, timeout_s: float, pg_timeou
         base_env = dict(os.environ)
         procs = [ctx.Process(target=_entry, args=(target, r, world, port, spec, out, pg_timeout_s, init, env, base_env),
                              daemon=True) for r in range(world)]
-        for proc in procs:
-            proc.start()
-        deadline = time.monotonic() + timeout_s
-        failed_at = None
-        watched = procs if wait_ranks is None else [procs[r] for r in wait_ranks]
-        while any(p.is_alive() for p in watched):
-            now = time.monotonic()
-            if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
-                failed_at = now
-            if now > deadline or (failed_at is not None and now > failed_at + GRACE_AFTER_FAILURE_S):
-                break
-            time.sleep(0.05)
+        not_started = _start_by(procs, deadline, bool(preload))
+        if not_started is None:
+            _wait(procs if wait_ranks is None else [procs[r] for r in wait_ranks], procs, deadline)
         timed_out = time.monotonic() > deadline
         for proc in procs:
-            if proc.is_alive():
+            if proc.pid is not None and proc.is_alive():
                 proc.kill()
-            proc.join(timeout=10)
+            if proc.pid is not None:
+                proc.join(timeout=10)
         remove_deepspeed_shm(port)
-        results = []
-        for r in range(world):
-            path = os.path.join(out, f"rank{r}.pkl")
-            if os.path.exists(path):
-                with open(path, "rb") as fh:
-                    results.append(pickle.load(fh))
-            else:
-                results.append({"ok": False, "type": "Killed", "traceback": "",
-                                "message": "no result (deadline passed)" if timed_out else "no result (killed)"})
-    return results, timed_out
+        return [_result(out, r, timed_out, not_started) for r in range(world)], timed_out
+
+
+def _wait(watched: list, procs: list, deadline: float) -> None:
+    """Until the watched processes end, the deadline passes, or GRACE_AFTER_FAILURE_S after a failure."""
+    failed_at = None
+    while any(p.is_alive() for p in watched):
+        now = time.monotonic()
+        if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+            failed_at = now
+        if now > deadline or (failed_at is not None and now > failed_at + GRACE_AFTER_FAILURE_S):
+            return
+        time.sleep(0.05)
+
+
+def _result(out: str, rank: int, timed_out: bool, not_started: str | None) -> dict:
+    path = os.path.join(out, f"rank{rank}.pkl")
+    if os.path.exists(path):
+        with open(path, "rb") as fh:
+            return pickle.load(fh)
+    if not_started is not None:
+        return {"ok": False, "type": "NotStarted", "traceback": "", "message": f"not started: {not_started}"}
+    return {"ok": False, "type": "Killed", "traceback": "",
+            "message": "no result (deadline passed)" if timed_out else "no result (killed)"}

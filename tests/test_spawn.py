@@ -65,3 +65,41 @@ def test_the_fork_server_imports_its_modules_with_the_launchs_env(tmp_path):
                           env=env, timeout=200, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout == "['from env=']\n"
+
+
+HANGS_ON_IMPORT = """import time
+time.sleep(600)
+"""
+WORKER = """def worker(rank, world, spec):
+    return rank
+"""
+HUNG_LAUNCHER = """import time
+from koala_ds.spawn import SpawnError, spawn
+
+if __name__ == "__main__":
+    start = time.monotonic()
+    try:
+        spawn("some_worker:worker", 2, timeout_s=5, init=None, preload=("hangs_on_import",))
+    except SpawnError as exc:
+        print(f"refused after {time.monotonic() - start:.0f} s:", str(exc).splitlines()[1])
+    print(spawn("some_worker:worker", 2, timeout_s=120, init=None, preload=("some_worker",)))
+"""
+
+
+@pytest.mark.slow  # multi-process
+@pytest.mark.timeout(240)
+def test_a_fork_server_that_hangs_importing_is_killed_at_the_deadline(tmp_path):
+    """A forked rank's start waits for the fork server to fork it, after its preload imports: a
+    hanging import used to hang the launch past its deadline. Now the server is killed at the
+    deadline, the launch fails naming why, and the next launch starts a new server."""
+    for name, text in (("hangs_on_import", HANGS_ON_IMPORT), ("some_worker", WORKER), ("launcher", HUNG_LAUNCHER)):
+        (tmp_path / f"{name}.py").write_text(text)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), str(ROOT),
+                                                                     os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, str(tmp_path / "launcher.py")], capture_output=True, text=True,
+                          env=env, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    refused, second = done.stdout.splitlines()
+    assert refused.startswith(("refused after 5 s:", "refused after 6 s:")), refused
+    assert "rank 0: NotStarted: not started: the fork server had not forked the ranks by the deadline" in refused
+    assert second == "[0, 1]"
