@@ -28,6 +28,13 @@ PRELOAD = ("torch", "torch.distributed", "deepspeed", "megatron.core",
            "megatron.core.pipeline_parallel.schedules", "megatron.core.models.gpt")
 
 
+def environment(*paths: Path | str, **values: str) -> dict:
+    """This process's environment for a child Python: `paths` first on its PYTHONPATH (before
+    any the environment has), then `values` on top."""
+    pythonpath = os.pathsep.join(filter(None, [*map(str, paths), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": pythonpath, **values}
+
+
 T = TypeVar("T")
 
 

@@ -16,7 +16,7 @@ import pytest
 from koala_ds.errors import USER_ERROR_EXIT, run_main
 from koala_ds.ir import KoalaError
 from koala_ds.spawn import free_port
-from rank_processes import held_port
+from rank_processes import environment, held_port
 
 ROOT = Path(__file__).resolve().parents[1]
 P4_ONLY = """schedule p4only
@@ -112,8 +112,7 @@ def test_ranks_that_crash_together_print_whole_tracebacks(tmp_path):
     script.write_text(CRASH_TOGETHER)
     ready.mkdir()
     ranks = 4
-    env = dict(os.environ, PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env = environment(ROOT, PYTHONUNBUFFERED="1")
     read_end, write_end = os.pipe()
     procs = [subprocess.Popen([sys.executable, str(script), str(ready), str(ranks)], stderr=write_end,
                               stdout=subprocess.DEVNULL, env=env) for _ in range(ranks)]
@@ -232,8 +231,7 @@ def test_deepspeed_example_user_error_is_one_line_on_one_rank(tmp_path):
     path.write_text(load_schedule("1f1b", 2, 4).to_json())
     from rank_processes import run_ranks
 
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TORCH_EXTENSIONS_DIR=str(extensions_dir()),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env = environment(ROOT, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TORCH_EXTENSIONS_DIR=str(extensions_dir()))
     cmd = [sys.executable, str(ROOT / "examples/deepspeed_pipe/train.py"), "--schedule", str(path),
            "--microbatches", "8", "--steps", "1"]
     results = run_ranks(cmd, 2, env, 240, ROOT)
@@ -321,8 +319,7 @@ run_main(main, "t.py", grace_s=2.0)
 def _koala_run(tmp_path, kind: str) -> subprocess.CompletedProcess:
     script = tmp_path / "t.py"
     script.write_text(SCRIPT)
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env = environment(ROOT, OMP_NUM_THREADS="1")
     # --standalone: the launcher binds a port the system picks (a port from free_port() can be
     # taken before torchrun binds it).
     cmd = [sys.executable, "-m", "koala_ds.torchrun", "--nproc-per-node", "2", "--standalone", str(script), kind]
@@ -607,8 +604,7 @@ def test_one_line_user_errors_around_a_call(monkeypatch, capsys):
 @pytest.mark.parametrize("example", ["examples/deepspeed_pipe/train.py", "examples/megatron_gpt/pretrain_gpt.py"])
 def test_examples_bad_flag_through_koala_run_is_one_line(tmp_path, example):
     """An argparse error printed a usage block on every rank, then torchrun's summary."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env = environment(ROOT, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     flag = "--train-iters" if "megatron" in example else "--steps"
     cmd = [sys.executable, "-m", "koala_ds.torchrun", "--nproc-per-node", "2", "--standalone",
            str(ROOT / example), flag, "x"]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from koala_ds.spawn import spawn
-from rank_processes import PRELOAD
+from rank_processes import PRELOAD, environment
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = ("KOALA_SPAWN_TEST_SET", "KOALA_SPAWN_TEST_GONE", "KOALA_SPAWN_TEST_EXTRA", "RANK", "OMP_NUM_THREADS")
@@ -59,8 +59,8 @@ def test_the_fork_server_imports_its_modules_with_the_launchs_env(tmp_path):
     where the launch's `env` sets it (a fresh process, so that this launch starts the server)."""
     (tmp_path / "seen_at_import.py").write_text(SEEN_AT_IMPORT)
     (tmp_path / "launcher.py").write_text(LAUNCHER)
-    env = {k: v for k, v in os.environ.items() if k != "KOALA_SPAWN_TEST_AT_IMPORT"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = environment(tmp_path, ROOT)
+    env.pop("KOALA_SPAWN_TEST_AT_IMPORT", None)
     done = subprocess.run([sys.executable, str(tmp_path / "launcher.py")], capture_output=True, text=True,
                           env=env, timeout=200, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -94,10 +94,8 @@ def test_a_fork_server_that_hangs_importing_is_killed_at_the_deadline(tmp_path):
     deadline, the launch fails naming why, and the next launch starts a new server."""
     for name, text in (("hangs_on_import", HANGS_ON_IMPORT), ("some_worker", WORKER), ("launcher", HUNG_LAUNCHER)):
         (tmp_path / f"{name}.py").write_text(text)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), str(ROOT),
-                                                                     os.environ.get("PYTHONPATH")])))
     done = subprocess.run([sys.executable, str(tmp_path / "launcher.py")], capture_output=True, text=True,
-                          env=env, timeout=120, cwd=tmp_path)
+                          env=environment(tmp_path, ROOT), timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     refused, second = done.stdout.splitlines()
     assert refused.startswith(("refused after 5 s:", "refused after 6 s:")), refused
