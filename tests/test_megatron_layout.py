@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -142,18 +141,26 @@ FLAGS = ["--tensor-model-parallel-size", "1", "--num-layers", "4", "--hidden-siz
          "--lr", "3e-3", "--seed", "1234", "--pipeline-schedule", "koala"]
 
 
-def _example(tmp_path: Path, nproc: int, extra: list[str]) -> subprocess.CompletedProcess:
-    # --standalone: the launcher binds a port the system picks
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
-           str(ROOT / "examples/megatron_gpt/pretrain_gpt.py"), *FLAGS, *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+def example_rank(rank: int, world: int, argv: list[str]) -> int:
+    """examples/megatron_gpt/pretrain_gpt.py's main, in a rank that koala_ds.spawn forked from a
+    fork server that has imported torch and megatron-core (a rank of its own under torchrun
+    spends 8-10 s of CPU importing them). It reads RANK, WORLD_SIZE and MASTER_ADDR / PORT as
+    under torchrun; test_megatron_example runs it under torchrun, as the README does."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pretrain_gpt", ROOT / "examples/megatron_gpt/pretrain_gpt.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(argv)
 
 
 def _losses(tmp_path: Path, nproc: int, extra: list[str]) -> list[float]:
+    from koala_ds.spawn import spawn
+    from rank_processes import PRELOAD
+
     log = tmp_path / f"loss-{len(list(tmp_path.iterdir()))}.json"
-    proc = _example(tmp_path, nproc, [*extra, "--loss-log", str(log)])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    spawn("test_megatron_layout:example_rank", nproc, [*FLAGS, *extra, "--loss-log", str(log)], timeout_s=300,
+          init=None, preload=PRELOAD, env={"LOCAL_WORLD_SIZE": str(nproc), "PYTHONWARNINGS": "ignore"})
     return json.loads(log.read_text())["losses"]
 
 
