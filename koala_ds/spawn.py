@@ -173,15 +173,16 @@ def _start_by(procs: list, deadline: float, forked: bool) -> str | None:
     starter.join(max(0.0, deadline - time.monotonic()))
     if not starter.is_alive():
         return f"{type(errors[0]).__name__}: {errors[0]}" if errors else None
+    if not forked:
+        starter.join(10)
+        return "the ranks had not started by the deadline"
     server = forkserver._forkserver._forkserver_pid  # private, but the only handle on it there is
-    if forked and server is not None:
+    if server is not None:
         try:
             os.kill(server, signal.SIGKILL)
         except ProcessLookupError:  # it ended meanwhile
             pass
     starter.join(10)
-    if not forked:
-        return "the ranks had not started by the deadline"
     return "the fork server had not forked the ranks by the deadline (still importing its preload modules?): killed"
 
 
@@ -203,10 +204,11 @@ def _launch_once(target: str, world: int, spec: Any, timeout_s: float, pg_timeou
             _wait(procs if wait_ranks is None else [procs[r] for r in wait_ranks], procs, deadline)
         timed_out = time.monotonic() > deadline
         for proc in procs:
-            if proc.pid is not None and proc.is_alive():
+            if proc.pid is None:  # never started
+                continue
+            if proc.is_alive():
                 proc.kill()
-            if proc.pid is not None:
-                proc.join(timeout=10)
+            proc.join(timeout=10)
         remove_deepspeed_shm(port)
         return [_result(out, r, timed_out, not_started) for r in range(world)], timed_out
 

@@ -146,12 +146,9 @@ def example_rank(rank: int, world: int, argv: list[str]) -> int:
     fork server that has imported torch and megatron-core (a rank of its own under torchrun
     spends 8-10 s of CPU importing them). It reads RANK, WORLD_SIZE and MASTER_ADDR / PORT as
     under torchrun; test_megatron_example runs it under torchrun, as the README does."""
-    import importlib.util
+    from test_megatron_example import example_module
 
-    spec = importlib.util.spec_from_file_location("pretrain_gpt", ROOT / "examples/megatron_gpt/pretrain_gpt.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main(argv)
+    return example_module().main(argv)
 
 
 def _losses(tmp_path: Path, nproc: int, extra: list[str]) -> list[float]:
