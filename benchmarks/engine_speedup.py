@@ -308,7 +308,7 @@ def main(argv=None) -> int:
     ap.add_argument("--overhead-only", action="store_true",
                     help="only the calibration runs (1f1b, m = 2p) and 1f1b at zero compute with m = 8p: the runtime's "
                          "CPU per action at zero compute (per step / actions, and as the slope between the two "
-                         "lengths, next to torch's and gloo's own CPU per action) and its overhead per action; no "
+                         "lengths, next to the same streams on torch + gloo alone) and its overhead per action; no "
                          "schedule rows, no search, nothing written")
     args = ap.parse_args(argv)
     if args.steps is None:
@@ -410,7 +410,8 @@ def overhead_only(engines: list[str], ps: list[int], latency: float, steps: int,
     """--overhead-only: per engine and p, the calibration runs alone (see the module docstring), plus
     1f1b at zero compute with 4 times as many microbatches: the CPU per action is also printed as
     the slope between the two lengths (the per-step costs, such as DeepSpeed's gradient all-reduce
-    and optimizer step, cancel out), next to what torch and gloo alone cost per action here."""
+    and optimizer step, cancel out), next to the floor: the same two 1F1B streams run on torch +
+    gloo alone, no engine (benchmarks/runtime_cpu.py's torch-bare), in this launch."""
     from engine_runs import cpu_ms_per_step, step_times_ms
 
     from koala_ds.profiler.emulate import autograd_cpu_ms
@@ -418,28 +419,39 @@ def overhead_only(engines: list[str], ps: list[int], latency: float, steps: int,
     pair = autograd_cpu_ms()
     say(f"floors on this machine: torch autograd, forward + backward of a zero-cost emulated stage: {pair:.3f} ms "
         f"CPU per F + B pair ({pair / 2:.3f} per action); gloo: {msg_cpu_ms:.3f} ms CPU per message end "
-        f"(sent or received)")
+        f"(sent or received), 2 processes")
     for p in ps:
         cal_jobs, calib, one, zero = calibration_jobs(p, 2 * p, latency)
         long = load_schedule("1f1b", p, 8 * p, 1)
         jobs = cal_jobs + [{"key": "calibration 0 ms, 4m", "schedule": long.to_dict(), "costs": costs_of(zero, long)}]
+        bare = {m: torch_bare_ms_per_step(p, m, 2 * steps) for m in (2 * p, 8 * p)}
+        bare_cpu = bare[2 * p] / calib.num_actions
+        bare_slope = (bare[8 * p] - bare[2 * p]) / (long.num_actions - calib.num_actions)
+        say(f"torch-bare p={p}: the same 1F1B streams on torch + gloo alone, no engine, no checks (the floor of a "
+            f"Python runtime here): {bare_cpu:.3f} ms CPU per action at m={2 * p}, {bare_slope:.3f} ms as the slope "
+            f"between m={2 * p} and m={8 * p}")
         for engine in engines:
             res = run_engine(engine, p, {"calibration": jobs, "warmup": 2, "steps": steps}, timeout_s=1800)
             oh = overheads(calib, one, zero, step_times_ms(res, 2)[:len(cal_jobs)])
             cpu_steps = cpu_ms_per_step(res, 2)
             cpu = cpu_steps[len(cal_jobs) - 1] / calib.num_actions
             slope = (cpu_steps[-1] - cpu_steps[len(cal_jobs) - 1]) / (long.num_actions - calib.num_actions)
-            ends = 2 * (p - 1) / p  # message ends per action: each microbatch crosses p - 1 links twice
-            floor = pair / 2 + ends * msg_cpu_ms
             say(f"{engine} p={p}: CPU time of the runtime at zero compute: {cpu:.3f} ms per action (all ranks' "
                 f"processes, {os.cpu_count()} cores; CPU per step / actions at m={2 * p}); {slope:.3f} ms per action "
-                f"as the slope between m={2 * p} and m={8 * p} (per-step costs cancel); of which torch + gloo alone "
-                f"{floor:.3f} (autograd {pair / 2:.3f} + gloo {ends:.2f} message ends x {msg_cpu_ms:.3f}), the rest "
-                f"{slope - floor:.3f} is the engine's own Python (koala's and its engine's wrappers)"
-                f"{' (below 0: the ping-pong ran under other load than the engine)' if slope < floor else ''}; overhead "
-                f"{oh['action']:.3f} ms per action + {oh['step']:.2f} ms per step (1 ms ops), {oh['zero']:.3f} ms per "
-                f"action at zero compute")
+                f"as the slope between m={2 * p} and m={8 * p} (per-step costs cancel); above torch-bare: "
+                f"{cpu - bare_cpu:+.3f} and {slope - bare_slope:+.3f} ms per action (the engine's and koala's own "
+                f"code); overhead {oh['action']:.3f} ms per action + {oh['step']:.2f} ms per step (1 ms ops), "
+                f"{oh['zero']:.3f} ms per action at zero compute")
     return 0
+
+
+def torch_bare_ms_per_step(p: int, m: int, steps: int) -> float:
+    """CPU ms per step of 1F1B (p ranks, m microbatches, zero compute) on torch + gloo alone: all
+    ranks' processes, `steps` steps after 5 warm-up steps (benchmarks/runtime_cpu.py's torch-bare)."""
+    from runtime_cpu import run as run_reference
+
+    results = run_reference("torch-bare", {"m": m, "steps": steps, "profile": False}, p)
+    return sum(r["cpu_s"] for r in results) * 1e3 / steps
 
 
 def markdown(rows: list[dict]) -> str:

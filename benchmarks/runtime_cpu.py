@@ -2,7 +2,7 @@
 
     python benchmarks/runtime_cpu.py                      # both engines, 1f1b, p=2, m=16
     python benchmarks/runtime_cpu.py --engines megatron --schedule zb-h1 --steps 80
-    python benchmarks/runtime_cpu.py --plain -p 4 --engines megatron megatron-bare deepspeed deepspeed-stock
+    python benchmarks/runtime_cpu.py --plain -p 4 --engines megatron megatron-bare deepspeed deepspeed-stock torch-bare
 
 Each pipeline rank runs the schedule on zero-cost `EmulatedStage` chunks (tests/engine_runs.py:
 megatron-core's forward_step / backward_step through koala_ds.megatron, or DeepSpeed's
@@ -15,6 +15,11 @@ rest (Python's builtins and standard library). cProfile charges every Python cal
 so Python-heavy parts (koala's and the engines') weigh more here than in an unprofiled run: read
 the split as an upper bound on koala's share. benchmarks/engine_speedup.py --overhead-only gives
 the unprofiled CPU per action.
+
+Three references, 1F1B only: megatron-bare (megatron-core's steps in a bare loop), deepspeed-stock
+(DeepSpeed's own engine and schedule) and torch-bare (`_TorchBare`: the same lowered stream on
+torch + gloo alone, no engine: the floor of any Python runtime on this machine; at zero compute
+its CPU is mostly gloo's and the kernel's, waking ranks that wait for messages).
 """
 from __future__ import annotations
 
@@ -167,6 +172,75 @@ def megatron_bare_worker(rank: int, world: int, spec: dict) -> dict:
     return _on_megatron(world, spec, lambda: _MegatronBare(rank, world, spec["m"]))
 
 
+class _TorchBare:
+    """The floor of a Python runtime on torch + gloo: the lowered stream of 1F1B
+    (koala_ds.lowering, receives posted 2 compute actions ahead, as both runtimes do) run by
+    a bare loop: a zero-cost `EmulatedStage`, the default process group's own send / recv, no
+    engine, no timeouts, no checks, one tensor per message. A reference, not a runtime."""
+
+    def __init__(self, rank: int, p: int, m: int, hidden: int = 8, seq: int = 2):
+        import torch
+        import torch.distributed as dist
+
+        from koala_ds.library import load_schedule
+        from koala_ds.lowering import COMPUTE, lower, received_message
+        from koala_ds.profiler.emulate import EmulatedStage
+
+        schedule = load_schedule("1f1b", p, m, 1)
+        self.torch, self.shape, self.last = torch, (seq, 1, hidden), schedule.num_stages - 1
+        self.stage = EmulatedStage(0.0, 0.0, 0.0, hidden=hidden)
+        self.data = [torch.randn(self.shape) for _ in range(m)]
+        pg = dist.distributed_c10d._get_default_group()
+        self._send, self._recv = pg.send, pg.recv
+        self.program = []  # (kind, action, the message it consumes) or (kind, message, peer)
+        for st in lower(schedule).ranks[rank]:
+            if st.kind == COMPUTE:
+                need = received_message(schedule, rank, st.action)
+                self.program.append((st.kind, st.action, need and need[1]))
+            else:
+                self.program.append((st.kind, st.message, st.peer))
+
+    def step(self) -> None:
+        from koala_ds.lowering import RECV, SEND
+
+        torch, posted, stash, sends, out = self.torch, {}, {}, [], None
+        for kind, what, arg in self.program:
+            if kind == RECV:
+                buf = torch.empty(self.shape)
+                posted[what] = (buf, self._recv([buf], arg, 0))
+            elif kind == SEND:
+                sends.append(self._send([out.detach()], arg, 0))
+            else:
+                received = None
+                if arg is not None:
+                    received, work = posted.pop(arg)
+                    work.wait()
+                out = self._compute(what, received, stash)
+        for work in sends:
+            work.wait()
+
+    def _compute(self, a, received, stash: dict):
+        """F or B of action `a` on its received tensor (None: data, or the loss); what it sends."""
+        from koala_ds.ir import Op
+
+        key = (a.stage, a.microbatch)
+        if a.op is Op.F:
+            x = self.data[a.microbatch] if received is None else received.requires_grad_()
+            y = self.stage(x)
+            stash[key] = (x, y.float().mean() if a.stage == self.last else y)
+            return y
+        x, y = stash.pop(key)
+        self.torch.autograd.backward(y, received)
+        return x.grad
+
+
+def torch_bare_worker(rank: int, world: int, spec: dict) -> dict:
+    import torch
+
+    torch.set_num_threads(1)
+    return _profiled(_TorchBare(rank, world, spec["m"]), spec["steps"], spec["profile"])
+
+
 def deepspeed_worker(rank: int, world: int, spec: dict) -> dict:
     import logging
 
@@ -181,7 +255,7 @@ def deepspeed_worker(rank: int, world: int, spec: dict) -> dict:
 
 
 def run(engine: str, spec: dict, p: int) -> list[dict]:
-    if engine.startswith("megatron"):
+    if engine.startswith(("megatron", "torch")):
         from koala_ds.spawn import spawn
         from rank_processes import PRELOAD  # ranks forked with torch and megatron-core imported (CPU only)
 
@@ -194,9 +268,11 @@ def run(engine: str, spec: dict, p: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--engines", nargs="*", default=["megatron", "deepspeed"],
-                    choices=["megatron", "megatron-bare", "deepspeed", "deepspeed-stock"],
+                    choices=["megatron", "megatron-bare", "deepspeed", "deepspeed-stock", "torch-bare"],
                     help="megatron-bare: megatron-core's forward_step / backward_step in a bare 1F1B loop, no "
-                         "koala code; deepspeed-stock: DeepSpeed's own PipelineEngine and 1F1B (both with --schedule 1f1b)")
+                         "koala code; deepspeed-stock: DeepSpeed's own PipelineEngine and 1F1B; torch-bare: the "
+                         "lowered 1F1B stream on torch + gloo alone, the floor of any runtime (all three with "
+                         "--schedule 1f1b)")
     ap.add_argument("--schedule", default="1f1b", help="library schedule (default 1f1b)")
     ap.add_argument("-p", type=int, default=2, help="pipeline ranks (default 2)")
     ap.add_argument("-m", type=int, default=16, help="microbatches (default 16)")
@@ -204,8 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=0, help="also list rank 0's N functions with the most own CPU per action")
     ap.add_argument("--plain", action="store_true", help="no cProfile: the CPU per action only, unprofiled")
     args = ap.parse_args(argv)
-    if {"megatron-bare", "deepspeed-stock"} & set(args.engines) and args.schedule != "1f1b":
-        ap.error("--engines megatron-bare and deepspeed-stock run 1F1B: use --schedule 1f1b")
+    if {"megatron-bare", "deepspeed-stock", "torch-bare"} & set(args.engines) and args.schedule != "1f1b":
+        ap.error("--engines megatron-bare, deepspeed-stock and torch-bare run 1F1B: use --schedule 1f1b")
 
     from koala_ds.library import load_schedule
 

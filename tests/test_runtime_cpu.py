@@ -1,5 +1,6 @@
 """benchmarks/runtime_cpu.py runs every engine it offers and prints one positive CPU per action
-for each (the benchmark's harness: tests/engine_runs.py, both engines, two processes each)."""
+for each (the benchmark's harness: tests/engine_runs.py, both engines and the bare references,
+two processes each)."""
 from __future__ import annotations
 
 import os
@@ -25,8 +26,9 @@ def _run(*args: str) -> str:
 @pytest.mark.deepspeed_ext
 @pytest.mark.timeout(600)
 def test_every_engine_prints_its_cpu_per_action():
-    plain = _run("--plain", "--engines", "megatron", "megatron-bare", "deepspeed", "deepspeed-stock")
-    for engine in ("megatron", "megatron-bare", "deepspeed", "deepspeed-stock"):
+    engines = ("megatron", "megatron-bare", "deepspeed", "deepspeed-stock", "torch-bare")
+    plain = _run("--plain", "--engines", *engines)
+    for engine in engines:
         row = re.search(rf"^{engine} +([0-9.]+) *$", plain, re.M)
         assert row and float(row.group(1)) > 0, plain
     profiled = _run("--engines", "megatron", "--top", "3")
@@ -35,7 +37,8 @@ def test_every_engine_prints_its_cpu_per_action():
     assert len(re.findall(r"ms/action +[0-9.]+ calls/action", profiled)) == 3, profiled
 
 
-def test_the_bare_loop_and_the_stock_engine_run_only_1f1b():
+@pytest.mark.parametrize("engine", ["megatron-bare", "deepspeed-stock", "torch-bare"])
+def test_the_bare_loops_and_the_stock_engine_run_only_1f1b(engine):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks/runtime_cpu.py"), "--schedule", "zb-h1",
-                           "--engines", "megatron-bare"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+                           "--engines", engine], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert done.returncode == 2 and "use --schedule 1f1b" in done.stderr.splitlines()[-1]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import logging
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -51,7 +52,9 @@ class P2P:
         self.gloo = gloo
         self._proto = torch.empty(0, dtype=dtype, device=device)
         self._posted: dict[Message, tuple[torch.Tensor, object, int]] = {}
-        self.pending_sends: list[tuple[Message, int, object, torch.Tensor]] = []
+        # per destination, in the order sent: (message, work, tensor); a channel completes in order
+        self._sends: dict[int, deque[tuple[Message, object, torch.Tensor]]] = {}
+        self._unsent: set[Message] = set()  # the messages in _sends
         if channels is not None:  # per peer: (the link to receive on, the link to send on)
             self._peers = channels.links(rank)
 
@@ -74,27 +77,45 @@ class P2P:
         tensor = tensor.detach()
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
-        self.pending_sends.append((msg, dst, self._peers[dst][1].isend(tensor), tensor))
+        queue = self._sends.get(dst)
+        if queue is None:
+            queue = self._sends[dst] = deque()
+        queue.append((msg, self._peers[dst][1].isend(tensor), tensor))
+        self._unsent.add(msg)
 
     def reap(self) -> list[Message]:
-        """Forget sends that have completed; returns their messages."""
-        done, still = [], []
-        for item in self.pending_sends:
-            (done if item[2].is_completed() else still).append(item)
-        self.pending_sends = still
-        return [item[0] for item in done]
+        """Forget the sends that have completed (their tensors); their messages. A channel's sends
+        complete in the order they were issued, so only each channel's oldest is checked: constant
+        work per send, where scanning every pending send cost O(sends) per call, O(sends^2) per
+        step. gloo: none, as gloo's send work reports completion only once waited."""
+        if self.gloo:
+            return []
+        done = []
+        for queue in self._sends.values():
+            while queue and queue[0][1].is_completed():
+                done.append(queue.popleft()[0])
+        self._unsent.difference_update(done)
+        return done
 
-    def wait_send(self, msg: Message) -> None:
-        for item in list(self.pending_sends):
-            if item[0] == msg:
-                self._wait(item[2], "send", msg, item[1])
-                self.pending_sends.remove(item)
+    def wait_send(self, msg: Message, dst: int) -> None:
+        """Wait for the send of `msg` to pipeline rank `dst` if it is still pending, and for the
+        sends to `dst` before it (on one channel they complete in order: no extra wait)."""
+        if msg not in self._unsent:
+            return
+        queue = self._sends[dst]
+        while True:
+            sent, work, _tensor = queue.popleft()
+            self._unsent.discard(sent)
+            self._wait(work, "send", sent, dst)
+            if sent == msg:
+                return
 
     def finish(self) -> None:
         """Wait for every outstanding send; check that every posted receive was consumed."""
-        for msg, dst, work, _ in self.pending_sends:
-            self._wait(work, "send", msg, dst)
-        self.pending_sends = []
+        for dst, queue in self._sends.items():
+            for msg, work, _tensor in queue:
+                self._wait(work, "send", msg, dst)
+        self._sends, self._unsent = {}, set()
         if self._posted:
             raise RuntimeError(f"koala p2p: rank {self.rank} ended the step with unreceived {list(self._posted)}")
 

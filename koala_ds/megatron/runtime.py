@@ -510,11 +510,10 @@ class _StepRunner:
 
     def _send(self, msg: Message, peer: int) -> None:
         comm = self.comm
-        if comm.pending_sends:  # forget completed sends (their tensors), free sent outputs
-            done = comm.reap()
-            if self.dealloc:
-                for sent in done:
-                    self._maybe_deallocate(sent)
+        done = comm.reap()  # forget completed sends (their tensors), free sent outputs
+        if self.dealloc:
+            for sent in done:
+                self._maybe_deallocate(sent)
         tensor, self.last_out = self.last_out, None
         comm.send(msg, peer, tensor)
 
@@ -592,11 +591,10 @@ class _StepRunner:
             self.mcs.deallocate_output_tensor(out, True)
             self.deallocated.add((s, mb))
 
-    def _ensure_deallocated(self, s: int, mb: int) -> None:
+    def _ensure_deallocated(self, s: int, mb: int, info: _StageInfo) -> None:
         """deallocate_pipeline_outputs only: megatron's custom_backward expects a freed output."""
         if (s, mb) not in self.deallocated:
-            nxt = self.pl.next_stage(s)
-            self.comm.wait_send(Message(ACT, nxt, mb))
+            self.comm.wait_send(Message(ACT, info.next, mb), info.next_rank)
             self._deallocate(s, mb)
 
     def _send_input_grad(self, s: int, mb: int, info: _StageInfo, grad) -> None:
@@ -621,7 +619,7 @@ class _StepRunner:
         key = (s, mb)
         output_grad = None if info.next is None else self._incoming(self.local_grads, key, grad_msg)
         if self.dealloc:
-            self._ensure_deallocated(s, mb)
+            self._ensure_deallocated(s, mb, info)
             self.deallocated.discard(key)
         return self.mcs.backward_step(self.inputs.pop(key), self.outputs.pop(key), output_grad, self.model_type,
                                       self.config)
