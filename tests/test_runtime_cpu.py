@@ -42,3 +42,19 @@ def test_the_bare_loops_and_the_stock_engine_run_only_1f1b(engine):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks/runtime_cpu.py"), "--schedule", "zb-h1",
                            "--engines", engine], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert done.returncode == 2 and "use --schedule 1f1b" in done.stderr.splitlines()[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_engine_speedup_prints_the_runtimes_cpu_next_to_torch_and_gloo_alone():
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks/engine_speedup.py"), "--overhead-only", "-p", "2",
+                           "--engines", "megatron", "--steps", "2"], capture_output=True, text=True, timeout=400,
+                          env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    floor = re.search(r"^torch-bare p=2: .*: ([0-9.]+) ms CPU per action at m=4, (-?[0-9.]+) ms as the slope",
+                      done.stdout, re.M)
+    engine = re.search(r"^megatron p=2: CPU time of the runtime at zero compute: ([0-9.]+) ms per action .*"
+                       r"above torch-bare: ([-+][0-9.]+) and ([-+][0-9.]+) ms per action", done.stdout, re.M)
+    assert floor and engine and float(floor.group(1)) > 0 and float(engine.group(1)) > 0, done.stdout
+    assert abs(float(engine.group(1)) - float(floor.group(1)) - float(engine.group(2))) < 0.0015, done.stdout
