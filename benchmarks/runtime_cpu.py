@@ -16,10 +16,12 @@ so Python-heavy parts (koala's and the engines') weigh more here than in an unpr
 the split as an upper bound on koala's share. benchmarks/engine_speedup.py --overhead-only gives
 the unprofiled CPU per action.
 
-Three references, 1F1B only: megatron-bare (megatron-core's steps in a bare loop), deepspeed-stock
-(DeepSpeed's own engine and schedule) and torch-bare (`_TorchBare`: the same lowered stream on
-torch + gloo alone, no engine: the floor of any Python runtime on this machine; at zero compute
-its CPU is mostly gloo's and the kernel's, waking ranks that wait for messages).
+Three references, 1F1B only: deepspeed-stock (DeepSpeed's own engine and schedule), torch-bare
+(`_TorchBare`: the lowered stream the runtimes run, on torch + gloo alone, no engine: the floor of
+any Python runtime on this machine; at zero compute its CPU is mostly gloo's and the kernel's,
+waking ranks that wait for messages) and megatron-bare (`_MegatronBare`: that loop computing with
+megatron-core's forward_step / backward_step: megatron-core without koala's runtime). So
+megatron - megatron-bare is koala's runtime, megatron-bare - torch-bare megatron-core's steps.
 """
 from __future__ import annotations
 
@@ -104,70 +106,6 @@ def megatron_worker(rank: int, world: int, spec: dict) -> dict:
     return _on_megatron(world, spec, lambda: _MegatronRunner(spec["job"], rank, 8, 2, 60))
 
 
-class _MegatronBare:
-    """A bare 1F1B loop on megatron-core, no koala code: one chunk per rank, megatron-core's
-    forward_step and backward_step, on the default process group's own send / recv (no
-    torch.distributed argument checks): every receive of the step posted at its start (m buffers
-    per neighbour, where the koala runtime posts a receive 2 actions ahead), every send posted at
-    once and waited at the step's end; no timeouts, no checks, no loss hand-over. A reference to
-    read the koala runtime's CPU against, not a runtime."""
-
-    def __init__(self, rank: int, p: int, m: int, hidden: int = 8, seq: int = 2):
-        import torch
-        import torch.distributed as dist
-        from megatron.core.pipeline_parallel import schedules
-
-        from engine_runs import _forward_step, _MegatronChunk, chunk_config
-
-        self.torch, self.schedules = torch, schedules
-        self.rank, self.p, self.m, self.shape = rank, p, m, (seq, 1, hidden)
-        self.config = chunk_config(p, hidden, p, 1)
-        self.chunk = _MegatronChunk(self.config, rank, p, [0.0, 0.0, 0.0], hidden)
-        self.forward_step_func = _forward_step
-        self.data = [torch.randn(seq, 1, hidden) for _ in range(m)]
-        pg = dist.distributed_c10d._get_default_group()
-        self._send, self._recv = pg.send, pg.recv
-        self.posted: dict[int, list] = {}
-
-    def _take(self, src: int):
-        buf, work = self.posted[src].pop(0)
-        work.wait()
-        return buf
-
-    def _forward(self, mb: int, it, pending: list, stash: list) -> None:
-        first, last = self.rank == 0, self.rank == self.p - 1
-        x = None if first else self._take(self.rank - 1).requires_grad_()
-        out, _ = self.schedules.forward_step(self.forward_step_func, it, self.chunk, self.m, x, [], self.config, 1,
-                                             is_first_microbatch=mb == 0, current_microbatch=mb, is_last_stage=last)
-        if not last:
-            pending.append(self._send([out.detach()], self.rank + 1, 0))
-        stash.append((x, out))
-
-    def _backward(self, stash: list, pending: list) -> None:
-        x, out = stash.pop(0)
-        grad = None if self.rank == self.p - 1 else self._take(self.rank + 1)
-        gx = self.schedules.backward_step(x, out, grad, self.chunk.model_type, self.config)
-        if self.rank > 0:
-            pending.append(self._send([gx], self.rank - 1, 0))
-
-    def step(self) -> None:
-        for src in (self.rank - 1, self.rank + 1):  # activations from the left, gradients from the right
-            if 0 <= src < self.p:
-                bufs = [self.torch.empty(self.shape) for _ in range(self.m)]
-                self.posted[src] = [(buf, self._recv([buf], src, 0)) for buf in bufs]
-        it, pending, stash = iter(self.data), [], []
-        warmup = min(self.p - self.rank - 1, self.m)
-        for mb in range(warmup):
-            self._forward(mb, it, pending, stash)
-        for mb in range(warmup, self.m):
-            self._forward(mb, it, pending, stash)
-            self._backward(stash, pending)
-        while stash:
-            self._backward(stash, pending)
-        for work in pending:
-            work.wait()
-
-
 def megatron_bare_worker(rank: int, world: int, spec: dict) -> dict:
     return _on_megatron(world, spec, lambda: _MegatronBare(rank, world, spec["m"]))
 
@@ -184,12 +122,11 @@ class _TorchBare:
 
         from koala_ds.library import load_schedule
         from koala_ds.lowering import COMPUTE, lower, received_message
-        from koala_ds.profiler.emulate import EmulatedStage
 
         schedule = load_schedule("1f1b", p, m, 1)
         self.torch, self.shape, self.last = torch, (seq, 1, hidden), schedule.num_stages - 1
-        self.stage = EmulatedStage(0.0, 0.0, 0.0, hidden=hidden)
         self.data = [torch.randn(self.shape) for _ in range(m)]
+        self.stage = self._model(rank, p, hidden)
         pg = dist.distributed_c10d._get_default_group()
         self._send, self._recv = pg.send, pg.recv
         self.program = []  # (kind, action, the message it consumes) or (kind, message, peer)
@@ -200,10 +137,16 @@ class _TorchBare:
             else:
                 self.program.append((st.kind, st.message, st.peer))
 
+    def _model(self, rank: int, p: int, hidden: int):
+        from koala_ds.profiler.emulate import EmulatedStage
+
+        return EmulatedStage(0.0, 0.0, 0.0, hidden=hidden)
+
     def step(self) -> None:
         from koala_ds.lowering import RECV, SEND
 
         torch, posted, stash, sends, out = self.torch, {}, {}, [], None
+        self.batches = iter(self.data)
         for kind, what, arg in self.program:
             if kind == RECV:
                 buf = torch.empty(self.shape)
@@ -225,13 +168,41 @@ class _TorchBare:
 
         key = (a.stage, a.microbatch)
         if a.op is Op.F:
-            x = self.data[a.microbatch] if received is None else received.requires_grad_()
+            x = next(self.batches) if received is None else received.requires_grad_()
             y = self.stage(x)
             stash[key] = (x, y.float().mean() if a.stage == self.last else y)
             return y
         x, y = stash.pop(key)
         self.torch.autograd.backward(y, received)
         return x.grad
+
+
+class _MegatronBare(_TorchBare):
+    """`_TorchBare` computing with megatron-core's forward_step / backward_step on the chunks
+    the koala runtime runs (tests/engine_runs.py): megatron-core without koala's runtime."""
+
+    def _model(self, rank: int, p: int, hidden: int):
+        from megatron.core.pipeline_parallel import schedules
+
+        from engine_runs import _forward_step, _MegatronChunk, chunk_config
+
+        self.schedules, self.forward_step_func = schedules, _forward_step
+        self.config = chunk_config(p, hidden, p, 1)
+        return _MegatronChunk(self.config, rank, p, [0.0, 0.0, 0.0], hidden)
+
+    def _compute(self, a, received, stash: dict):
+        from koala_ds.ir import Op
+
+        key, chunk = (a.stage, a.microbatch), self.stage
+        if a.op is Op.F:
+            x = None if received is None else received.requires_grad_()
+            out, _ = self.schedules.forward_step(self.forward_step_func, self.batches, chunk, len(self.data), x, [],
+                                                 self.config, 1, is_first_microbatch=a.microbatch == 0,
+                                                 current_microbatch=a.microbatch, is_last_stage=a.stage == self.last)
+            stash[key] = (x, out)
+            return out
+        x, out = stash.pop(key)
+        return self.schedules.backward_step(x, out, received, chunk.model_type, self.config)
 
 
 def torch_bare_worker(rank: int, world: int, spec: dict) -> dict:
@@ -269,9 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--engines", nargs="*", default=["megatron", "deepspeed"],
                     choices=["megatron", "megatron-bare", "deepspeed", "deepspeed-stock", "torch-bare"],
-                    help="megatron-bare: megatron-core's forward_step / backward_step in a bare 1F1B loop, no "
-                         "koala code; deepspeed-stock: DeepSpeed's own PipelineEngine and 1F1B; torch-bare: the "
-                         "lowered 1F1B stream on torch + gloo alone, the floor of any runtime (all three with "
+                    help="torch-bare: the lowered 1F1B stream on torch + gloo alone, the floor of any runtime; "
+                         "megatron-bare: the same loop with megatron-core's forward_step / backward_step, no koala "
+                         "runtime; deepspeed-stock: DeepSpeed's own PipelineEngine and 1F1B (all three with "
                          "--schedule 1f1b)")
     ap.add_argument("--schedule", default="1f1b", help="library schedule (default 1f1b)")
     ap.add_argument("-p", type=int, default=2, help="pipeline ranks (default 2)")
