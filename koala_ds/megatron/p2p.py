@@ -54,7 +54,7 @@ class P2P:
         self._posted: dict[Message, tuple[torch.Tensor, object, int]] = {}
         # per destination, in the order sent: (message, work, tensor); a channel completes in order
         self._sends: dict[int, deque[tuple[Message, object, torch.Tensor]]] = {}
-        self._unsent: set[Message] = set()  # the messages in _sends
+        self._in_flight: set[Message] = set()  # the messages in _sends (sent, not known complete)
         if channels is not None:  # per peer: (the link to receive on, the link to send on)
             self._peers = channels.links(rank)
 
@@ -81,7 +81,7 @@ class P2P:
         if queue is None:
             queue = self._sends[dst] = deque()
         queue.append((msg, self._peers[dst][1].isend(tensor), tensor))
-        self._unsent.add(msg)
+        self._in_flight.add(msg)
 
     def reap(self) -> list[Message]:
         """Forget the sends that have completed (their tensors); their messages. A channel's sends
@@ -94,28 +94,30 @@ class P2P:
         for queue in self._sends.values():
             while queue and queue[0][1].is_completed():
                 done.append(queue.popleft()[0])
-        self._unsent.difference_update(done)
+        self._in_flight.difference_update(done)
         return done
 
-    def wait_send(self, msg: Message, dst: int) -> None:
+    def wait_send(self, msg: Message, dst: int) -> list[Message]:
         """Wait for the send of `msg` to pipeline rank `dst` if it is still pending, and for the
-        sends to `dst` before it (on one channel they complete in order: no extra wait)."""
-        if msg not in self._unsent:
-            return
+        sends to `dst` before it (on one channel they complete in order: no extra wait); the
+        messages of the sends it completed, as `reap` returns them."""
+        done: list[Message] = []
+        if msg not in self._in_flight:
+            return done
         queue = self._sends[dst]
-        while True:
+        while msg not in done:
             sent, work, _tensor = queue.popleft()
-            self._unsent.discard(sent)
+            self._in_flight.discard(sent)
             self._wait(work, "send", sent, dst)
-            if sent == msg:
-                return
+            done.append(sent)
+        return done
 
     def finish(self) -> None:
         """Wait for every outstanding send; check that every posted receive was consumed."""
         for dst, queue in self._sends.items():
             for msg, work, _tensor in queue:
                 self._wait(work, "send", msg, dst)
-        self._sends, self._unsent = {}, set()
+        self._sends, self._in_flight = {}, set()
         if self._posted:
             raise RuntimeError(f"koala p2p: rank {self.rank} ended the step with unreceived {list(self._posted)}")
 

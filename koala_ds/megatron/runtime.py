@@ -594,7 +594,8 @@ class _StepRunner:
     def _ensure_deallocated(self, s: int, mb: int, info: _StageInfo) -> None:
         """deallocate_pipeline_outputs only: megatron's custom_backward expects a freed output."""
         if (s, mb) not in self.deallocated:
-            self.comm.wait_send(Message(ACT, info.next, mb), info.next_rank)
+            for sent in self.comm.wait_send(Message(ACT, info.next, mb), info.next_rank):
+                self._maybe_deallocate(sent)
             self._deallocate(s, mb)
 
     def _send_input_grad(self, s: int, mb: int, info: _StageInfo, grad) -> None:
