@@ -273,3 +273,40 @@ def test_the_runtime_checks_the_chunks_before_it_runs_a_step(single_process_mega
                                                     "was built with pre_process=False"):
         step([1, 0])  # the chunks in the wrong order
     assert len(step([0, 1])) == 2  # the losses of both microbatches
+
+
+@pytest.mark.parametrize("per_token", [True, False])
+def test_finalize_gets_the_steps_token_count_with_per_token_loss(single_process_megatron, per_token):
+    """megatron-core hands finalize_model_grads_func the step's token count under
+    calculate_per_token_loss, None otherwise; the runtime counts only when it is read."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from engine_runs import _MegatronChunk
+    from koala_ds.library import load_schedule
+    from koala_ds.megatron import get_forward_backward_func
+    from koala_ds.profiler.models import _init_single_process_megatron
+
+    _init_single_process_megatron(1)
+    config = TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=1, use_cpu_initialization=True,
+                               pipeline_dtype=torch.float32, params_dtype=torch.float32,
+                               gradient_accumulation_fusion=False, calculate_per_token_loss=per_token)
+    seen = []
+    config.finalize_model_grads_func = lambda models, num_tokens, **_: seen.append(num_tokens)
+    chunks = [_MegatronChunk(config, s, 2, (0.0, 0.0, 0.0), 8) for s in (0, 1)]
+    data = [torch.randn(2, 1, 8) for _ in range(3)]
+
+    def forward_step(data_iterator, model):
+        out = model(next(data_iterator) if model.pre_process else None)
+
+        def loss_func(output):  # microbatch k counts k + 2 tokens
+            tokens = torch.tensor(2 + len(seen_batches), dtype=torch.int)
+            seen_batches.append(tokens)
+            return output.float().sum(), tokens, {"loss": output.detach().sum()}
+        return out, loss_func
+
+    seen_batches: list = []
+    func = get_forward_backward_func(load_schedule("interleaved-1f1b", 1, 3, 2), timeout_s=30)
+    func(forward_step_func=forward_step, data_iterator=[iter(data), iter(data)], model=chunks, num_microbatches=3,
+         seq_length=2, micro_batch_size=1)
+    assert len(seen) == 1 and len(seen_batches) == 3
+    assert (int(seen[0]) == 2 + 3 + 4) if per_token else seen[0] is None

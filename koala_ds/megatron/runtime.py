@@ -450,6 +450,8 @@ class _StepRunner:
         self.loss_slots: dict = {}
         self.forwards_done = [0] * self.v
         self.total_num_tokens = torch.zeros([], dtype=torch.int)
+        # read only by finalize_model_grads_func, and only with calculate_per_token_loss
+        self.count_tokens = bool(getattr(config, "calculate_per_token_loss", False))
         self.dealloc = bool(config.deallocate_pipeline_outputs) and not forward_only
         # received tensors are on the p2p layer's device: moved to the model's only when it differs
         self.move_received = self.comm.device != self.model_device
@@ -539,26 +541,22 @@ class _StepRunner:
         return tensor.to(self.model_device) if self.move_received else tensor
 
     def _forward(self, s: int, mb: int, info: _StageInfo, in_msg: Message | None) -> None:
-        chunk, forward_only, mcs = info.chunk, self.forward_only, self.mcs
+        chunk, forward_only = info.chunk, self.forward_only
         input_tensor = None if info.prev is None else self._incoming(self.local_acts, (s, mb), in_msg)
         if in_msg is not None:
             input_tensor.requires_grad_(not forward_only)
         first = self.forwards_done[chunk] == 0
         if first and self.param_sync_funcs is not None and self.v > 1 and not forward_only:
             self.param_sync_funcs[chunk](self.models[chunk].parameters())
-        it = self.iterators[chunk]
-        if isinstance(it, _ReorderingIterator):
-            it.current = mb
         is_last = info.is_last
         store: list = []
-        with wgrad.plain_forward((s, mb) in self.plain_forwards):
-            output_tensor, num_tokens = mcs.forward_step(
-                self.forward_step_func, it, self.models[chunk], self.num_microbatches, input_tensor, store,
-                self.config, self.cp_size, self.collect_non_loss_data, None,
-                is_first_microbatch=mcs.check_first_val_step(self.first_val_step, forward_only, first),
-                current_microbatch=mb, vp_stage=chunk if self.v > 1 else None, is_last_stage=is_last)
+        if (s, mb) in self.plain_forwards:  # empty unless the schedule splits backwards (a context costs ~1 us)
+            with wgrad.plain_forward():
+                output_tensor, num_tokens = self._forward_step(chunk, mb, input_tensor, store, first, is_last)
+        else:
+            output_tensor, num_tokens = self._forward_step(chunk, mb, input_tensor, store, first, is_last)
         self.forwards_done[chunk] += 1
-        if isinstance(num_tokens, torch.Tensor):
+        if self.count_tokens and isinstance(num_tokens, torch.Tensor):
             total = self.total_num_tokens
             self.total_num_tokens = (total if total.device == num_tokens.device else total.to(num_tokens.device)) \
                 + num_tokens
@@ -579,6 +577,17 @@ class _StepRunner:
             self.outputs[key] = output_tensor
             if self.dealloc and (nxt is None or info.next_rank == self.rank):
                 self._deallocate(s, mb)
+
+    def _forward_step(self, chunk: int, mb: int, input_tensor, store: list, first: bool, is_last: bool):
+        """megatron-core's forward_step of microbatch `mb` on model chunk `chunk`: (output, tokens)."""
+        mcs, it = self.mcs, self.iterators[chunk]
+        if isinstance(it, _ReorderingIterator):
+            it.current = mb
+        return mcs.forward_step(
+            self.forward_step_func, it, self.models[chunk], self.num_microbatches, input_tensor, store,
+            self.config, self.cp_size, self.collect_non_loss_data, None,
+            is_first_microbatch=mcs.check_first_val_step(self.first_val_step, self.forward_only, first),
+            current_microbatch=mb, vp_stage=chunk if self.v > 1 else None, is_last_stage=is_last)
 
     def _maybe_deallocate(self, msg: Message) -> None:
         """After a completed send (deallocate_pipeline_outputs only): free the activation it sent."""
