@@ -37,6 +37,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # the harness: engine_runs, deepspeed_jobs
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # this module, for the workers
 
+from koala_ds.ir import Op  # noqa: E402  (pure: no torch)
+from koala_ds.lowering import COMPUTE, RECV, SEND, lower, received_message  # noqa: E402
+
 OWNERS = ("koala_ds", "engine", "torch", "c10d", "emulated model", "other")
 
 
@@ -121,7 +124,6 @@ class _TorchBare:
         import torch.distributed as dist
 
         from koala_ds.library import load_schedule
-        from koala_ds.lowering import COMPUTE, lower, received_message
 
         schedule = load_schedule("1f1b", p, m, 1)
         self.torch, self.shape, self.last = torch, (seq, 1, hidden), schedule.num_stages - 1
@@ -143,8 +145,6 @@ class _TorchBare:
         return EmulatedStage(0.0, 0.0, 0.0, hidden=hidden)
 
     def step(self) -> None:
-        from koala_ds.lowering import RECV, SEND
-
         torch, posted, stash, sends, out = self.torch, {}, {}, [], None
         self.batches = iter(self.data)
         for kind, what, arg in self.program:
@@ -164,8 +164,6 @@ class _TorchBare:
 
     def _compute(self, a, received, stash: dict):
         """F or B of action `a` on its received tensor (None: data, or the loss); what it sends."""
-        from koala_ds.ir import Op
-
         key = (a.stage, a.microbatch)
         if a.op is Op.F:
             x = next(self.batches) if received is None else received.requires_grad_()
@@ -191,8 +189,6 @@ class _MegatronBare(_TorchBare):
         return _MegatronChunk(self.config, rank, p, [0.0, 0.0, 0.0], hidden)
 
     def _compute(self, a, received, stash: dict):
-        from koala_ds.ir import Op
-
         key, chunk = (a.stage, a.microbatch), self.stage
         if a.op is Op.F:
             x = None if received is None else received.requires_grad_()

@@ -451,7 +451,7 @@ class _StepRunner:
         self.forwards_done = [0] * self.v
         self.total_num_tokens = torch.zeros([], dtype=torch.int)
         # read only by finalize_model_grads_func, and only with calculate_per_token_loss
-        self.count_tokens = bool(getattr(config, "calculate_per_token_loss", False))
+        self.count_tokens = bool(config.calculate_per_token_loss)
         self.dealloc = bool(config.deallocate_pipeline_outputs) and not forward_only
         # received tensors are on the p2p layer's device: moved to the model's only when it differs
         self.move_received = self.comm.device != self.model_device
