@@ -95,17 +95,34 @@ def test_jobs_and_the_build_go_past_a_lock_left_by_a_killed_build(tmp_path, monk
     assert not lock.exists()
 
 
+def _stalling_compiler(tmp_path, marker) -> Path:
+    """A C++ compiler that answers torch's version checks but, asked to compile (`-c`), marks
+    `marker` and stalls: the build is deterministically still compiling at any deadline (a real
+    compile can take 20 s on a fast day or 3 minutes on a loaded one)."""
+    real = shutil.which(os.environ.get("CXX", "c++"))
+    if real is None:
+        pytest.skip("no C++ compiler (CXX or c++) on PATH")
+    script = tmp_path / "stalling-c++"
+    script.write_text("#!/bin/sh\n"
+                      'for arg in "$@"; do [ "$arg" = "-c" ] && { touch "%s"; exec sleep 600; }; done\n'
+                      'exec "%s" "$@"\n' % (marker, real))
+    script.chmod(0o755)
+    return script
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_build_past_its_deadline_is_killed_and_leaves_no_lock(tmp_path):
+def test_a_build_past_its_deadline_is_killed_and_leaves_no_lock(tmp_path, monkeypatch):
     from deepspeed_jobs import ExtensionBuildError, build_cpu_extension
 
     ext = tmp_path / "torch_extensions"
-    # the build itself takes 1-3 minutes: 25 s ends it after the lock is taken, while compiling
+    compiling = tmp_path / "compiling"
+    monkeypatch.setenv("CXX", str(_stalling_compiler(tmp_path, compiling)))
     with pytest.raises(ExtensionBuildError) as info:
-        build_cpu_extension(ext, timeout_s=25)
+        build_cpu_extension(ext, timeout_s=45)
     message = str(info.value)
-    assert "\n" not in message and "deadline of 25 s" in message and SHM in message, message
+    assert "\n" not in message and "deadline of 45 s" in message and SHM in message, message
+    assert compiling.exists()  # the deadline fell while compiling, after the build took its lock
     assert not (ext / SHM / "lock").exists()
     # nothing of the killed build is still running (ninja and the compilers ran in its build dir)
     assert _running_in(ext) == []
