@@ -348,6 +348,7 @@ def main(argv=None) -> int:
     for p in ps:
         m = 2 * p
         cal_jobs, calib, one, zero = calibration_jobs(p, m, latency)
+        bare_cpu = torch_bare_cpu_per_action(p, calib, 2 * args.steps)
         for engine in engines:
             say(f"{engine} p={p}, m={m}: calibration, choice of the schedules (search {args.search_budget:g} s per "
                 f"profile and v), then every run round-robin with the calibration runs ...")
@@ -369,7 +370,7 @@ def main(argv=None) -> int:
 
             cpu = cpu_ms_per_step(res, 2)[ncal - 1] / calib.num_actions  # the zero-compute run
             say(f"  CPU time of the runtime at zero compute: {cpu:.3f} ms per action (all ranks' processes; "
-                f"{p} ranks share 2 cores here)")
+                f"{p} ranks share {os.cpu_count()} cores here); the same stream on torch + gloo alone: {bare_cpu:.3f}")
             say(f"  runtime overhead: {c:.3f} ms per action + {k:.2f} ms per step (fitted on 1f1b at m and m/2, "
                 f"1 ms ops; one constant alone: {oh['single']:.3f} ms per action; at zero compute "
                 f"{oh['zero']:.3f} ms per action); first calibration (used to choose the schedules): "
@@ -394,7 +395,8 @@ def main(argv=None) -> int:
                        "predicted_profile_speedup_vs_1f1b": round(b[2] / pred_profile, 4),
                        "overhead_ms": round(c, 4), "overhead_step_ms": round(k, 3),
                        "overhead_single_ms": round(oh["single"], 4), "overhead_zero_ms": round(oh["zero"], 4),
-                       "cpu_ms_per_action": round(cpu, 4), "p2p_latency_ms": round(latency, 4),
+                       "cpu_ms_per_action": round(cpu, 4), "bare_cpu_ms_per_action": round(bare_cpu, 4),
+                       "p2p_latency_ms": round(latency, 4),
                        "p2p_cpu_ms_per_message": round(p2p.cpu_ms_per_message, 4),
                        "steps_ms": [round(x, 2) for x in steps], "scale": args.scale, "schedule_json": job["schedule"]}
                 rows.append(row)
@@ -424,9 +426,9 @@ def overhead_only(engines: list[str], ps: list[int], latency: float, steps: int,
         cal_jobs, calib, one, zero = calibration_jobs(p, 2 * p, latency)
         long = load_schedule("1f1b", p, 8 * p, 1)
         jobs = cal_jobs + [{"key": "calibration 0 ms, 4m", "schedule": long.to_dict(), "costs": costs_of(zero, long)}]
-        bare = {m: torch_bare_ms_per_step(p, m, 2 * steps) for m in (2 * p, 8 * p)}
-        bare_cpu = bare[2 * p] / calib.num_actions
-        bare_slope = (bare[8 * p] - bare[2 * p]) / (long.num_actions - calib.num_actions)
+        bare_cpu = torch_bare_cpu_per_action(p, calib, 2 * steps)
+        bare_long = torch_bare_ms_per_step(p, 8 * p, 2 * steps)
+        bare_slope = (bare_long - bare_cpu * calib.num_actions) / (long.num_actions - calib.num_actions)
         say(f"torch-bare p={p}: the same 1F1B streams on torch + gloo alone, no engine, no checks (the floor of a "
             f"Python runtime here): {bare_cpu:.3f} ms CPU per action at m={2 * p}, {bare_slope:.3f} ms as the slope "
             f"between m={2 * p} and m={8 * p}")
@@ -443,6 +445,12 @@ def overhead_only(engines: list[str], ps: list[int], latency: float, steps: int,
                 f"code); overhead {oh['action']:.3f} ms per action + {oh['step']:.2f} ms per step (1 ms ops), "
                 f"{oh['zero']:.3f} ms per action at zero compute")
     return 0
+
+
+def torch_bare_cpu_per_action(p: int, calib: Schedule, steps: int) -> float:
+    """CPU ms per action of the calibration's 1F1B stream (p ranks, zero compute) on torch + gloo
+    alone: the floor of a Python runtime's CPU on this machine, which the engines' figures sit on."""
+    return torch_bare_ms_per_step(p, calib.m, steps) / calib.num_actions
 
 
 def torch_bare_ms_per_step(p: int, m: int, steps: int) -> float:
@@ -510,19 +518,29 @@ def summary(rows: list[dict]) -> str:
     for e, p, v, k in scales:
         lines.append(f"{e} p={p} v={v}: predictions use the profile x{k:.3f} (fitted on library schedules run on the "
                      f"real model: the stages' speed inside the pipeline, and this machine's drift since profiling)")
-    msgs = {r.get("p2p_cpu_ms_per_message") for r in rows} - {None}
-    if msgs:
-        msg = max(msgs)
-        per_action = {p: 2 * (p - 1) / p * msg for p in sorted({r["p"] for r in rows})}
-        lines.append(f"floor of the runtime overhead on this machine: gloo alone costs a rank {msg:.3f} ms of CPU per "
-                     f"message sent or received; with full backward each microbatch crosses each of the p - 1 links "
-                     f"twice and a message costs both ends, so gloo takes 2 (p - 1) / p x {msg:.3f} ms of CPU per "
-                     f"action before any engine code, and with p ranks on {cores} cores each action waits p / "
-                     f"{cores} times that: " + ", ".join(f"p={p}: {c:.3f} ms CPU, {p * c / cores:.2f} ms wait"
-                                                    for p, c in per_action.items()) +
-                     " per action (the engines' own Python comes on top): at 1 ms ops the overhead cannot be "
-                     "small here; that needs >= p cores")
+    floor = floor_line(rows, cores)
+    if floor:
+        lines.append(floor)
     return "\n".join(lines)
+
+
+def floor_line(rows: list[dict], cores: int) -> str:
+    """The floor of the runtimes' CPU on this machine, measured in the run: the calibration's 1F1B
+    stream at zero compute on torch + gloo alone (runtime_cpu.py's torch-bare), and each engine above
+    it; '' for rows without it (written before it was measured)."""
+    bare = {r["p"]: r["bare_cpu_ms_per_action"] for r in rows if "bare_cpu_ms_per_action" in r}
+    if not bare:
+        return ""
+    above = sorted({(r["engine"], r["p"], r["cpu_ms_per_action"] - bare[r["p"]]) for r in rows if r["p"] in bare})
+    msgs = {r.get("p2p_cpu_ms_per_message") for r in rows} - {None}
+    gloo = f" (gloo ping-pong, 2 processes: {max(msgs):.3f} ms of CPU per message end)" if msgs else ""
+    return ("floor of the runtimes' CPU on this machine: the same 1F1B streams at zero compute on torch + gloo "
+            "alone, no engine (benchmarks/runtime_cpu.py torch-bare, this run): "
+            + ", ".join(f"p={p}: {c:.3f} ms CPU per action ({p * c / cores:.2f} ms wait with {p} ranks on {cores} "
+                        f"cores)" for p, c in sorted(bare.items())) + gloo
+            + "; the engines above it (their own code and koala's): "
+            + ", ".join(f"{e} p={p} {d:+.3f} ms" for e, p, d in above)
+            + " per action: at 1 ms ops the overhead cannot be small here; that needs >= p cores")
 
 
 def write_outputs(rows: list[dict], out: Path, tag: str, say, banner: str = BANNER) -> None:

@@ -53,3 +53,22 @@ def test_the_verdict_also_averages_two_instances_of_each_schedule():
     text = E.summary(rows)
     assert "two instances of each: 1.068x" in text   # (100 + 104) / 2 over (98 + 93) / 2
     assert text.count("searched measured") == 1      # the second instance is not a verdict of its own
+
+
+def test_the_summary_floor_is_the_bare_stream_measured_in_the_run():
+    """The floor line reports torch-bare (measured in the run), and each engine above it; it used
+    to be 2 (p - 1) / p x a 2-process ping-pong's CPU per message, which torch-bare showed to be
+    well under the real floor at p = 4."""
+    def row(engine, p, cpu, **extra):
+        return {"engine": engine, "profile": "x", "p": p, "schedule": "1f1b", "measured_ms": 100.0,
+                "predicted_speedup_vs_1f1b": 1.0, "speedup_vs_1f1b": 1.0, "error": 0.0, "error_profile": 0.0,
+                "overhead_ms": 0.5, "overhead_zero_ms": 0.5, "p2p_latency_ms": 0.2, "cpu_ms_per_action": cpu,
+                "p2p_cpu_ms_per_message": 0.05, **extra}
+    rows = [row("megatron", 4, 0.25, bare_cpu_ms_per_action=0.2), row("deepspeed", 4, 0.375, bare_cpu_ms_per_action=0.2)]
+    text = E.summary(rows)
+    floor = [line for line in text.splitlines() if line.startswith("floor of")]
+    assert len(floor) == 1, text
+    assert "torch-bare" in floor[0] and "p=4: 0.200 ms CPU per action" in floor[0], floor[0]
+    assert "megatron p=4 +0.050 ms" in floor[0] and "deepspeed p=4 +0.175 ms" in floor[0], floor[0]
+    # rows written before the floor was measured: no floor line rather than an estimate
+    assert "floor of" not in E.summary([row("megatron", 4, 0.25)])
