@@ -346,59 +346,11 @@ def main(argv=None) -> int:
         return overhead_only(engines, ps, latency, args.steps, say, p2p.cpu_ms_per_message)
     rows = []
     for p in ps:
-        m = 2 * p
-        cal_jobs, calib, one, zero = calibration_jobs(p, m, latency)
-        bare_cpu = torch_bare_cpu_per_action(p, calib, 2 * args.steps)
+        cal_jobs, calib, one, zero = calibration_jobs(p, 2 * p, latency)
+        run = Calibrated(p, cal_jobs, calib, one, zero, latency, p2p.cpu_ms_per_message,
+                         torch_bare_cpu_per_action(p, calib, 2 * args.steps))
         for engine in engines:
-            say(f"{engine} p={p}, m={m}: calibration, choice of the schedules (search {args.search_budget:g} s per "
-                f"profile and v), then every run round-robin with the calibration runs ...")
-            t0 = time.time()
-            cfg = {"p": p, "m": m, "latency": latency, "profiles": profiles, "scale": args.scale,
-                   "budget": args.search_budget, "min_gain": args.min_gain or 0.0}
-            spec = {"calibration": cal_jobs, "chooser": "engine_speedup:choose_jobs", "chooser_args": cfg,
-                    "warmup": 2, "steps": args.steps}
-            res = run_engine(engine, p, spec, timeout_s=1800)
-            say(f"  done in {time.time() - t0:.0f} s")
-            from engine_runs import step_times_ms
-
-            chooser = res[0]["chooser"]
-            measured = step_times_ms(res, 2)
-            ncal = len(cal_jobs)
-            oh = overheads(calib, one, zero, measured[:ncal])
-            c, k = oh["action"], oh["step"]
-            from engine_runs import cpu_ms_per_step
-
-            cpu = cpu_ms_per_step(res, 2)[ncal - 1] / calib.num_actions  # the zero-compute run
-            say(f"  CPU time of the runtime at zero compute: {cpu:.3f} ms per action (all ranks' processes; "
-                f"{p} ranks share {os.cpu_count()} cores here); the same stream on torch + gloo alone: {bare_cpu:.3f}")
-            say(f"  runtime overhead: {c:.3f} ms per action + {k:.2f} ms per step (fitted on 1f1b at m and m/2, "
-                f"1 ms ops; one constant alone: {oh['single']:.3f} ms per action; at zero compute "
-                f"{oh['zero']:.3f} ms per action); first calibration (used to choose the schedules): "
-                f"{chooser['overhead']['action']:.3f} ms per action; p2p latency {latency:.3f} ms")
-            base_1f1b = {}
-            for item, steps in zip(chooser["plan"], measured[ncal:]):
-                name, label = item["profile"], item["label"]
-                model = CostProfile.from_dict(item["model"], source=name)
-                job = next(j for j in chooser["jobs"] if j["key"] == f"{name}/{label}")
-                sched = Schedule.from_dict(job["schedule"])
-                ms = statistics.median(steps)
-                pred_profile = predict(sched, model)
-                pred = predict(sched, with_latency(model, latency), c) + k
-                if label == "1f1b":
-                    base_1f1b[name] = (ms, pred, pred_profile)
-                b = base_1f1b[name]
-                row = {"engine": engine, "profile": name, "p": p, "m": m, "v": sched.v, "schedule": label,
-                       "measured_ms": round(ms, 3), "predicted_ms": round(pred, 3),
-                       "predicted_profile_ms": round(pred_profile, 3),
-                       "error": round(ms / pred - 1, 4), "error_profile": round(ms / pred_profile - 1, 4),
-                       "speedup_vs_1f1b": round(b[0] / ms, 4), "predicted_speedup_vs_1f1b": round(b[1] / pred, 4),
-                       "predicted_profile_speedup_vs_1f1b": round(b[2] / pred_profile, 4),
-                       "overhead_ms": round(c, 4), "overhead_step_ms": round(k, 3),
-                       "overhead_single_ms": round(oh["single"], 4), "overhead_zero_ms": round(oh["zero"], 4),
-                       "cpu_ms_per_action": round(cpu, 4), "bare_cpu_ms_per_action": round(bare_cpu, 4),
-                       "p2p_latency_ms": round(latency, 4),
-                       "p2p_cpu_ms_per_message": round(p2p.cpu_ms_per_message, 4),
-                       "steps_ms": [round(x, 2) for x in steps], "scale": args.scale, "schedule_json": job["schedule"]}
+            for row in engine_rows(engine, run, profiles, args, say):
                 rows.append(row)
                 if args.json:
                     print(json.dumps({k: row[k] for k in row if k not in ("steps_ms", "schedule_json")}),
@@ -406,6 +358,72 @@ def main(argv=None) -> int:
     say(f"total {time.time() - t_start:.0f} s")
     write_outputs(rows, Path(args.out), "quick" if args.quick else "full", say)
     return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibrated:
+    """What the launches at one p share: the calibration jobs and their schedule (1f1b, m = 2p),
+    its two emulated profiles (1 ms and zero-cost ops), and this machine's constants measured in
+    the run (gloo latency and CPU per message end, the bare stream's CPU per action)."""
+
+    p: int
+    jobs: list
+    schedule: Schedule
+    one: CostProfile
+    zero: CostProfile
+    latency: float
+    msg_cpu_ms: float
+    bare_cpu: float
+
+
+def engine_rows(engine: str, run: Calibrated, profiles: list[str], args, say) -> list[dict]:
+    """One launch of `engine` at p: the calibration, the choice of the schedules on the model of
+    this machine (engine_speedup:choose_jobs), then every run round-robin; a row per chosen run."""
+    from engine_runs import cpu_ms_per_step, step_times_ms
+
+    p, m, ncal = run.p, run.schedule.m, len(run.jobs)
+    say(f"{engine} p={p}, m={m}: calibration, choice of the schedules (search {args.search_budget:g} s per "
+        f"profile and v), then every run round-robin with the calibration runs ...")
+    t0 = time.time()
+    cfg = {"p": p, "m": m, "latency": run.latency, "profiles": profiles, "scale": args.scale,
+           "budget": args.search_budget, "min_gain": args.min_gain or 0.0}
+    spec = {"calibration": run.jobs, "chooser": "engine_speedup:choose_jobs", "chooser_args": cfg,
+            "warmup": 2, "steps": args.steps}
+    res = run_engine(engine, p, spec, timeout_s=1800)
+    say(f"  done in {time.time() - t0:.0f} s")
+    chooser, measured = res[0]["chooser"], step_times_ms(res, 2)
+    oh = overheads(run.schedule, run.one, run.zero, measured[:ncal])
+    cpu = cpu_ms_per_step(res, 2)[ncal - 1] / run.schedule.num_actions  # the zero-compute run
+    say(f"  CPU time of the runtime at zero compute: {cpu:.3f} ms per action (all ranks' processes; "
+        f"{p} ranks share {os.cpu_count()} cores here); the same stream on torch + gloo alone: {run.bare_cpu:.3f}")
+    say(f"  runtime overhead: {oh['action']:.3f} ms per action + {oh['step']:.2f} ms per step (fitted on 1f1b at m "
+        f"and m/2, 1 ms ops; one constant alone: {oh['single']:.3f} ms per action; at zero compute "
+        f"{oh['zero']:.3f} ms per action); first calibration (used to choose the schedules): "
+        f"{chooser['overhead']['action']:.3f} ms per action; p2p latency {run.latency:.3f} ms")
+    constants = {"overhead_ms": round(oh["action"], 4), "overhead_step_ms": round(oh["step"], 3),
+                 "overhead_single_ms": round(oh["single"], 4), "overhead_zero_ms": round(oh["zero"], 4),
+                 "cpu_ms_per_action": round(cpu, 4), "bare_cpu_ms_per_action": round(run.bare_cpu, 4),
+                 "p2p_latency_ms": round(run.latency, 4), "p2p_cpu_ms_per_message": round(run.msg_cpu_ms, 4)}
+    rows, base_1f1b = [], {}
+    for item, steps in zip(chooser["plan"], measured[ncal:]):
+        name, label = item["profile"], item["label"]
+        model = CostProfile.from_dict(item["model"], source=name)
+        job = next(j for j in chooser["jobs"] if j["key"] == f"{name}/{label}")
+        sched = Schedule.from_dict(job["schedule"])
+        ms = statistics.median(steps)
+        pred_profile = predict(sched, model)
+        pred = predict(sched, with_latency(model, run.latency), oh["action"]) + oh["step"]
+        if label == "1f1b":
+            base_1f1b[name] = (ms, pred, pred_profile)
+        b = base_1f1b[name]
+        rows.append({"engine": engine, "profile": name, "p": p, "m": m, "v": sched.v, "schedule": label,
+                     "measured_ms": round(ms, 3), "predicted_ms": round(pred, 3),
+                     "predicted_profile_ms": round(pred_profile, 3),
+                     "error": round(ms / pred - 1, 4), "error_profile": round(ms / pred_profile - 1, 4),
+                     "speedup_vs_1f1b": round(b[0] / ms, 4), "predicted_speedup_vs_1f1b": round(b[1] / pred, 4),
+                     "predicted_profile_speedup_vs_1f1b": round(b[2] / pred_profile, 4), **constants,
+                     "steps_ms": [round(x, 2) for x in steps], "scale": args.scale, "schedule_json": job["schedule"]})
+    return rows
 
 
 def overhead_only(engines: list[str], ps: list[int], latency: float, steps: int, say, msg_cpu_ms: float) -> int:
