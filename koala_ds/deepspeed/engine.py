@@ -188,8 +188,10 @@ def clip_grads_like_stock(params: list, counted: list, max_norm: float, mpu, dev
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=mpu.get_model_parallel_group())
     total = total.pow(0.5)
     dp_group = groups._get_data_parallel_group()
-    total = total / float(dist.get_world_size(group=dp_group))
-    dist.all_reduce(total, group=dp_group)
+    dp = dist.get_world_size(group=dp_group)
+    if dp > 1:  # the mean over one rank is the value: no collective (one per step) for it
+        total = total / float(dp)
+        dist.all_reduce(total, group=dp_group)
     clip_coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
     for q in params:
         if q.grad is not None:
