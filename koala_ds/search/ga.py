@@ -438,6 +438,9 @@ def check_budgets(time_budget: float | None, generations: int | None, workers: i
         raise SearchError(f"`time_budget` must be a finite number of seconds > 0, got {time_budget}", "time_budget")
     if generations is not None and generations < 0:
         raise SearchError(f"`generations` must be >= 0, got {generations}", "generations")
+    if time_budget is None and generations is None:  # else it would run until Ctrl-C or the bound
+        raise SearchError("`time_budget` and `generations` are both None: give at least one budget",
+                          "time_budget", "generations")
     if workers < 1:
         raise SearchError(f"`workers` must be >= 1, got {workers}", "workers")
 
@@ -455,7 +458,7 @@ def search(problem: SearchProblem, *, time_budget: float | None = 10.0, generati
     The time budget counts from `started` (a `time.perf_counter()` value; default: now) and
     binds every phase: the library schedules, the seeds (library, greedy, random orders: each
     is made and try-tested only while time is left, once one seed is in), the polish and the
-    generations. Bad budgets raise `SearchError` naming the parameter (`.parameter`).
+    generations. Bad budgets, or none at all, raise `SearchError` naming the parameter (`.parameter`).
 
     `min_gain` (a fraction, default 0): the answer is 1f1b (when it is valid and fits), else the
     fastest fitting library schedule, unless a schedule is predicted faster than it by more than
