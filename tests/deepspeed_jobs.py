@@ -462,6 +462,30 @@ def hang_worker(rank: int, world: int, spec: dict) -> dict:
     return {"error": None, "elapsed": time.perf_counter() - start, "refused": refused}
 
 
+def save_hang_worker(rank: int, world: int, spec: dict) -> dict:
+    """Rank 0 SIGSTOPs itself in save_checkpoint where it writes koala_layout.json, after
+    DeepSpeed's own save: the other ranks wait for it at the save's last barrier and must raise
+    PipelineTimeoutError within timeout_s (the barrier used to wait the process-group timeout)."""
+    import signal
+
+    import koala_ds.deepspeed  # noqa: F401
+    import koala_ds.deepspeed.engine as koala_engine
+    from koala_ds.deepspeed.engine import PipelineTimeoutError
+
+    model = build_model(spec["pp"], spec["dim"], 4, False)
+    config = ds_config(spec["gas"], spec["mbs"], world // spec["pp"],
+                       koala={"schedule": "1f1b", "timeout_s": spec["timeout_s"]}, schedule="koala")
+    engine = _engine(model, {}, config)
+    if rank == 0:
+        koala_engine.write_layout = lambda *_: os.kill(os.getpid(), signal.SIGSTOP)
+    start = time.perf_counter()
+    try:
+        engine.save_checkpoint(spec["dir"], tag="t")
+    except PipelineTimeoutError as exc:
+        return {"error": type(exc).__name__, "message": str(exc), "elapsed": time.perf_counter() - start}
+    return {"error": None, "elapsed": time.perf_counter() - start}
+
+
 def allreduce_worker(rank: int, world: int, spec: dict) -> float | list:
     """One allreduce through deepspeed.comm (DeepSpeed's CPU shared-memory path): its result, or
     with spec["port"] [result, the job's MASTER_PORT] (its shared-memory buffers are named by it)."""

@@ -3,6 +3,7 @@ and the refusal of optimizer states saved for another assignment (the engine's u
 tests/test_deepspeed_pipeline.py, through DeepSpeed's own save_checkpoint / load_checkpoint)."""
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -46,6 +47,9 @@ def test_the_saved_layout_round_trips_and_decides(tmp_path):
     vshape = _module([0, 1, 2, 3, 4], "vshape", stock_parts=[0, 2, 4])
     checkpoint.write_layout(str(tmp_path), checkpoint.module_layout(vshape))
     assert [f.name for f in tmp_path.iterdir()] == [checkpoint.LAYOUT_FILE]  # no temporary file left
+    umask = os.umask(0)
+    os.umask(umask)  # as DeepSpeed's own files of the checkpoint: readable by whoever may read them
+    assert (tmp_path / checkpoint.LAYOUT_FILE).stat().st_mode & 0o777 == 0o666 & ~umask
     checkpoint.check_optimizer_layout(str(tmp_path), vshape)
     with pytest.raises(KoalaError, match="saved by the Koala engine with pipeline rank 0 holding layers 0 and 3; "
                                          "this run's placement gives it layers 0-1"):

@@ -31,7 +31,8 @@ from koala_ds.deepspeed import (KoalaConfigError, KoalaPipeSchedule, KoalaPipeli
                                 check_schedule, select_engine_class)
 from koala_ds.deepspeed.schedule import BackwardInputPass, BackwardWeightPass  # noqa: E402
 from koala_ds.lowering import COMPUTE, RECV, SEND, lower  # noqa: E402
-from deepspeed_jobs import DEFAULT_EXTENSIONS_DIR, checkpoint_worker, hang_worker, launch, train_worker  # noqa: E402
+from deepspeed_jobs import (DEFAULT_EXTENSIONS_DIR, checkpoint_worker, hang_worker, launch, save_hang_worker,  # noqa: E402
+                            train_worker)
 from koala_ds.ir import Action, Op, Placement  # noqa: E402
 from koala_ds.spawn import remove_deepspeed_shm  # noqa: E402
 from koala_ds.library import load_schedule  # noqa: E402
@@ -554,6 +555,22 @@ def test_a_peer_stopped_inside_the_step_ends_the_other_rank_within_the_timeout(s
     assert "DeepSpeed's" in value["message"] and f"after {timeout} s" in value["message"], value["message"]
     assert value["elapsed"] < timeout + 10, value
     assert ended - value["raised_at"] < 10, "rank 0 raised in time but took too long to end"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_rank_stopped_while_saving_ends_the_others_within_the_timeout(tmp_path):
+    """save_checkpoint's last barrier (all ranks wait for rank 0's koala_layout.json) is bounded
+    by the step's timeout, as the step's collectives are."""
+    timeout = 3
+    spec = {"pp": 2, "gas": 4, "mbs": 2, "dim": 8, "timeout_s": timeout, "dir": str(tmp_path / "ckpt")}
+    results = launch(save_hang_worker, 2, spec, timeout_s=150, pg_timeout_s=100, allow_failures=True,
+                     wait_ranks=[1])
+    assert results[1]["ok"], results[1]
+    value = results[1]["value"]
+    assert value["error"] == "PipelineTimeoutError", value
+    assert "barrier" in value["message"] and f"after {timeout} s" in value["message"], value["message"]
+    assert value["elapsed"] < timeout + 20, value
 
 
 # -- the launcher patch --------------------------------------------------------------------

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 
 from ..ir import KoalaError
+from ..outputs import atomic_write
 
 LAYOUT_FILE = "koala_layout.json"
 
@@ -43,16 +43,8 @@ def stock_layout(module) -> list:
 
 
 def write_layout(directory: str, layout: list) -> None:
-    """`koala_layout.json` in `directory`, written whole or not at all."""
-    fd, tmp = tempfile.mkstemp(prefix=".koala_layout-", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump({"rank_layers": layout}, fh)
-        os.replace(tmp, os.path.join(directory, LAYOUT_FILE))
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    """`koala_layout.json` in `directory`, written whole or not at all (mode as the umask gives)."""
+    atomic_write(os.path.join(directory, LAYOUT_FILE), json.dumps({"rank_layers": layout}))
 
 
 def saved_layout(directory: str, module) -> tuple[list, str]:

@@ -580,7 +580,8 @@ class KoalaPipelineEngine(PipelineEngine):
                                          **kwargs)
         if self.global_rank == 0:
             write_layout(os.path.join(save_dir, tag), module_layout(self.module))
-        dist.barrier()  # a rank that loads right after finds the file
+        with self._bounded_collectives():  # within the step's timeout, as a step's collectives
+            dist.barrier()  # a rank that loads right after finds the file
         return result
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
