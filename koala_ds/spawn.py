@@ -74,8 +74,10 @@ def _entry(target: str, rank: int, world: int, port: int, spec: Any, out: str, p
         result = {"ok": True, "value": func(rank, world, spec)}
     except BaseException as exc:  # reported to the parent
         result = {"ok": False, "type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
-    with open(os.path.join(out, f"rank{rank}.pkl"), "wb") as fh:
+    path = os.path.join(out, f"rank{rank}.pkl")
+    with open(path + ".tmp", "wb") as fh:  # whole or not at all: the parent may kill this rank now
         pickle.dump(result, fh)
+    os.replace(path + ".tmp", path)
     try:
         import torch.distributed as dist
 
@@ -228,8 +230,11 @@ def _wait(watched: list, procs: list, deadline: float) -> None:
 def _result(out: str, rank: int, timed_out: bool, not_started: str | None) -> dict:
     path = os.path.join(out, f"rank{rank}.pkl")
     if os.path.exists(path):
-        with open(path, "rb") as fh:
-            return pickle.load(fh)
+        try:
+            with open(path, "rb") as fh:
+                return pickle.load(fh)
+        except (EOFError, pickle.UnpicklingError) as exc:
+            return {"ok": False, "type": "Killed", "traceback": "", "message": f"unreadable result {path}: {exc}"}
     if not_started is not None:
         return {"ok": False, "type": "NotStarted", "traceback": "", "message": f"not started: {not_started}"}
     return {"ok": False, "type": "Killed", "traceback": "",

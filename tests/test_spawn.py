@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -101,3 +102,13 @@ def test_a_fork_server_that_hangs_importing_is_killed_at_the_deadline(tmp_path):
     assert refused.startswith(("refused after 5 s:", "refused after 6 s:")), refused
     assert "rank 0: NotStarted: not started: the fork server had not forked the ranks by the deadline" in refused
     assert second == "[0, 1]"
+
+
+def test_a_result_file_cut_short_reads_as_a_killed_rank(tmp_path):
+    """A rank killed while writing its result (at the deadline) leaves a partial pickle: the
+    launch reports that rank as killed instead of failing with the unpickler's EOFError."""
+    from koala_ds.spawn import _result
+
+    (tmp_path / "rank0.pkl").write_bytes(pickle.dumps({"ok": True, "value": list(range(100))})[:20])
+    got = _result(str(tmp_path), 0, timed_out=True, not_started=None)
+    assert got["ok"] is False and got["type"] == "Killed" and "rank0.pkl" in got["message"], got
