@@ -130,7 +130,9 @@ class PartitionSearch:
                 if program.supports(self.p, self.m, self.v) is not None:
                     continue
                 sched = program.compile(self.p, self.m, self.v)
-            except KoalaError:
+            except KoalaError as exc:  # supports() said yes: a library schedule that cannot compile here
+                log.debug("library schedule %s left out of the partition search at p=%d m=%d v=%d: %s",
+                          name, self.p, self.m, self.v, exc)
                 continue
             if sched.placement.pipelines == 1 and sched.placement.stage_ranks in ranks:
                 out.append(sched)
