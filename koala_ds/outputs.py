@@ -58,11 +58,16 @@ def _file_mode(path: Path) -> int:
 @contextlib.contextmanager
 def atomic_open(path: str | os.PathLike, mode: str = "w", flag: str | None = None) -> Iterator[IO]:
     """Open a temporary file beside `path` for writing (`mode` "w" or "wb"); on a clean exit it
-    replaces `path`, on an error it is removed and `path` is left as it was."""
+    replaces `path`, on an error it is removed and `path` is left as it was. A symbolic link's
+    target is the file replaced (the link stays); a device or a pipe is written in place."""
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_open: mode must be 'w' or 'wb', got {mode!r}")
-    path = Path(path)
-    label = _label(path, flag)
+    label = _label(Path(path), flag)
+    path = Path(os.path.realpath(path))  # a symbolic link keeps pointing at the file it names, rewritten
+    if path.exists() and not path.is_file():  # a device or a pipe (-o /dev/stdout): a stream, not replaced
+        with _stream(path, mode, label) as fh:
+            yield fh
+        return
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent if str(path.parent) else ".")
     except OSError as exc:
@@ -80,6 +85,16 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", flag: str | None = Non
         if isinstance(exc, OSError):
             raise OutputError(f"cannot write {label}: {exc.strerror or exc}") from None
         raise
+
+
+@contextlib.contextmanager
+def _stream(path: Path, mode: str, label: str) -> Iterator[IO]:
+    """`path` opened for writing in place: what `atomic_open` does for what is not a regular file."""
+    try:
+        with open(path, mode, **({"encoding": "utf-8"} if mode == "w" else {})) as fh:
+            yield fh
+    except OSError as exc:
+        raise OutputError(f"cannot write {label}: {exc.strerror or exc}") from None
 
 
 def atomic_write(path: str | os.PathLike, data: str | bytes, flag: str | None = None) -> Path:

@@ -154,6 +154,34 @@ def test_atomic_write_keeps_the_file_mode(tmp_path):
     assert fresh.stat().st_mode & 0o777 == 0o666 & ~umask
 
 
+def test_atomic_write_through_a_link_rewrites_its_target_and_keeps_the_link(tmp_path):
+    target = tmp_path / "real.json"
+    target.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    atomic_write(link, "new")
+    assert link.is_symlink() and os.readlink(link) == str(target)  # was replaced by a regular file
+    assert target.read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "real.json"]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes")
+def test_atomic_write_to_a_pipe_streams_into_it_and_leaves_it_a_pipe(tmp_path):
+    """-o /dev/stdout, a named pipe, a device: written in place. It was replaced by a regular
+    file (as root, -o /dev/null would have replaced the system's /dev/null)."""
+    import stat
+    import threading
+
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    atomic_write(fifo, "streamed\n")
+    reader.join(timeout=10)
+    assert got == [b"streamed\n"]
+    assert stat.S_ISFIFO(fifo.stat().st_mode) and [p.name for p in tmp_path.iterdir()] == ["out.fifo"]
+
+
 # -- the search's worker processes ---------------------------------------------------------------
 def _children(pid: int) -> list[int]:
     found = []
