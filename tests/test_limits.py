@@ -48,6 +48,31 @@ def test_action_cap_in_the_cli(capsys):
     assert "4,000,000 actions" in err
 
 
+@pytest.mark.timeout(30)
+def test_action_cap_in_search_and_compare(capsys, tmp_path):
+    """search and compare built their problem (the bound, the lowered schedule) before any
+    library schedule refused the size: -m 1e9 was a 119 GiB allocation and a traceback."""
+    from koala_ds.search import SearchError, SearchProblem
+    from koala_ds.sim import load_profile
+
+    with pytest.raises(SearchError, match=r"12,000,000,000 actions .*use a smaller `m`, `p` or `v`") as exc:
+        SearchProblem(load_profile("uniform-4"), 4, 10**9, 1)
+    assert exc.value.parameter == "m"
+    t0 = time.perf_counter()
+    err = one_line_error(capsys, "compare", "--profile", "uniform-4", "-m", "1000000000")
+    assert "8,000,000,000 actions" in err and "MAX_ACTIONS" in err and "-m" in err and len(err) < 300, err
+    err = one_line_error(capsys, "search", "--profile", "uniform-4", "-m", "1000000", "--time-budget", "1",
+                         "-o", str(tmp_path / "best.koala"))
+    assert "12,000,000 actions" in err and "use a smaller -m, -p or -v" in err, err
+    assert time.perf_counter() - t0 < 10 and not (tmp_path / "best.koala").exists()
+
+
+def test_a_memory_limit_too_large_names_the_option(capsys, tmp_path):
+    err = one_line_error(capsys, "search", "--profile", "uniform-4", "-m", "4", "--memory-limit", "1e300",
+                         "-o", str(tmp_path / "best.koala"))
+    assert err.startswith("koala search: error: --memory-limit must be a positive number of MB"), err
+
+
 def test_action_cap_on_fixed_schedules_and_programs(monkeypatch, tmp_path):
     s = library.load_schedule("1f1b", 2, 4)
     monkeypatch.setattr(ir, "MAX_ACTIONS", s.num_actions - 1)

@@ -9,7 +9,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from ..ir import KoalaError, Schedule
+from ..ir import KoalaError, Schedule, size_error
 from ..library import FIXED_SUFFIXES
 from ..outputs import check_output
 from . import dumps_json, positive_float
@@ -251,6 +251,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
             print(partition.split_line(layers, part, p, bool(args.partition)))
     p = args.p if args.p is not None else _default_p(profile, v)
     check_profile_fits(profile, p, v)
+    too_big = size_error(p, args.m, v)  # with the fewest actions per microbatch: no schedule fits
+    if too_big:
+        raise KoalaError(too_big)
     found = configuration_bound(profile, p, args.m, v, args.memory_limit)
     rows, skipped = compare_rows(profile, p, args.m, v, args.mode, args.memory_limit)
     if args.json:

@@ -13,10 +13,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from ..ir import KoalaError, Placement, Schedule
+from ..ir import KoalaError, Placement, Schedule, size_error
 from ..sim import CostProfile, Simulator, lower_bound
 from ..sim.simulator import Stall
-from ..sim.profile import ProfileError
+from ..sim.profile import MAX_PROFILE_NUMBER, ProfileError
 from .bound import jackson_bound
 from .encoding import B_K, F_K, I_K, W_K, OrderDecoder, encode
 
@@ -305,11 +305,16 @@ class SearchProblem:
             if getattr(self, name) < 1:
                 raise SearchError(f"`{name}` must be >= 1, got {getattr(self, name)}", name)
         self.kinds = backward_kinds(self.profile, self.backward)
+        too_big = size_error(self.p, self.m, self.v, "split" if "split" in self.kinds else "full",
+                             {"p": "`p`", "m": "`m`", "v": "`v`"})
+        if too_big:  # before anything of its size is built (1e9 microbatches took 119 GiB)
+            raise SearchError(too_big, "m", "p", "v")
         if self.profile.num_stages != self.p * self.v:
             raise _stages_error(self.profile, self.p, self.v)
         if self.memory_limit is not None:
-            if not self.memory_limit > 0:
-                raise SearchError(f"`memory_limit` must be positive, got {self.memory_limit}", "memory_limit")
+            if not 0 < self.memory_limit <= MAX_PROFILE_NUMBER:
+                raise SearchError(f"`memory_limit` must be a positive number of MB up to {MAX_PROFILE_NUMBER:g}, "
+                                  f"got {self.memory_limit:g}", "memory_limit")
             limit: float | tuple | None = float(self.memory_limit)
             self.memory_limit_source = "--memory-limit"
         elif self.profile.memory_limit_mb is not None:
