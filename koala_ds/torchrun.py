@@ -14,6 +14,11 @@ even when the script already said what to fix. Here:
 - a bad option, a bad `--nproc-per-node` or `--nnodes`, or a training script that does not
   exist: one line, exit code 2 (torchrun prints its usage, about 40 lines, or its traceback, or
   starts every rank to fail on the missing file);
+- a `--nproc-per-node` above `max_processes_per_node()` (64, or 4 per CPU core this process
+  may use where that is more): one line, exit code 2, before any rank starts (torchrun starts
+  processes until the machine gives out, then ends in its traceback);
+- a `--log-dir` that is a file, lies under a file, or cannot be created or written: one line,
+  exit code 2 (torchrun ends in its traceback, or in the ranks' start);
 - any other option value torchrun refuses before it starts a rank (`--max-restarts -1`,
   `--rdzv-conf`, `--redirects`, `--rdzv-backend`, a port out of range, ...): one line naming
   the option, with torchrun's reason, exit code 2 (torchrun ends in its traceback);
@@ -64,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = rank_zero_argument_errors(torchrun.get_args_parser())
     parser.prog = "koala-run"
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    bad = bad_numbers(args, torchrun) or missing_script(args) or store_not_answering(args)
+    bad = (bad_numbers(args, torchrun) or missing_script(args) or bad_log_dir(args)
+           or store_not_answering(args))
     if bad is not None:
         report_user_error(bad, "koala-run")
         return USER_ERROR_EXIT
@@ -93,6 +99,8 @@ def bad_numbers(args, torchrun) -> KoalaError | None:
                           f"or cpu, gpu, xpu or auto)")
     if nproc < 1:
         return KoalaError(f"--nproc-per-node {args.nproc_per_node}: at least 1 process per node")
+    if nproc > max_processes_per_node() and _is_count(args.nproc_per_node):  # cpu, gpu, auto: the machine counts
+        return too_many_processes(args.nproc_per_node)
     try:
         low, high = torchrun.parse_min_max_nnodes(args.nnodes)
     except (ValueError, RuntimeError):
@@ -102,6 +110,73 @@ def bad_numbers(args, torchrun) -> KoalaError | None:
     if not args.monitor_interval > 0:  # torch's WorkerSpec asserts it, with no message
         return KoalaError(f"--monitor-interval {args.monitor_interval}: seconds between checks of the ranks, > 0")
     return None
+
+
+#: The fewest processes per node koala-run allows whatever the machine (tests run 8 ranks on 2
+#: cores), and how many per CPU core this process may use it allows where that is more.
+MIN_PROCESSES_PER_NODE, PROCESSES_PER_CORE = 64, 4
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity where the system says it, else all)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def max_processes_per_node() -> int:
+    """The most processes per node `--nproc-per-node` may ask for: no real run needs more (a
+    rank per accelerator, or a few per core), and more would start processes until the machine
+    gives out."""
+    return max(MIN_PROCESSES_PER_NODE, PROCESSES_PER_CORE * usable_cores())
+
+
+def _is_count(value: str) -> bool:
+    """Whether a `--nproc-per-node` is a number (not one of the names torchrun counts devices for)."""
+    try:
+        int(value)
+    except ValueError:
+        return False
+    return True
+
+
+def too_many_processes(value: str) -> KoalaError:
+    """The one-line error for a `--nproc-per-node` above `max_processes_per_node()`."""
+    cores = usable_cores()
+    return KoalaError(f"--nproc-per-node {value}: at most {max_processes_per_node()} processes per node "
+                      f"(the larger of {MIN_PROCESSES_PER_NODE} and {PROCESSES_PER_CORE} per CPU core this "
+                      f"process may use, {cores}; more would start processes until this machine gives out)")
+
+
+def bad_log_dir(args) -> KoalaError | None:
+    """The one-line error for a `--log-dir` that is a file, lies under a file, or cannot be
+    created or written (torchrun creates it as koala-run does here, and ends in its traceback
+    for a file, or in the ranks' start for a directory it cannot write); None when it is one
+    torchrun can use, or one a `--logs-specs` of its own reads."""
+    path = args.log_dir
+    if not path or path == os.devnull or args.logs_specs is not None:
+        return None
+    fix = "pass a directory koala-run can create or write to"
+    if os.path.exists(path) and not os.path.isdir(path):
+        return KoalaError(f"--log-dir {path}: is a file, not a directory: {fix}")
+    try:
+        os.makedirs(path, exist_ok=True)  # as torchrun's DefaultLogsSpecs does before it starts a rank
+    except OSError as exc:
+        above = _file_above(path)
+        why = f"{above} is a file, not a directory" if above else f"cannot create it ({exc.strerror})"
+        return KoalaError(f"--log-dir {path}: {why}: {fix}")
+    if not os.access(path, os.W_OK | os.X_OK):
+        return KoalaError(f"--log-dir {path}: cannot write to it (permission denied): {fix}")
+    return None
+
+
+def _file_above(path: str) -> str | None:
+    """The nearest path above `path` that exists, as the user wrote it, where it is not a
+    directory (a file); else None."""
+    parent = os.path.dirname(os.path.normpath(path))
+    while parent and not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    return parent if parent and not os.path.isdir(parent) else None
 
 
 def missing_script(args) -> KoalaError | None:
