@@ -49,6 +49,7 @@ from typing import TextIO
 
 from .errors import USER_ERROR_EXIT, rank_zero_argument_errors, report_user_error
 from .ir import KoalaError
+from .machine import max_processes_per_node, processes_bound_text
 
 #: torchrun's log lines about ending a failed run, which the exit code and table already say.
 _ENDING_MESSAGES = ("Sending process", "failed (exitcode")
@@ -112,25 +113,6 @@ def bad_numbers(args, torchrun) -> KoalaError | None:
     return None
 
 
-#: The fewest processes per node koala-run allows whatever the machine (tests run 8 ranks on 2
-#: cores), and how many per CPU core this process may use it allows where that is more.
-MIN_PROCESSES_PER_NODE, PROCESSES_PER_CORE = 64, 4
-
-
-def usable_cores() -> int:
-    """The CPU cores this process may run on (its affinity where the system says it, else all)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def max_processes_per_node() -> int:
-    """The most processes per node `--nproc-per-node` may ask for: no real run needs more (a
-    rank per accelerator, or a few per core), and more would start processes until the machine
-    gives out."""
-    return max(MIN_PROCESSES_PER_NODE, PROCESSES_PER_CORE * usable_cores())
-
-
 def _is_count(value: str) -> bool:
     """Whether a `--nproc-per-node` is a number (not one of the names torchrun counts devices for)."""
     try:
@@ -142,10 +124,8 @@ def _is_count(value: str) -> bool:
 
 def too_many_processes(value: str) -> KoalaError:
     """The one-line error for a `--nproc-per-node` above `max_processes_per_node()`."""
-    cores = usable_cores()
     return KoalaError(f"--nproc-per-node {value}: at most {max_processes_per_node()} processes per node "
-                      f"(the larger of {MIN_PROCESSES_PER_NODE} and {PROCESSES_PER_CORE} per CPU core this "
-                      f"process may use, {cores}; more would start processes until this machine gives out)")
+                      f"({processes_bound_text()}; more would start processes until this machine gives out)")
 
 
 def bad_log_dir(args) -> KoalaError | None:

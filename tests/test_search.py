@@ -603,6 +603,8 @@ def test_search_error_words_its_parameters_a_front_ends_way():
      "`workers` must be >= 1, got 0", ["--workers", "0"], "--workers must be >= 1, got 0"),
     (lambda: search(_problem(4, 8), time_budget=None, generations=None), "time_budget",
      "`time_budget` and `generations` are both None", None, None),  # it ran until Ctrl-C
+    (lambda: search(_problem(4, 8), time_budget=None, generations=1, workers=100_000), "workers",
+     "`workers` must be at most", ["--workers", "100000"], "--workers must be at most"),  # forked until killed
     (lambda: search(_problem(4, 8), time_budget=float("nan")), "time_budget",
      "`time_budget` must be a finite number of seconds > 0", None, None),
     (lambda: SearchProblem(load_profile("uniform-4"), 4, 8, 1, memory_limit=1.0), "memory_limit",
