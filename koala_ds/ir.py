@@ -60,6 +60,41 @@ def _smaller(names: dict | None) -> str:
     return f"use a smaller {names['m']}, {names['p']} or {names['v']}"
 
 
+_MISSING = object()
+
+
+def _json_type(value) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "true/false", type(None): "null"}.get(
+        type(value), f"the number {value!r}" if isinstance(value, (int, float)) and len(repr(value)) < 30 else
+        "a number")
+
+
+def _json_check(value, kind: type, source: str, where: str):
+    """`value` when it is a JSON `kind` (an integer is not true/false); else a ScheduleError."""
+    if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
+        return value
+    wanted = {int: "an integer", str: "a string", list: "a list", dict: "an object"}[kind]
+    raise ScheduleError(f"{source}: field {where} must be {wanted}, got {_json_type(value)}")
+
+
+def _json_field(data: dict, name: str, kind: type, source: str, prefix: str = "", default=_MISSING):
+    """Field `name` of a schedule JSON object, checked to be a `kind`."""
+    if name not in data:
+        if default is _MISSING:
+            raise ScheduleError(f"{source}: missing field {prefix}{name!r} in schedule JSON")
+        return default
+    return _json_check(data[name], kind, source, prefix + name)
+
+
+def _json_action(text, source: str, rank: int, index: int) -> "Action":
+    try:
+        return Action.parse(_json_check(text, str, source, f"ranks[{rank}][{index}]"))
+    except ScheduleError as exc:
+        if str(exc).startswith(source):
+            raise
+        raise ScheduleError(f"{source}: ranks[{rank}][{index}]: {exc}") from None
+
+
 def _check_count(n: int, source: str) -> None:
     if n > MAX_ACTIONS:
         raise ScheduleError(f"{source}: {n:,} actions, over the limit of {MAX_ACTIONS:,} (MAX_ACTIONS): "
@@ -323,19 +358,31 @@ class Schedule:
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "<json>") -> "Schedule":
+        """The schedule a `to_dict` object describes; a ScheduleError naming `source` and the
+        field (its path, e.g. ranks[1][3]) for anything else."""
+        if not isinstance(data, dict):
+            raise ScheduleError(f"{source}: schedule JSON must be an object with fields p, m, v, placement and "
+                                f"ranks, got {_json_type(data)}")
+        pl = _json_field(data, "placement", dict, source)
+        stage_ranks = _json_field(pl, "stage_ranks", list, source, "placement.")
+        for i, r in enumerate(stage_ranks):
+            _json_check(r, int, source, f"placement.stage_ranks[{i}]")
+        ranks = _json_field(data, "ranks", list, source)
+        for i, rank in enumerate(ranks):
+            _json_check(rank, list, source, f"ranks[{i}]")
+        _check_count(sum(len(rank) for rank in ranks), source)
         try:
-            pl = data["placement"]
-            placement = Placement(tuple(pl["stage_ranks"]), int(pl.get("pipelines", 1)), pl.get("style", "map"))
-            _check_count(sum(len(rank) for rank in data["ranks"]), source)
-            ranks = tuple(tuple(Action.parse(a) for a in rank) for rank in data["ranks"])
-            return cls(int(data["p"]), int(data["m"]), int(data["v"]), placement, ranks,
-                       data.get("backward", "full"), data.get("name", "schedule"))
-        except KeyError as exc:
-            raise ScheduleError(f"{source}: missing field {exc.args[0]!r} in schedule JSON") from None
-        except (TypeError, ValueError) as exc:
-            if isinstance(exc, ScheduleError):
-                raise ScheduleError(f"{source}: {exc}") from None
-            raise ScheduleError(f"{source}: malformed schedule JSON ({exc})") from None
+            placement = Placement(tuple(stage_ranks), _json_field(pl, "pipelines", int, source, "placement.", 1),
+                                  _json_field(pl, "style", str, source, "placement.", "map"))
+            return cls(*(_json_field(data, k, int, source) for k in ("p", "m", "v")), placement,
+                       tuple(tuple(_json_action(a, source, i, j) for j, a in enumerate(rank))
+                             for i, rank in enumerate(ranks)),
+                       _json_field(data, "backward", str, source, default="full"),
+                       _json_field(data, "name", str, source, default="schedule"))
+        except ScheduleError as exc:
+            if str(exc).startswith(source):
+                raise
+            raise ScheduleError(f"{source}: {exc}") from None
 
     @classmethod
     def from_json(cls, text: str, source: str = "<json>") -> "Schedule":

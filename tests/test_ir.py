@@ -80,6 +80,38 @@ def test_json_errors_name_the_source():
         Schedule.from_json(json.dumps(good), "f.json")
 
 
+def _mutated(change) -> str:
+    data = json.loads(get("1f1b").compile(2, 2).to_json())
+    change(data)
+    return json.dumps(data)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d.__setitem__("m", "2"), "f.json: field m must be an integer, got a string"),
+    (lambda d: d.__setitem__("v", True), "f.json: field v must be an integer, got true/false"),
+    (lambda d: d.__setitem__("p", 1e308), "f.json: field p must be an integer, got the number 1e\\+308"),
+    (lambda d: d.__setitem__("placement", "linear"), "f.json: field placement must be an object, got a string"),
+    (lambda d: d["placement"]["stage_ranks"].__setitem__(1, "1"),
+     r"f.json: field placement.stage_ranks\[1\] must be an integer, got a string"),
+    (lambda d: d.__setitem__("ranks", "abc"), "f.json: field ranks must be a list, got a string"),
+    (lambda d: d["ranks"].__setitem__(0, "0F0"), r"f.json: field ranks\[0\] must be a list, got a string"),
+    (lambda d: d["ranks"][1].__setitem__(3, 5), r"f.json: field ranks\[1\]\[3\] must be a string, got the number 5"),
+    (lambda d: d["ranks"][1].__setitem__(2, "1X1"), r"f.json: ranks\[1\]\[2\]: bad action '1X1'"),
+    (lambda d: d.__setitem__("backward", 3), "f.json: field backward must be a string"),
+])
+def test_json_of_the_wrong_type_names_the_field(change, message):
+    """Wrong types used to surface as Python's own words ("list indices must be integers or
+    slices, not str") or pass ("m": "2", "v": true)."""
+    with pytest.raises(ScheduleError, match="^" + message) as info:
+        Schedule.from_json(_mutated(change), "f.json")
+    assert "\n" not in str(info.value)
+
+
+def test_json_that_is_not_an_object_says_what_it_is():
+    with pytest.raises(ScheduleError, match=r"^f\.json: schedule JSON must be an object .* got a list$"):
+        Schedule.from_json("[1, 2, 3]", "f.json")
+
+
 def test_csv_errors():
     with pytest.raises(ScheduleError, match="x.csv:2: bad action"):
         Schedule.from_torch_csv("0F0,0B0\n1F0,1Q0\n", source="x.csv")
