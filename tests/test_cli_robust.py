@@ -447,3 +447,12 @@ def test_a_device_torch_cannot_use_is_one_line_naming_device_before_any_rank(cap
     code, _, err = run(capsys, "profile", engine, *model, "-p", "2", "--device", device, "-o", out)
     one_line_error(code, err, f"--device {device}:", says)
     assert not out.exists()
+
+
+def test_an_unknown_option_is_named_by_its_command(capsys):
+    """It was reported by the top-level parser: `koala: error: unrecognized arguments ... (see koala -h)`."""
+    with pytest.raises(SystemExit) as exc:
+        main(["show", "1f1b", "-p", "4", "-m", "4", "--partition", "7,6,6,7"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == ("koala show: error: unrecognized arguments: --partition 7,6,6,7 "
+                                       "(see koala show -h)\n")
