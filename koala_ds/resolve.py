@@ -125,7 +125,8 @@ def check_spec(spec, settings: Settings, source: str | None = None) -> None:
         return
     if looks_like_path(text) or os.path.exists(text):
         if not os.path.isfile(text):
-            what = " is a directory, not a file" if os.path.isdir(text) else ": no such file"
+            what = (" is a directory, not a file" if os.path.isdir(text) else
+                    ": not a regular file (a device, a pipe or a socket)" if os.path.exists(text) else ": no such file")
             raise ScheduleFitError(f"{source or _where(text, settings)}{what}")
         return
     known = library.names()

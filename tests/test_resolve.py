@@ -3,6 +3,7 @@ schedule that fits, with every error in the front end's own terms. No torch need
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -80,6 +81,20 @@ def test_missing_files_and_non_names_are_one_error_class_in_every_front_end(tmp_
         with pytest.raises(ScheduleFitError, match="expected a schedule name or a file path, got 5"):
             check_spec(5, settings)
     assert issubclass(ScheduleFitError, KoalaError)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes")
+def test_a_pipe_given_as_a_schedule_or_profile_is_not_called_missing(tmp_path):
+    """A named pipe (or a device) exists: it was reported as 'no such file'."""
+    from koala_ds.sim import load_profile
+    from koala_ds.sim.profile import ProfileError
+
+    fifo = tmp_path / "s.json"
+    os.mkfifo(fifo)
+    with pytest.raises(ScheduleFitError, match=r"s\.json: not a regular file \(a device, a pipe or a socket\)$"):
+        check_spec(str(fifo), CLI)
+    with pytest.raises(ProfileError, match=r"s\.json is not a regular file"):
+        load_profile(fifo)
 
 
 def test_engines_refuse_two_pipelines_the_cli_shows_them():

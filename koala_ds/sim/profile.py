@@ -289,6 +289,8 @@ def resolve_profile(name_or_path: str | os.PathLike) -> Path:
         return path
     if path.is_dir():
         raise ProfileError(f"profile {path} is a directory, not a JSON file")
+    if path.exists():
+        raise ProfileError(f"profile {path} is not a regular file (a device, a pipe or a socket): give a JSON file")
     text = str(name_or_path)
     looks_like_path = os.sep in text or "/" in text
     if not looks_like_path:
