@@ -456,3 +456,17 @@ def test_an_unknown_option_is_named_by_its_command(capsys):
     assert exc.value.code == 2
     assert capsys.readouterr().err == ("koala show: error: unrecognized arguments: --partition 7,6,6,7 "
                                        "(see koala show -h)\n")
+
+
+def test_options_that_would_be_ignored_or_overwrite_each_other_are_refused(capsys, tmp_path):
+    """--exact-time-limit without --exact was ignored; --gantt and --trace naming one file wrote
+    the trace over the chart."""
+    out = tmp_path / "best.koala"
+    assert main(["search", "--profile", "uniform-4", "-m", "4", "--exact-time-limit", "5", "-o", str(out)]) == 2
+    assert capsys.readouterr().err == ("koala search: error: --exact-time-limit is the time limit of --exact: add "
+                                       "--exact, or drop it\n")
+    same = tmp_path / "x.svg"
+    assert main(["simulate", "1f1b", "-p", "4", "-m", "4", "--gantt", str(same), "--trace", str(same)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"koala simulate: error: --gantt and --trace both name {same}") and err.count("\n") == 1
+    assert not out.exists() and not same.exists()

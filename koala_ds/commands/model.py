@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from pathlib import Path
 
 from ..ir import KoalaError, Schedule, size_error
 from ..library import FIXED_SUFFIXES
-from ..outputs import check_output
+from ..outputs import OutputError, check_output
 from . import dumps_json, positive_float
 from .bounds import NO_FIT, ConfigBound, configuration_bound
 from . import partition
@@ -56,6 +57,9 @@ def check_output_flags(args: argparse.Namespace) -> None:
         check_output(args.gantt, "--gantt", GANTT_SUFFIXES)
     if getattr(args, "trace", None):
         check_output(args.trace, "--trace")
+        if getattr(args, "gantt", None) and os.path.realpath(args.gantt) == os.path.realpath(args.trace):
+            raise OutputError(f"--gantt and --trace both name {args.trace}: the trace would overwrite the chart; "
+                              f"give each its own file")
 
 
 def prepare_outputs(schedule: Schedule, args: argparse.Namespace) -> CostProfile | None:

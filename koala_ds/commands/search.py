@@ -69,12 +69,20 @@ def backward_line(result) -> str:
     return f"backward: {result.schedule.backward} wins; best found per kind: {', '.join(parts)}"
 
 
+#: --exact-time-limit's default (seconds).
+EXACT_TIME_LIMIT_S = 60.0
+
+
 def _check_args(args: argparse.Namespace) -> Path:
     """Counts and output paths, before any work (a search must not fail at its end)."""
     for key in ("p", "m", "v"):
         value = getattr(args, key)
         if value is not None and value < 1:
             raise KoalaError(f"-{key} must be >= 1, got {value}")
+    if args.exact_time_limit is not None and not args.exact:
+        raise KoalaError("--exact-time-limit is the time limit of --exact: add --exact, or drop it")
+    if args.exact_time_limit is None:
+        args.exact_time_limit = EXACT_TIME_LIMIT_S
     out = check_output(args.output, "-o", (".koala",))
     if args.gantt:
         check_output(args.gantt, "--gantt", GANTT_SUFFIXES)
@@ -274,8 +282,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=1, help="processes evaluating candidates (default 1)")
     p.add_argument("--exact", action="store_true",
                    help="then run the exact CP-SAT solver (extra 'exact') hinted with the result")
-    p.add_argument("--exact-time-limit", type=positive_float, default=60.0, metavar="S",
-                   help="time limit of --exact (default 60 s); where it does not prove the optimum, a "
+    p.add_argument("--exact-time-limit", type=positive_float, default=None, metavar="S",
+                   help=f"time limit of --exact (default {EXACT_TIME_LIMIT_S:g} s); where it does not prove the optimum, a "
                         "relaxation bound gets as long again")
     p.add_argument("--min-gain", type=nonnegative_float, default=0.0, metavar="PCT",
                    help="keep the known schedule (1f1b when it fits, else the fastest fitting predefined one) "
