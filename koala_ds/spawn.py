@@ -29,7 +29,11 @@ GRACE_AFTER_FAILURE_S = 15.0
 
 
 class SpawnError(RuntimeError):
-    """A worker process failed, or the job ran past its deadline."""
+    """A worker process failed, or the job ran past its deadline (`timed_out`)."""
+
+    def __init__(self, message: str, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 def free_port() -> int:
@@ -115,7 +119,7 @@ def launch(target: Callable | str, world: int, spec: Any = None, *, timeout_s: f
         if bad and not allow_failures:
             text = "\n".join(f"rank {r}: {res['type']}: {res['message']}\n{res['traceback']}" for r, res in bad[:3])
             raise SpawnError(f"{target}: {len(bad)} of {world} ranks failed"
-                             f"{' (deadline of %.0f s passed)' % timeout_s if timed_out else ''}:\n{text}")
+                             f"{f' (deadline of {timeout_s:g} s passed)' if timed_out else ''}:\n{text}", timed_out)
         return results
     raise AssertionError("unreachable")
 

@@ -470,3 +470,11 @@ def test_options_that_would_be_ignored_or_overwrite_each_other_are_refused(capsy
     err = capsys.readouterr().err
     assert err.startswith(f"koala simulate: error: --gantt and --trace both name {same}") and err.count("\n") == 1
     assert not out.exists() and not same.exists()
+
+
+@pytest.mark.parametrize("width", ["0", "-5"])
+def test_show_refuses_a_grid_without_columns(capsys, width):
+    with pytest.raises(SystemExit) as exc:
+        main(["show", "1f1b", "-p", "2", "-m", "2", "--width", width])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == f"koala show: error: argument --width: must be >= 1, got '{width}' (see koala show -h)\n"

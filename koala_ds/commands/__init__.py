@@ -34,6 +34,17 @@ positive_float = finite_float(0.0)
 nonnegative_float = finite_float(0.0, strict=False)
 
 
+def positive_int(text: str) -> int:
+    """An argparse `type`: a whole number >= 1 (argparse names the flag in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
+    return value
+
+
 def dumps_json(data: Any, **kwargs: Any) -> str:
     """JSON text for `koala ... --json`: strict JSON, never Infinity or NaN (those are refused:
     the inputs' numbers are bounded, so a non-finite result is a bug worth a message)."""

@@ -4,14 +4,18 @@ when the command runs."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
+import re
 import sys
+from typing import Any, Callable, Iterator
 
 from ..ir import KoalaError
 from ..outputs import atomic_write, check_output
+from ..spawn import SpawnError
 from ..wgrad_policy import DEFAULT_MAX_HOLD, check_max_hold
-from . import dumps_json, nonnegative_float, positive_float
+from . import dumps_json, nonnegative_float, positive_float, positive_int
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +28,25 @@ def max_w_hold(text: str):
         return check_max_hold(float(text))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number >= 0 or none, got {text!r}") from None
+
+
+PARTITION_METHODS = "uniform, parameters or type:REGEX"
+
+
+def partition_method(text: str) -> str:
+    """--partition-method: uniform, parameters or type:REGEX (a valid regular expression), as
+    DeepSpeed's PipelineModule takes it (case-insensitive)."""
+    method = text.lower()  # as koala_ds.profiler.models.pipeline_module_stages (and DeepSpeed) reads it
+    if method in ("uniform", "parameters"):
+        return text
+    if not method.startswith("type:"):
+        raise argparse.ArgumentTypeError(f"{text!r}: use {PARTITION_METHODS}")
+    try:
+        re.compile(method.split(":", 1)[1], re.IGNORECASE)
+    except re.error as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: the REGEX of type:REGEX is not a regular expression ({exc})") \
+            from None
+    return text
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -41,8 +64,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--p2p-timeout", type=positive_float, default=120.0, metavar="S", help="deadline of the ping-pong (default 120 s)")
     p.add_argument("--memory-limit", type=positive_float, default=None, metavar="MB", help="write this per-rank memory limit")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads (default 1: one pipeline rank per process and core)")
+    p.add_argument("--threads", type=positive_int, default=1,
+                   help="torch CPU threads, >= 1 (default 1: one pipeline rank per process and core)")
     p.add_argument("--max-w-hold", type=max_w_hold, default=DEFAULT_MAX_HOLD, metavar="X",
                    help="what W may hold after I, as a fraction of a stage's activation; the layers beyond it "
                         f"compute their weight gradient in I (koala_ds.wgrad.prepare(max_hold=...); default "
@@ -85,8 +108,7 @@ def _setup(args):
     _check_args(args)
     import torch
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     _check_device(torch, device)
     p2p = True if args.p2p_latency is None else args.p2p_latency
@@ -184,40 +206,71 @@ def _check_gpt(args) -> None:
                          f"{args.num_attention_heads}")
 
 
+def _gpt_layers(args, device: str, p2p: bool | float) -> Any:
+    from ..profiler.models import profile_megatron_gpt_layers
+
+    opt = 3.0 if args.optimizer_bytes_per_param_byte is None else args.optimizer_bytes_per_param_byte
+    return profile_megatron_gpt_layers(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, vocab_size=args.vocab_size, p=args.p,
+        seed=args.seed, device=device, warmup=args.warmup, iters=args.iters, p2p=p2p,
+        p2p_timeout_s=args.p2p_timeout, memory_limit_mb=args.memory_limit, optimizer_bytes_per_param_byte=opt,
+        progress=_progress(device, "layer"), max_hold=args.max_w_hold)
+
+
+def _gpt_stages(args, device: str, p2p: bool | float) -> Any:
+    from ..profiler.models import profile_megatron_gpt
+
+    return profile_megatron_gpt(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                                num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
+                                micro_batch_size=args.micro_batch_size, vocab_size=args.vocab_size, p=args.p,
+                                v=args.v, seed=args.seed, device=device, warmup=args.warmup, iters=args.iters,
+                                p2p=p2p, p2p_timeout_s=args.p2p_timeout, memory_limit_mb=args.memory_limit,
+                                progress=_progress(device), max_hold=args.max_w_hold)
+
+
+#: What to do, besides raising --p2p-timeout, when the profile's ping-pong ran past it.
+P2P_LATENCY_HINT = ", or give the latency with --p2p-latency MS"
+
+
 def cmd_megatron_gpt(args) -> int:
     _check_gpt(args)
     device, p2p = _setup(args)
-    if args.per_layer:
-        from ..profiler.models import profile_megatron_gpt_layers
-
-        opt = 3.0 if args.optimizer_bytes_per_param_byte is None else args.optimizer_bytes_per_param_byte
-        result = profile_megatron_gpt_layers(
-            num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-            seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, vocab_size=args.vocab_size, p=args.p,
-            seed=args.seed, device=device, warmup=args.warmup, iters=args.iters, p2p=p2p,
-            p2p_timeout_s=args.p2p_timeout, memory_limit_mb=args.memory_limit, optimizer_bytes_per_param_byte=opt,
-            progress=_progress(device, "layer"), max_hold=args.max_w_hold)
-        return _finish_layers(args, result)
-    from ..profiler.models import profile_megatron_gpt
-
-    result = profile_megatron_gpt(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                                  num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
-                                  micro_batch_size=args.micro_batch_size, vocab_size=args.vocab_size, p=args.p,
-                                  v=args.v, seed=args.seed, device=device, warmup=args.warmup, iters=args.iters,
-                                  p2p=p2p, p2p_timeout_s=args.p2p_timeout, memory_limit_mb=args.memory_limit,
-                                  progress=_progress(device), max_hold=args.max_w_hold)
-    return _finish(args, result)
+    profile = _gpt_layers if args.per_layer else _gpt_stages
+    with _p2p_deadline("--p2p-timeout", args.p2p_timeout, P2P_LATENCY_HINT):
+        result = profile(args, device, p2p)
+    return _finish_layers(args, result) if args.per_layer else _finish(args, result)
 
 
-def _load(ref: str, what: str):
-    if ":" not in ref:
+#: The longest message of a user's exception that an error line quotes (its first line only).
+MAX_QUOTED_CHARS = 200
+
+
+def _describe(exc: BaseException) -> str:
+    """`Type: first line of the message`, cut at MAX_QUOTED_CHARS characters."""
+    lines = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {lines[0].strip()}" if lines else type(exc).__name__
+    return text if len(text) <= MAX_QUOTED_CHARS else text[:MAX_QUOTED_CHARS - 3] + "..."
+
+
+def _user_error(message: str, exc: BaseException) -> KoalaError:
+    """A one-line KoalaError quoting the user's exception; its traceback goes to the DEBUG log."""
+    log.debug("%s", message, exc_info=exc)
+    return KoalaError(f"{message}: {_describe(exc)} (--log-level DEBUG shows the traceback)")
+
+
+def _load(ref: str, what: str) -> Callable[[], Any]:
+    """The function MODULE:FUNCTION names; one line naming `what` (the option) when it cannot be had."""
+    module_name, _, func_name = ref.partition(":")
+    if not module_name.strip() or not func_name.strip():
         raise KoalaError(f"{what} {ref!r}: expected MODULE:FUNCTION (e.g. mymodel:build_layers)")
-    module_name, func_name = ref.split(":", 1)
     sys.path.insert(0, ".")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise KoalaError(f"{what} {ref!r}: cannot import {module_name} ({exc})") from None
+    except Exception as exc:  # noqa: BLE001 - any error of the user's module (SyntaxError, ...)
+        raise _user_error(f"{what} {ref!r}: importing {module_name} failed", exc) from None
     func = getattr(module, func_name, None)
     if func is None:
         raise KoalaError(f"{what} {ref!r}: {module_name} has no {func_name}")
@@ -226,40 +279,122 @@ def _load(ref: str, what: str):
     return func
 
 
-def _call(func, ref: str, what: str):
+def _call(func: Callable[[], Any], ref: str, what: str) -> Any:
     """`func()`; an exception in the user's function is one line (its traceback at --log-level DEBUG)."""
     try:
         return func()
     except Exception as exc:  # noqa: BLE001 - any error of the user's code
-        log.debug("%s %s raised", what, ref, exc_info=True)
-        raise KoalaError(f"{what} {ref!r} raised {type(exc).__name__}: {exc} "
-                         f"(--log-level DEBUG shows the traceback)") from None
+        raise _user_error(f"{what} {ref!r} raised", exc) from None
+
+
+def _shown(value: Any) -> str:
+    """`value` for an error line: its repr (cut short) and its type."""
+    text = repr(value)
+    return f"{text if len(text) <= 40 else text[:37] + '...'} ({type(value).__name__})"
+
+
+def _layer_list(returned: Any, args) -> Any:
+    """What --layers returned, checked: a PipelineModule (its layer list), or a non-empty list of
+    layers (modules, LayerSpecs, functions), at least one per stage."""
+    ref = f"--layers {args.layers!r}"
+    specs = getattr(returned, "_layer_specs", returned)
+    if isinstance(specs, (str, bytes)) or not hasattr(specs, "__iter__"):
+        raise KoalaError(f"{ref} returned {_shown(returned)}, not a PipelineModule or a list of layers")
+    layers = list(specs)
+    if not layers:
+        raise KoalaError(f"{ref} returned no layers")
+    for i, layer in enumerate(layers):
+        if not callable(layer) and not hasattr(layer, "build"):
+            raise KoalaError(f"{ref}: layer {i} is {_shown(layer)}, not a module, LayerSpec or function")
+    needed, why = (2, "a per-layer profile (--per-layer) needs") if args.per_layer else \
+        (args.p * args.v, f"the p x v = {args.p} x {args.v} stages need")
+    if len(layers) < needed:
+        raise KoalaError(f"{ref} returned {len(layers)} layer(s); {why} at least {needed}: give more layers"
+                         + ("" if args.per_layer else ", or a smaller -p or -v"))
+    return returned if hasattr(returned, "_layer_specs") else layers
+
+
+def _sample(returned: Any, ref: str) -> Any:
+    """What --input returned: one microbatch's input (None is refused)."""
+    if returned is None:
+        raise KoalaError(f"--input {ref!r} returned None: return one microbatch's input (a tensor, or a tuple "
+                         f"of the first layer's arguments)")
+    return returned
+
+
+def _model_error(exc: Exception, args) -> KoalaError:
+    """The user's model failed while profiled: one line naming --input (the first stage's forward)
+    or --layers (anything else), with the stage (the layer, --per-layer) and the step where
+    profile_stages knows them."""
+    from ..profiler.core import failed_step
+
+    where = failed_step(exc)
+    if where is None:
+        return _user_error(f"--layers {args.layers!r}: profiling failed", exc)
+    stage, step = where
+    unit = "layer" if args.per_layer else "stage"
+    if (stage, step) == (0, "forward"):
+        return _user_error(f"--input {args.input!r}: the {unit} 0 forward failed", exc)
+    return _user_error(f"--layers {args.layers!r}: the {unit} {stage} {step} failed", exc)
+
+
+@contextlib.contextmanager
+def _model_errors(args) -> Iterator[None]:
+    """Inside: an error of the user's model (--layers, --input) is one line naming the option."""
+    try:
+        yield
+    except (KoalaError, SpawnError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - the user's layers run inside
+        raise _model_error(exc, args) from None
+
+
+@contextlib.contextmanager
+def _p2p_deadline(flag: str, timeout_s: float, other: str) -> Iterator[None]:
+    """Inside: the ping-pong's processes stopped at their deadline is one line naming `flag`."""
+    try:
+        yield
+    except SpawnError as exc:
+        if not exc.timed_out:
+            raise
+        log.debug("the p2p ping-pong failed", exc_info=True)
+        raise KoalaError(f"{flag} {timeout_s:g}: the p2p ping-pong (2 local processes) did not finish in "
+                         f"{timeout_s:g} s; raise {flag}{other}") from None
+
+
+def _deepspeed_layers(args, layers: Any, sample: Any, device: str, p2p: bool | float) -> Any:
+    from ..profiler.models import profile_pipeline_module_layers
+
+    result = profile_pipeline_module_layers(
+        layers, sample, device=device, warmup=args.warmup, iters=args.iters, p2p=p2p,
+        p2p_timeout_s=args.p2p_timeout, memory_limit_mb=args.memory_limit,
+        optimizer_bytes_per_param_byte=args.optimizer_bytes_per_param_byte,
+        progress=_progress(device, "layer"), max_hold=args.max_w_hold)
+    result.extra_meta.update({"p": args.p})
+    return result
+
+
+def _deepspeed_stages(args, layers: Any, sample: Any, device: str, p2p: bool | float) -> Any:
+    from ..profiler.models import profile_pipeline_module
+
+    result = profile_pipeline_module(layers, sample, args.p * args.v, partition_method=args.partition_method,
+                                     device=device, warmup=args.warmup, iters=args.iters, p2p=p2p,
+                                     p2p_timeout_s=args.p2p_timeout, memory_limit_mb=args.memory_limit,
+                                     progress=_progress(device), max_hold=args.max_w_hold)
+    result.extra_meta.update({"p": args.p, "v": args.v})
+    return result
 
 
 def cmd_deepspeed(args) -> int:
     _check_args(args)
     layers_fn, input_fn = _load(args.layers, "--layers"), _load(args.input, "--input")
     device, p2p = _setup(args)
-    from ..profiler.models import profile_pipeline_module
-
-    layers = _call(layers_fn, args.layers, "--layers")
-    sample = _call(input_fn, args.input, "--input")
-    if args.per_layer:
-        from ..profiler.models import profile_pipeline_module_layers
-
-        result = _call(lambda: profile_pipeline_module_layers(
-            layers, sample, device=device, warmup=args.warmup, iters=args.iters, p2p=p2p,
-            p2p_timeout_s=args.p2p_timeout, memory_limit_mb=args.memory_limit,
-            optimizer_bytes_per_param_byte=args.optimizer_bytes_per_param_byte,
-            progress=_progress(device, "layer"), max_hold=args.max_w_hold), args.layers, "profiling --layers")
-        result.extra_meta.update({"p": args.p})
-        return _finish_layers(args, result)
-    result = profile_pipeline_module(layers, sample, args.p * args.v, partition_method=args.partition_method,
-                                     device=device, warmup=args.warmup, iters=args.iters, p2p=p2p,
-                                     p2p_timeout_s=args.p2p_timeout, memory_limit_mb=args.memory_limit,
-                                     progress=_progress(device), max_hold=args.max_w_hold)
-    result.extra_meta.update({"p": args.p, "v": args.v})
-    return _finish(args, result)
+    layers = _layer_list(_call(layers_fn, args.layers, "--layers"), args)
+    sample = _sample(_call(input_fn, args.input, "--input"), args.input)
+    profile = _deepspeed_layers if args.per_layer else _deepspeed_stages
+    with _p2p_deadline("--p2p-timeout", args.p2p_timeout, P2P_LATENCY_HINT), _model_errors(args):
+        result = profile(args, layers, sample, device, p2p)
+    return _finish_layers(args, result) if args.per_layer else _finish(args, result)
 
 
 def cmd_p2p(args) -> int:
@@ -268,7 +403,8 @@ def cmd_p2p(args) -> int:
     if args.iters < 1 or not args.timeout > 0:
         raise KoalaError("--iters must be >= 1 and --timeout > 0")
     check_message(args.numel, args.dtype)
-    ms = measure_p2p_latency(args.numel, args.dtype, iters=args.iters, timeout_s=args.timeout)
+    with _p2p_deadline("--timeout", args.timeout, f", or lower --iters ({args.iters} round trips)"):
+        ms = measure_p2p_latency(args.numel, args.dtype, iters=args.iters, timeout_s=args.timeout)
     print(f"p2p latency (one way, median of {args.iters} round trips / 2, gloo, 2 local processes): {ms:.4g} ms "
           f"for {args.numel} x {args.dtype}")
     return 0
@@ -305,7 +441,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--layers", required=True, metavar="MODULE:FUNC",
                    help="function returning a PipelineModule or its list of layers / LayerSpecs")
     d.add_argument("--input", required=True, metavar="MODULE:FUNC", help="function returning one microbatch's input")
-    d.add_argument("--partition-method", default="parameters", help="uniform, parameters or type:REGEX (default parameters)")
+    d.add_argument("--partition-method", type=partition_method, default="parameters",
+                   help="uniform, parameters or type:REGEX (default parameters)")
     _common(d)
     d.set_defaults(func=cmd_deepspeed)
     q = kinds.add_parser("p2p", help="only the p2p latency (2-process gloo ping-pong)")

@@ -12,6 +12,7 @@ from ..outputs import atomic_write, check_output
 from ..resolve import resolve
 from ..validate import render_grid, validate
 from .table import format_table
+from . import positive_int
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("show", help="show a schedule as a rank x time-step grid (and charts with --profile)")
     add_schedule_arguments(p)
-    p.add_argument("--width", type=int, default=48, help="grid columns to show (default 48)")
+    p.add_argument("--width", type=positive_int, default=48, help="grid columns to show (default 48)")
     try:
         from . import model
     except ImportError:  # the model's CLI is optional for `show`

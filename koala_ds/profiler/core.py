@@ -147,6 +147,41 @@ class NotOneTensor(TypeError):
     """A stage (not the last) passed on something else than one tensor (its type name)."""
 
 
+#: Attributes `profile_stages` sets on an exception raised while it measured a stage (the
+#: exception is re-raised unchanged otherwise): the stage's index and the step that raised.
+_STAGE_ATTR, _STEP_ATTR = "_koala_profile_stage", "_koala_profile_step"
+
+
+def _tag(exc: BaseException, attr: str, value: Any) -> None:
+    """Record `value` on `exc` unless an inner step recorded it first."""
+    if not hasattr(exc, attr):
+        try:
+            setattr(exc, attr, value)
+        except (AttributeError, TypeError):  # an exception type that takes no attributes
+            pass
+
+
+@contextlib.contextmanager
+def _step(name: str, stage: int | None = None):
+    """Inside: an exception gets the step `name` (and the `stage`) it was raised in."""
+    try:
+        yield
+    except Exception as exc:
+        _tag(exc, _STEP_ATTR, name)
+        if stage is not None:
+            _tag(exc, _STAGE_ATTR, stage)
+        raise
+
+
+def failed_step(exc: BaseException) -> tuple[int, str] | None:
+    """Where `profile_stages` was when `exc` was raised: (stage index, "forward", "backward" or
+    "measurement"); None when it was not raised while a stage ran."""
+    stage = getattr(exc, _STAGE_ATTR, None)
+    if not isinstance(stage, int):
+        return None
+    return stage, getattr(exc, _STEP_ATTR, "measurement")
+
+
 class _Saved:
     """A tensor saved for backward, boxed so that we can tell when autograd lets go of it."""
 
@@ -234,7 +269,7 @@ class _StageRun:
         x = self.make_input()
         args = x if isinstance(x, tuple) else (x,)
         hooks = tracker.hooks() if tracker is not None else contextlib.nullcontext()
-        with hooks, wgrad.plain_forward(plain and self.plain_linears):
+        with hooks, wgrad.plain_forward(plain and self.plain_linears), _step("forward"):
             t = self.timer.start()
             out = self.module(*args)
             if self.is_last:
@@ -252,13 +287,15 @@ class _StageRun:
         return torch.randn(out.shape, generator=self.gen).to(out.device, out.dtype)
 
     def backward_input(self, out, grad):
-        with self.deferral.input_step(direct=self.direct_wgrad) as queue:
+        with _step("backward"), self.deferral.input_step(direct=self.direct_wgrad) as queue:
             out.backward(grad)
         return queue
 
     def timed(self, step: Callable[[], Any]) -> tuple[Any, float]:
+        """A backward step (W, or B) and its time."""
         t = self.timer.start()
-        result = step()
+        with _step("backward"):
+            result = step()
         return result, self.timer.stop(t)
 
     def time_one(self, meas: StageMeasurement | None, full_backward: bool) -> None:
@@ -301,7 +338,8 @@ class _StageRun:
         del args, out
         gc.collect()
         meas.w_hold_bytes = tracker.saved_bytes(alive_only=True) + queue.held_bytes()
-        queue.run()
+        with _step("backward"):
+            queue.run()
 
 
 @contextlib.contextmanager
@@ -386,14 +424,15 @@ def profile_stages(stage_modules: Sequence, sample_input, *, loss_fn: Callable |
             def make_input(base=base):
                 return base.clone().requires_grad_(base.is_floating_point())
         try:
-            meas = measure_stage(module, make_input, is_last=is_last, loss_fn=loss_fn, warmup=warmup, iters=iters,
-                                 device=device, full_backward=full_backward, seed=s, max_hold=max_hold,
-                                 direct_wgrad=direct_wgrad)
+            with _step("measurement", s):
+                meas = measure_stage(module, make_input, is_last=is_last, loss_fn=loss_fn, warmup=warmup,
+                                     iters=iters, device=device, full_backward=full_backward, seed=s,
+                                     max_hold=max_hold, direct_wgrad=direct_wgrad)
         except NotOneTensor as exc:
             raise ValueError(f"stage {s} returns {exc}: stages must pass one tensor on") from None
         results.append(meas)
         if not is_last:
-            with torch.no_grad():
+            with torch.no_grad(), _step("forward", s):
                 args = current if isinstance(current, tuple) else (current,)
                 current = module(*args)
             if isinstance(current, (tuple, list)):
