@@ -102,3 +102,23 @@ def test_same_loss_whichever_schedule_and_it_goes_down(tmp_path, _megatron_core)
         other = run(tmp_path, schedule, [*size, *extra])
         assert other["backend"] == "gloo"
         assert other["losses"] == pytest.approx(base["losses"], rel=1e-6), schedule
+
+
+@pytest.mark.parametrize("flags, world, message", [
+    (["--micro-batch-size", "0"], 2, "--micro-batch-size must be >= 1, got 0"),  # was a ZeroDivisionError
+    (["--pipeline-model-parallel-size", "0"], 2, "--pipeline-model-parallel-size must be >= 1, got 0"),
+    (["--pipeline-model-parallel-size", "3"], 2, "world size 2 is not a multiple of --tensor-model-parallel-size x "
+                                                 "--pipeline-model-parallel-size = 3"),
+    (["--global-batch-size", "3"], 1, "--global-batch-size 3 must be a multiple of --micro-batch-size x "
+                                      "data-parallel size = 2 x 1"),
+])
+def test_sizes_that_do_not_divide_are_one_user_error_naming_the_flag(flags, world, message):
+    """They were SystemExit(text) (exit code 1: torchrun's failure table after it) or a
+    ZeroDivisionError; a KoalaError is one line on rank 0 and exit code 2 on every rank (run_main)."""
+    from koala_ds.ir import KoalaError
+
+    ex = example_module()
+    with pytest.raises(KoalaError) as info:
+        ex.batch_split(ex.parse_args(flags), world)
+    assert str(info.value) == message
+    assert ex.batch_split(ex.parse_args([]), 2) == (2, 4)  # the defaults: 16 = 2 x 2 x 4

@@ -180,7 +180,7 @@ def pipeline_layout(args, pp: int):
     v = args.virtual_pipeline_model_parallel_size or 1
     if args.pipeline_model_parallel_layout is None:
         if args.num_layers % (pp * v):
-            raise SystemExit(f"--num-layers {args.num_layers} must be a multiple of PP x VP = {pp * v}")
+            raise KoalaError(f"--num-layers {args.num_layers} must be a multiple of PP x VP = {pp * v}")
         return check_layout(uniform_layout(args.num_layers, pp * v), pp, args.num_layers)
     layout = check_layout(args.pipeline_model_parallel_layout, pp, args.num_layers)
     lv = layout.virtual_pipeline_model_parallel_size
@@ -237,6 +237,32 @@ def make_config(args, tp: int, pp: int, v: int):
         gradient_accumulation_fusion=False, deallocate_pipeline_outputs=True)
 
 
+#: Flags that count something: each must be >= 1.
+COUNTS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers", "hidden_size",
+          "num_attention_heads", "seq_length", "vocab_size", "micro_batch_size", "global_batch_size", "train_iters",
+          "log_interval")
+
+
+def batch_split(args, world: int) -> tuple[int, int]:
+    """(data-parallel size, microbatches per step) of `world` ranks; a KoalaError (one line on rank
+    0, exit code 2 on every rank) naming the flag when they do not divide."""
+    from koala_ds.ir import KoalaError
+
+    for name in COUNTS:
+        if getattr(args, name) < 1:
+            raise KoalaError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if world % (tp * pp):
+        raise KoalaError(f"world size {world} is not a multiple of --tensor-model-parallel-size x "
+                         f"--pipeline-model-parallel-size = {tp * pp}")
+    dp = world // (tp * pp)
+    m = args.global_batch_size // (args.micro_batch_size * dp)
+    if m < 1 or m * args.micro_batch_size * dp != args.global_batch_size:
+        raise KoalaError(f"--global-batch-size {args.global_batch_size} must be a multiple of --micro-batch-size x "
+                         f"data-parallel size = {args.micro_batch_size} x {dp}")
+    return dp, m
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -246,13 +272,8 @@ def main(argv=None) -> int:
                                         int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
                                         torch.cuda.device_count() if cuda else 0)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if world % (tp * pp):
-        raise SystemExit(f"world size {world} is not a multiple of TP x PP = {tp * pp}")
-    dp = world // (tp * pp)
+    dp, m = batch_split(args, world)
     args.data_parallel_size = dp
-    m = args.global_batch_size // (args.micro_batch_size * dp)
-    if m * args.micro_batch_size * dp != args.global_batch_size:
-        raise SystemExit("--global-batch-size must be a multiple of --micro-batch-size x data-parallel size")
     layout = pipeline_layout(args, pp)
     v = layout.virtual_pipeline_model_parallel_size
     # routes megatron's get_forward_backward_func to the Koala runtime; build_model makes each chunk
