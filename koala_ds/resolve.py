@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 from . import library
 from .errors import one_line
-from .ir import CLI_NAMES, KoalaError, Placement, Schedule
+from .ir import CLI_NAMES, KoalaError, Placement, Schedule, ScheduleError
 from .validate import validate
 
 #: A schedule file's suffixes: a program to compile, or a fixed schedule taken as written.
@@ -237,8 +237,9 @@ def resolve(spec, p: int | None, m: int | None, v: int | None = 1, settings: Set
     if not compiled:
         try:
             validate(schedule)
-        except KoalaError as exc:
-            raise _user_error(exc, spec, settings, source) from None
+        except ScheduleError as exc:  # it names the schedule ('1f1b'): say which file held it
+            named = exc if str(exc).startswith(str(spec)) else ScheduleError(f"{spec}: {exc}")
+            raise _user_error(named, spec, settings, source) from None
     return schedule
 
 

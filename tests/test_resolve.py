@@ -83,6 +83,17 @@ def test_missing_files_and_non_names_are_one_error_class_in_every_front_end(tmp_
     assert issubclass(ScheduleFitError, KoalaError)
 
 
+def test_the_cli_names_the_file_of_a_schedule_that_does_not_validate(tmp_path):
+    """Validation errors name the schedule ('1f1b'); from a file the CLI did not say which file."""
+    data = json.loads(load_schedule("1f1b", 2, 2).to_json())
+    data["ranks"][1][1] = "1B9"
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(KoalaError) as info:
+        resolve(str(path), None, None, None, CLI)
+    assert str(info.value).startswith(f"{path}: schedule '1f1b' (p=2, m=2, v=1): 1B9: ")
+
+
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes")
 def test_a_pipe_given_as_a_schedule_or_profile_is_not_called_missing(tmp_path):
     """A named pipe (or a device) exists: it was reported as 'no such file'."""
