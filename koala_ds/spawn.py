@@ -28,6 +28,11 @@ from typing import Any, Callable
 GRACE_AFTER_FAILURE_S = 15.0
 
 
+#: megatron-core warns, once per module, that Apex / Transformer Engine (CUDA kernels) are missing
+#: and it falls back to torch: on CPU that is expected, and it buries the output (7 warnings).
+MEGATRON_FALLBACK_WARNINGS = r".*(Apex is|Apex are) not installed"
+
+
 class SpawnError(RuntimeError):
     """A worker process failed, or the job ran past its deadline (`timed_out`)."""
 
@@ -65,9 +70,7 @@ def _entry(target: str, rank: int, world: int, port: int, spec: Any, out: str, p
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "LOCAL_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                        "OMP_NUM_THREADS": "1", **env})
-    # megatron-core warns in every process that Apex / Transformer Engine (CUDA kernels) are
-    # missing and it falls back to torch; on CPU that is expected and only buries the output
-    warnings.filterwarnings("ignore", message=r".*(Apex is|Apex are) not installed")
+    warnings.filterwarnings("ignore", message=MEGATRON_FALLBACK_WARNINGS)
     try:
         import torch
 

@@ -234,6 +234,7 @@ def make_config(args, tp: int, pp: int, v: int):
         use_cpu_initialization=True, pipeline_dtype=torch.float32, params_dtype=torch.float32,
         hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=v if v > 1 else None, bias_dropout_fusion=False,
+        cuda_graph_scope=[],  # megatron-core's default ("full") is deprecated and warns on every rank
         gradient_accumulation_fusion=False, deallocate_pipeline_outputs=True)
 
 

@@ -9,11 +9,12 @@ import importlib
 import logging
 import re
 import sys
+import warnings
 from typing import Any, Callable, Iterator
 
 from ..ir import KoalaError
 from ..outputs import atomic_write, check_output
-from ..spawn import SpawnError
+from ..spawn import MEGATRON_FALLBACK_WARNINGS, SpawnError
 from ..wgrad_policy import DEFAULT_MAX_HOLD, check_max_hold
 from . import dumps_json, nonnegative_float, positive_float, positive_int
 
@@ -237,7 +238,8 @@ def cmd_megatron_gpt(args) -> int:
     _check_gpt(args)
     device, p2p = _setup(args)
     profile = _gpt_layers if args.per_layer else _gpt_stages
-    with _p2p_deadline("--p2p-timeout", args.p2p_timeout, P2P_LATENCY_HINT):
+    with _p2p_deadline("--p2p-timeout", args.p2p_timeout, P2P_LATENCY_HINT), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=MEGATRON_FALLBACK_WARNINGS)
         result = profile(args, device, p2p)
     return _finish_layers(args, result) if args.per_layer else _finish(args, result)
 

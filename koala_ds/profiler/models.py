@@ -77,7 +77,9 @@ def megatron_gpt_stages(num_layers: int, hidden_size: int, num_attention_heads: 
         config = TransformerConfig(num_layers=lps, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
                                    use_cpu_initialization=True, pipeline_dtype=torch.float32,
                                    params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
-                                   bias_dropout_fusion=False, gradient_accumulation_fusion=False, **(extra_config or {}))
+                                   bias_dropout_fusion=False, gradient_accumulation_fusion=False,
+                                   cuda_graph_scope=[],  # the whole layer; its default "full" is deprecated (a warning)
+                                   **(extra_config or {}))
         torch.manual_seed(seed + s)
         chunk = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=vocab_size, max_sequence_length=seq_length,
                          pre_process=s == 0, post_process=s == num_stages - 1,
