@@ -292,11 +292,12 @@ class _StageRun:
         return queue
 
     def timed(self, step: Callable[[], Any]) -> tuple[Any, float]:
-        """A backward step (W, or B) and its time."""
-        t = self.timer.start()
+        """A backward step (W, or B) and its time (the step's bookkeeping outside it)."""
         with _step("backward"):
+            t = self.timer.start()
             result = step()
-        return result, self.timer.stop(t)
+            elapsed = self.timer.stop(t)
+        return result, elapsed
 
     def time_one(self, meas: StageMeasurement | None, full_backward: bool) -> None:
         """One microbatch split (F, I, W), then, with `full_backward`, whole (F, B); recorded
