@@ -9,8 +9,9 @@ Megatron-core (`get_forward_backward_func`). In order of precedence it comes fro
 3. `KOALA_P2P_TIMEOUT`, its older name (read when `KOALA_TIMEOUT_S` is unset);
 4. `DEFAULT_TIMEOUT_S` (600 s).
 
-A value must be a finite number of seconds >= `MIN_TIMEOUT_S` (0.1 s: shorter deadlines would
-fire on an ordinary scheduling hiccup, and gloo rounds a wait to milliseconds). A bad value
+A value must be a number of seconds from `MIN_TIMEOUT_S` (0.1 s: shorter deadlines would
+fire on an ordinary scheduling hiccup, and gloo rounds a wait to milliseconds) to
+`MAX_TIMEOUT_S` (about a year; a wait's timedelta overflows past ~8.6e13 s). A bad value
 raises `TimeoutSettingError` in one line that names the setting it came from.
 No torch import: the launchers check the setting before any process starts.
 """
@@ -30,23 +31,26 @@ ENV_TIMEOUT = "KOALA_TIMEOUT_S"
 ENV_ALIASES = ("KOALA_P2P_TIMEOUT",)
 DEFAULT_TIMEOUT_S = 600.0
 MIN_TIMEOUT_S = 0.1
+#: About a year: longer is no deadline at all, and a wait's timedelta overflows past ~8.6e13 s.
+MAX_TIMEOUT_S = 3.2e7
 
 
 class TimeoutSettingError(KoalaError, ValueError):
-    """A timeout setting is not a finite number of seconds >= MIN_TIMEOUT_S."""
+    """A timeout setting is not a number of seconds from MIN_TIMEOUT_S to MAX_TIMEOUT_S."""
 
 
 def check_timeout(value, source: str) -> float:
     """`value` as seconds; `source` names where it came from (e.g. 'KOALA_TIMEOUT_S')."""
     shown = f"{source}={value!r}" if source.isidentifier() else f"{source} = {value!r}"  # VAR='x' / "key" = x
-    need = f"must be a finite number of seconds >= {MIN_TIMEOUT_S:g} (default {DEFAULT_TIMEOUT_S:g})"
+    need = (f"must be a number of seconds from {MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S:g} "
+            f"(default {DEFAULT_TIMEOUT_S:g})")
     if isinstance(value, bool):
         raise TimeoutSettingError(f"{shown}: the pipeline timeout {need}")
     try:
         seconds = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an integer past any float
         raise TimeoutSettingError(f"{shown}: the pipeline timeout {need}") from None
-    if not math.isfinite(seconds) or seconds < MIN_TIMEOUT_S:
+    if not math.isfinite(seconds) or not MIN_TIMEOUT_S <= seconds <= MAX_TIMEOUT_S:
         raise TimeoutSettingError(f"{shown}: the pipeline timeout {need}")
     return seconds
 

@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
-from koala_ds.timeout import (DEFAULT_TIMEOUT_S, MIN_TIMEOUT_S, TimeoutSettingError, check_timeout, resolve_timeout,
+from koala_ds.timeout import (DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S, MIN_TIMEOUT_S, TimeoutSettingError, check_timeout, resolve_timeout,
                               timeout_setting)
 
 
-@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "abc", "-5", "0", "1e-9", "0.05", " "])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "abc", "-5", "0", "1e-9", "0.05", " ", "1e14"])
 def test_bad_values_from_the_variable_name_the_variable(value):
     if not value.strip():
         assert timeout_setting(env={"KOALA_TIMEOUT_S": value}) == (DEFAULT_TIMEOUT_S, "the default")
@@ -21,13 +21,22 @@ def test_bad_values_from_the_variable_name_the_variable(value):
     message = str(info.value)
     assert message.startswith(f"KOALA_TIMEOUT_S={value!r}:"), message
     assert "pipeline.koala" not in message and "\n" not in message
-    assert f">= {MIN_TIMEOUT_S:g}" in message
+    assert f"from {MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S:g}" in message
 
 
-@pytest.mark.parametrize("value", [float("nan"), float("inf"), -5, 0, 1e-9, True, "x", [1]])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -5, 0, 1e-9, True, "x", [1], 1e14, 10 ** 400])
 def test_bad_values_from_a_setting_name_the_setting(value):
     with pytest.raises(TimeoutSettingError, match=r'^"pipeline.koala.timeout_s" = '):
         check_timeout(value, '"pipeline.koala.timeout_s"')
+
+
+def test_the_longest_timeout_is_one_a_wait_can_take():
+    """1e14 s passed the check and overflowed the first wait's timedelta (a traceback on every
+    rank); 10 ** 400 raised float()'s OverflowError from the check itself."""
+    from koala_ds.bounded_collectives import _timedelta
+
+    assert check_timeout(MAX_TIMEOUT_S, "KOALA_TIMEOUT_S") == MAX_TIMEOUT_S
+    assert _timedelta(MAX_TIMEOUT_S).total_seconds() == MAX_TIMEOUT_S
 
 
 def test_one_variable_for_both_engines_and_the_old_name_as_alias():
