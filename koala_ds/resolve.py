@@ -249,11 +249,14 @@ def load_profile(profile, settings: Settings):
     from .sim.profile import CostProfile, ProfileError, load_profile as _load
 
     given = isinstance(profile, dict)
+    if not given and (not isinstance(profile, (str, os.PathLike)) or not str(profile)):
+        raise ScheduleFitError(f"{settings.profile}: expected a profile file, a bundled profile name or a parsed "
+                               f"profile (dict), got {profile!r}")
     try:
         return CostProfile.from_dict(profile, settings.profile) if given else _load(profile)
     except ProfileError as exc:
-        if given:
-            raise ScheduleFitError(f"{settings.profile}: {exc}") from None
+        if given:  # its errors start with the source given: the setting
+            raise ScheduleFitError(str(exc)) from None
         named = str(exc).startswith(f"{profile}:")  # "x.json: ..." names the file already
         where = settings.profile if named else f"{settings.profile} {profile}:"
         raise ScheduleFitError(f"{where} {exc}") from None

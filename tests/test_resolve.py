@@ -202,3 +202,19 @@ def test_a_given_source_names_the_schedule_in_every_message(tmp_path):
                           ("zb-v", f"^{source}: .*change the KoalaPipelineModule's chunks")):
         with pytest.raises(ScheduleFitError, match=message):
             resolve(spec, 2, 8, 1, DEEPSPEED, source)
+
+
+@pytest.mark.parametrize("profile", [5, ["a"], ""])
+def test_a_profile_setting_that_is_not_a_path_is_one_line_naming_the_setting(profile):
+    """It was a TypeError (expected str, bytes or os.PathLike object, not int) from deep inside."""
+    for settings in (DEEPSPEED, MEGATRON):
+        with pytest.raises(ScheduleFitError) as info:
+            load_profile(profile, settings)
+        assert str(info.value) == (f"{settings.profile}: expected a profile file, a bundled profile name or a parsed "
+                                   f"profile (dict), got {profile!r}")
+
+
+def test_a_parsed_profile_names_the_setting_once():
+    with pytest.raises(ScheduleFitError) as info:
+        load_profile({"version": 1}, DEEPSPEED)
+    assert str(info.value).count("pipeline.koala.profile") == 1, str(info.value)
