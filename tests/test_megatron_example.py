@@ -111,6 +111,8 @@ def test_same_loss_whichever_schedule_and_it_goes_down(tmp_path, _megatron_core)
                                                  "--pipeline-model-parallel-size = 3"),
     (["--global-batch-size", "3"], 1, "--global-batch-size 3 must be a multiple of --micro-batch-size x "
                                       "data-parallel size = 2 x 1"),
+    (["--max-position-embeddings", "8", "--seq-length", "16"], 1,  # was an IndexError in the first forward
+     "--max-position-embeddings 8 is below --seq-length 16: raise it, or drop it (it defaults to --seq-length)"),
 ])
 def test_sizes_that_do_not_divide_are_one_user_error_naming_the_flag(flags, world, message):
     """They were SystemExit(text) (exit code 1: torchrun's failure table after it) or a

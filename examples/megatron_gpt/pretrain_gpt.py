@@ -252,6 +252,9 @@ def batch_split(args, world: int) -> tuple[int, int]:
     for name in COUNTS:
         if getattr(args, name) < 1:
             raise KoalaError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.max_position_embeddings < args.seq_length:  # the position embedding would index past its table
+        raise KoalaError(f"--max-position-embeddings {args.max_position_embeddings} is below --seq-length "
+                         f"{args.seq_length}: raise it, or drop it (it defaults to --seq-length)")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if world % (tp * pp):
         raise KoalaError(f"world size {world} is not a multiple of --tensor-model-parallel-size x "
