@@ -188,6 +188,18 @@ def test_a_two_pipeline_schedule_is_refused_with_schedules_the_same_launch_accep
             assert schedule_from_args(_lm_args(name, 4, v if v > 1 else None, 8), chunks=chunks) == name, text
 
 
+@pytest.mark.parametrize("p, v, flag", [(2, 0, "--virtual-pipeline-model-parallel-size 0"),
+                                          (2, -2, "--virtual-pipeline-model-parallel-size -2"),
+                                          (0, None, "--pipeline-model-parallel-size 0")])
+def test_sizes_below_one_are_refused_naming_their_flag(p, v, flag):
+    """v = 0 was read as 1; v = -2 was blamed on --num-layers ("not a multiple of the -4 virtual stages")."""
+    from koala_ds.megatron import MegatronScheduleError, schedule_from_args
+
+    with pytest.raises(MegatronScheduleError) as info:
+        schedule_from_args(_lm_args("1f1b", p, v, 8))
+    assert str(info.value) == f"{flag}: must be >= 1"
+
+
 class _Chunk(torch.nn.Module):
     def __init__(self, pre_process: bool, post_process: bool):
         super().__init__()
