@@ -107,6 +107,7 @@ def test_same_loss_whichever_schedule_and_it_goes_down(tmp_path, _megatron_core)
 @pytest.mark.parametrize("flags, world, message", [
     (["--micro-batch-size", "0"], 2, "--micro-batch-size must be >= 1, got 0"),  # was a ZeroDivisionError
     (["--pipeline-model-parallel-size", "0"], 2, "--pipeline-model-parallel-size must be >= 1, got 0"),
+    (["--virtual-pipeline-model-parallel-size", "-2"], 2, "--virtual-pipeline-model-parallel-size must be >= 1, got -2"),
     (["--pipeline-model-parallel-size", "3"], 2, "world size 2 is not a multiple of --tensor-model-parallel-size x "
                                                  "--pipeline-model-parallel-size = 3"),
     (["--global-batch-size", "3"], 1, "--global-batch-size 3 must be a multiple of --micro-batch-size x "

@@ -249,8 +249,8 @@ def batch_split(args, world: int) -> tuple[int, int]:
     0, exit code 2 on every rank) naming the flag when they do not divide."""
     from koala_ds.ir import KoalaError
 
-    for name in COUNTS:
-        if getattr(args, name) < 1:
+    for name in (*COUNTS, "virtual_pipeline_model_parallel_size"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise KoalaError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.max_position_embeddings < args.seq_length:  # the position embedding would index past its table
         raise KoalaError(f"--max-position-embeddings {args.max_position_embeddings} is below --seq-length "
