@@ -33,7 +33,7 @@ from koala_ds.deepspeed.schedule import BackwardInputPass, BackwardWeightPass  #
 from koala_ds.lowering import COMPUTE, RECV, SEND, lower  # noqa: E402
 from deepspeed_jobs import (DEFAULT_EXTENSIONS_DIR, checkpoint_worker, hang_worker, launch, save_hang_worker,  # noqa: E402
                             train_worker)
-from koala_ds.ir import Action, Op, Placement  # noqa: E402
+from koala_ds.ir import Action, KoalaError, Op, Placement  # noqa: E402
 from koala_ds.spawn import remove_deepspeed_shm  # noqa: E402
 from koala_ds.library import load_schedule  # noqa: E402
 from koala_ds.validate import validate  # noqa: E402
@@ -209,6 +209,26 @@ def test_config_section_and_engine_selection():
         KoalaPipelineConfig.from_pipeline_section({"koala": {"schedul": "x"}}, env={})
     with pytest.raises(KoalaConfigError, match="timeout_s"):
         KoalaPipelineConfig.from_pipeline_section({"koala": {"timeout_s": "soon"}}, env={})
+
+
+def test_a_bad_profile_names_the_variable_or_the_key_it_came_from(tmp_path):
+    """A bad KOALA_PROFILE was reported as "pipeline.koala.profile", which the config did not set."""
+    from koala_ds.deepspeed import KoalaPipelineEngine
+
+    bad = tmp_path / "p.json"
+    bad.write_text("{}")
+    schedule = load_schedule("1f1b", 2, 4)
+    for section, env, setting in (({}, {"KOALA_PROFILE": str(bad)}, "KOALA_PROFILE"),
+                                  ({"koala": {"profile": str(bad)}}, {"KOALA_PROFILE": "other.json"},
+                                   '"pipeline.koala.profile"')):
+        cfg = KoalaPipelineConfig.from_pipeline_section(section, env=env)
+        assert cfg.profile == str(bad)
+        with pytest.raises(KoalaError) as info:
+            KoalaPipelineEngine._log_profile(schedule, cfg.profile, cfg.profile_from_env)
+        assert str(info.value).startswith(f"{setting} {bad}: ") and "\n" not in str(info.value), str(info.value)
+
+
+def test_engine_selection():
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
     from koala_ds.deepspeed import KoalaPipelineEngine

@@ -37,7 +37,7 @@ import functools
 import logging
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -96,6 +96,7 @@ class KoalaPipelineConfig:
     timeout_s: float = DEFAULT_TIMEOUT_S
     timeout_source: str = "the default"  # the setting timeout_s came from, for messages
     parts: Any = None  # the model's layer boundaries (checked against the module; see module.py)
+    profile_from_env: bool = False  # the profile came from KOALA_PROFILE, not the config
 
     @classmethod
     def from_pipeline_section(cls, section: dict | None, env: dict | None = None) -> "KoalaPipelineConfig":
@@ -111,8 +112,10 @@ class KoalaPipelineConfig:
             timeout, source = timeout_setting(koala.get("timeout_s"), '"pipeline.koala.timeout_s"', env)
         except TimeoutSettingError as exc:
             raise KoalaConfigError(str(exc)) from None
+        profile = koala.get("profile")
+        from_env = profile is None and bool(env.get(ENV_KOALA_PROFILE))
         return cls(koala.get("schedule") or env.get(ENV_KOALA_SCHEDULE) or None,
-                   koala.get("profile") or env.get(ENV_KOALA_PROFILE) or None, timeout, source, koala.get("parts"))
+                   env.get(ENV_KOALA_PROFILE) if from_env else profile, timeout, source, koala.get("parts"), from_env)
 
 
 def koala_requested(pipeline_section: dict | None, env: dict | None = None) -> bool:
@@ -329,7 +332,7 @@ class KoalaPipelineEngine(PipelineEngine):
             except KoalaError as exc:
                 raise KoalaConfigError(str(exc)) from None
         if kcfg.profile is not None:
-            self._log_profile(schedule, kcfg.profile)
+            self._log_profile(schedule, kcfg.profile, kcfg.profile_from_env)
 
         self._koala_ready = False
         self._koala_schedule = schedule
@@ -422,8 +425,9 @@ class KoalaPipelineEngine(PipelineEngine):
                                    f"DeepSpeed's pipeline engines do not support: use stage 0 or 1")
 
     @staticmethod
-    def _log_profile(schedule: Schedule, profile: str) -> None:
-        cost = load_profile(profile, DEEPSPEED)  # a KoalaError naming the setting and the file when it is bad
+    def _log_profile(schedule: Schedule, profile: str, from_env: bool) -> None:
+        # a KoalaError naming the setting (the config key, or the variable) and the file when it is bad
+        cost = load_profile(profile, replace(DEEPSPEED, profile=ENV_KOALA_PROFILE) if from_env else DEEPSPEED)
         logger.info("Koala profile %s: %d stage entries for schedule %r", profile, cost.num_stages, schedule.name)
 
     def _channel_groups(self, schedule: Schedule, p: int, timeout_s: float) -> tuple[list, list]:
