@@ -320,6 +320,9 @@ class Schedule:
             raise ScheduleError(f"schedule has {len(self.ranks)} rank lists but p={self.p}")
         if self.m < 1:
             raise ScheduleError(f"m must be >= 1, got m={self.m}")
+        if self.v < 1 or self.placement.num_stages != self.p * self.v * self.placement.pipelines:
+            raise ScheduleError(f"v={self.v} but the placement has {self.placement.num_stages} stages on p={self.p} "
+                                f"ranks ({self.placement.pipelines} pipeline(s)): v is the stages per rank and pipeline")
 
     @property
     def num_stages(self) -> int:

@@ -98,6 +98,8 @@ def _mutated(change) -> str:
     (lambda d: d["ranks"][1].__setitem__(3, 5), r"f.json: field ranks\[1\]\[3\] must be a string, got the number 5"),
     (lambda d: d["ranks"][1].__setitem__(2, "1X1"), r"f.json: ranks\[1\]\[2\]: bad action '1X1'"),
     (lambda d: d.__setitem__("backward", 3), "f.json: field backward must be a string"),
+    (lambda d: d.__setitem__("v", 0), r"f.json: v=0 but the placement has 2 stages on p=2 ranks"),  # was accepted
+    (lambda d: d.__setitem__("v", 2), r"f.json: v=2 but the placement has 2 stages on p=2 ranks"),
 ])
 def test_json_of_the_wrong_type_names_the_field(change, message):
     """Wrong types used to surface as Python's own words ("list indices must be integers or
