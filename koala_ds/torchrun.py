@@ -32,6 +32,9 @@ even when the script already said what to fix. Here:
   (`--rdzv-conf read_timeout`, default 60 s; static: `timeout`, 600 s), exit code 2 (torch's
   store client waits for a process that never answers with no deadline, and ends a wait for a
   store in its traceback); a wait of more than WAIT_NOTICE_S is announced in one line.
+
+torchrun's 4-line notice that it sets OMP_NUM_THREADS to 1 (unset, 2 or more processes per
+node) is dropped, so that a user error stays one line; the variable is still set to 1.
 """
 from __future__ import annotations
 
@@ -61,6 +64,15 @@ class _DropEndingLines(logging.Filter):
         return not str(record.msg).startswith(_ENDING_MESSAGES)
 
 
+#: torchrun's logger, and its notice that it sets OMP_NUM_THREADS (a banner of 4 lines).
+_RUN_LOGGER, _OMP_NOTICE = "torch.distributed.run", "Setting OMP_NUM_THREADS environment variable"
+
+
+class _DropOmpNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _OMP_NOTICE not in str(record.msg)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run torchrun with `argv` (default: the command line); return the exit code."""
     from torch.distributed import DistNetworkError
@@ -76,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         report_user_error(bad, "koala-run")
         return USER_ERROR_EXIT
     logging.getLogger(_ELASTIC_API_LOGGER).addFilter(_DropEndingLines())
+    logging.getLogger(_RUN_LOGGER).addFilter(_DropOmpNotice())
     try:
         torchrun.run(args)
     except ChildFailedError as exc:

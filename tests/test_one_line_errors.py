@@ -316,10 +316,12 @@ run_main(main, "t.py", grace_s=2.0)
 """
 
 
-def _koala_run(tmp_path, kind: str) -> subprocess.CompletedProcess:
+def _koala_run(tmp_path, kind: str, omp: str | None = "1") -> subprocess.CompletedProcess:
     script = tmp_path / "t.py"
     script.write_text(SCRIPT)
-    env = environment(ROOT, OMP_NUM_THREADS="1")
+    env = environment(ROOT)
+    env.pop("OMP_NUM_THREADS", None)
+    env.update({"OMP_NUM_THREADS": omp} if omp is not None else {})
     # --standalone: the launcher binds a port the system picks (a port from free_port() can be
     # taken before torchrun binds it).
     cmd = [sys.executable, "-m", "koala_ds.torchrun", "--nproc-per-node", "2", "--standalone", str(script), kind]
@@ -328,9 +330,11 @@ def _koala_run(tmp_path, kind: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_koala_run_leaves_a_user_error_at_one_line(tmp_path):
-    """torchrun printed about 40 lines after the user's one (SIGTERM notices, its traceback, a table)."""
-    done = _koala_run(tmp_path, "user")
+@pytest.mark.parametrize("omp", ["1", None], ids=["OMP_NUM_THREADS=1", "unset"])
+def test_koala_run_leaves_a_user_error_at_one_line(tmp_path, omp):
+    """torchrun printed about 40 lines after the user's one (SIGTERM notices, its traceback, a
+    table), and with OMP_NUM_THREADS unset its 4-line notice that it sets it, before."""
+    done = _koala_run(tmp_path, "user", omp)
     assert done.returncode == USER_ERROR_EXIT, done.stderr
     assert done.stderr == "t.py: error: set --pipeline-model-parallel-size 4\n"
     assert done.stdout == ""
