@@ -255,8 +255,10 @@ def load_profile(profile, settings: Settings):
     try:
         return CostProfile.from_dict(profile, settings.profile) if given else _load(profile)
     except ProfileError as exc:
-        if given:  # its errors start with the source given: the setting
-            raise ScheduleFitError(str(exc)) from None
+        if given:  # its errors name the source given, the setting: once
+            text = str(exc)
+            raise ScheduleFitError(text if text.startswith(settings.profile) else f"{settings.profile}: {text}") \
+                from None
         named = str(exc).startswith(f"{profile}:")  # "x.json: ..." names the file already
         where = settings.profile if named else f"{settings.profile} {profile}:"
         raise ScheduleFitError(f"{where} {exc}") from None

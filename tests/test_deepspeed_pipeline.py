@@ -224,7 +224,7 @@ def test_a_bad_profile_names_the_variable_or_the_key_it_came_from(tmp_path):
         cfg = KoalaPipelineConfig.from_pipeline_section(section, env=env)
         assert cfg.profile == str(bad)
         with pytest.raises(KoalaError) as info:
-            KoalaPipelineEngine._log_profile(schedule, cfg.profile, cfg.profile_from_env)
+            KoalaPipelineEngine._log_profile(schedule, cfg.profile, cfg.profile_source)
         assert str(info.value).startswith(f"{setting} {bad}: ") and "\n" not in str(info.value), str(info.value)
 
 

@@ -245,8 +245,9 @@ COUNTS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_lay
 
 
 def batch_split(args, world: int) -> tuple[int, int]:
-    """(data-parallel size, microbatches per step) of `world` ranks; a KoalaError (one line on rank
-    0, exit code 2 on every rank) naming the flag when they do not divide."""
+    """(data-parallel size, microbatches per step) of `world` ranks, after the sizes' own checks
+    (every count >= 1, --max-position-embeddings >= --seq-length); a KoalaError (one line on rank
+    0, exit code 2 on every rank) naming the flag when one fails or the sizes do not divide."""
     from koala_ds.ir import KoalaError
 
     for name in (*COUNTS, "virtual_pipeline_model_parallel_size"):

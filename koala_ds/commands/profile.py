@@ -248,11 +248,15 @@ def cmd_megatron_gpt(args) -> int:
 MAX_QUOTED_CHARS = 200
 
 
+def _cut(text: str, limit: int) -> str:
+    """`text`, or its first `limit` - 3 characters and "..." when it is longer than `limit`."""
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def _describe(exc: BaseException) -> str:
     """`Type: first line of the message`, cut at MAX_QUOTED_CHARS characters."""
     lines = str(exc).strip().splitlines()
-    text = f"{type(exc).__name__}: {lines[0].strip()}" if lines else type(exc).__name__
-    return text if len(text) <= MAX_QUOTED_CHARS else text[:MAX_QUOTED_CHARS - 3] + "..."
+    return _cut(f"{type(exc).__name__}: {lines[0].strip()}" if lines else type(exc).__name__, MAX_QUOTED_CHARS)
 
 
 def _user_error(message: str, exc: BaseException) -> KoalaError:
@@ -291,8 +295,7 @@ def _call(func: Callable[[], Any], ref: str, what: str) -> Any:
 
 def _shown(value: Any) -> str:
     """`value` for an error line: its repr (cut short) and its type."""
-    text = repr(value)
-    return f"{text if len(text) <= 40 else text[:37] + '...'} ({type(value).__name__})"
+    return f"{_cut(repr(value), 40)} ({type(value).__name__})"
 
 
 def _layer_list(returned: Any, args) -> Any:

@@ -96,7 +96,7 @@ class KoalaPipelineConfig:
     timeout_s: float = DEFAULT_TIMEOUT_S
     timeout_source: str = "the default"  # the setting timeout_s came from, for messages
     parts: Any = None  # the model's layer boundaries (checked against the module; see module.py)
-    profile_from_env: bool = False  # the profile came from KOALA_PROFILE, not the config
+    profile_source: str = DEEPSPEED.profile  # the setting profile came from, for messages
 
     @classmethod
     def from_pipeline_section(cls, section: dict | None, env: dict | None = None) -> "KoalaPipelineConfig":
@@ -112,10 +112,11 @@ class KoalaPipelineConfig:
             timeout, source = timeout_setting(koala.get("timeout_s"), '"pipeline.koala.timeout_s"', env)
         except TimeoutSettingError as exc:
             raise KoalaConfigError(str(exc)) from None
-        profile = koala.get("profile")
-        from_env = profile is None and bool(env.get(ENV_KOALA_PROFILE))
-        return cls(koala.get("schedule") or env.get(ENV_KOALA_SCHEDULE) or None,
-                   env.get(ENV_KOALA_PROFILE) if from_env else profile, timeout, source, koala.get("parts"), from_env)
+        profile, profile_source = koala.get("profile"), DEEPSPEED.profile
+        if profile is None and env.get(ENV_KOALA_PROFILE):
+            profile, profile_source = env[ENV_KOALA_PROFILE], ENV_KOALA_PROFILE
+        return cls(koala.get("schedule") or env.get(ENV_KOALA_SCHEDULE) or None, profile, timeout, source,
+                   koala.get("parts"), profile_source)
 
 
 def koala_requested(pipeline_section: dict | None, env: dict | None = None) -> bool:
@@ -332,7 +333,7 @@ class KoalaPipelineEngine(PipelineEngine):
             except KoalaError as exc:
                 raise KoalaConfigError(str(exc)) from None
         if kcfg.profile is not None:
-            self._log_profile(schedule, kcfg.profile, kcfg.profile_from_env)
+            self._log_profile(schedule, kcfg.profile, kcfg.profile_source)
 
         self._koala_ready = False
         self._koala_schedule = schedule
@@ -425,9 +426,9 @@ class KoalaPipelineEngine(PipelineEngine):
                                    f"DeepSpeed's pipeline engines do not support: use stage 0 or 1")
 
     @staticmethod
-    def _log_profile(schedule: Schedule, profile: str, from_env: bool) -> None:
+    def _log_profile(schedule: Schedule, profile: str, source: str = DEEPSPEED.profile) -> None:
         # a KoalaError naming the setting (the config key, or the variable) and the file when it is bad
-        cost = load_profile(profile, replace(DEEPSPEED, profile=ENV_KOALA_PROFILE) if from_env else DEEPSPEED)
+        cost = load_profile(profile, replace(DEEPSPEED, profile=source))
         logger.info("Koala profile %s: %d stage entries for schedule %r", profile, cost.num_stages, schedule.name)
 
     def _channel_groups(self, schedule: Schedule, p: int, timeout_s: float) -> tuple[list, list]:

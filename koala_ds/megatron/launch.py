@@ -113,11 +113,11 @@ def _check_sizes(spec: str, args, settings=MEGATRON) -> Placement | None:
     p = getattr(args, "pipeline_model_parallel_size", None)
     if p is None:
         return None
-    for flag, value in (("--pipeline-model-parallel-size", p),
-                        ("--virtual-pipeline-model-parallel-size", getattr(args, "virtual_pipeline_model_parallel_size", None))):
+    vp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    for flag, value in (("--pipeline-model-parallel-size", p), ("--virtual-pipeline-model-parallel-size", vp)):
         if value is not None and value < 1:  # 0 read as 1, -2 blamed on --num-layers
             raise MegatronScheduleError(f"{flag} {value}: must be >= 1")
-    v = getattr(args, "virtual_pipeline_model_parallel_size", None) or _layout_chunks(args) or 1
+    v = vp or _layout_chunks(args) or 1
     m = microbatches_from_args(args)
     if m is not None:
         return resolve(spec, p, m, v, settings).placement  # cached: the runtime finds it resolved

@@ -444,9 +444,9 @@ def check_budgets(time_budget: float | None, generations: int | None, workers: i
                           "time_budget", "generations")
     if workers < 1:
         raise SearchError(f"`workers` must be >= 1, got {workers}", "workers")
-    if workers > max_processes_per_node():  # a process each: more would start processes until the machine gives out
-        raise SearchError(f"`workers` must be at most {max_processes_per_node()} ({processes_bound_text()}), "
-                          f"got {workers}", "workers")
+    most = max_processes_per_node()
+    if workers > most:  # a process each: more would start processes until the machine gives out
+        raise SearchError(f"`workers` must be at most {most} ({processes_bound_text()}), got {workers}", "workers")
 
 
 def search(problem: SearchProblem, *, time_budget: float | None = 10.0, generations: int | None = None,
