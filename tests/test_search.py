@@ -659,3 +659,31 @@ def test_cli_min_gain_says_what_it_kept(tmp_path, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--min-gain" in err[0], err
+
+
+def test_a_search_worker_killed_mid_search_leaves_the_same_answer(monkeypatch, caplog):
+    """A worker process killed (the out-of-memory killer, a user) broke the pool: the search died
+    in BrokenProcessPool's traceback and its best schedule so far was lost. It goes on alone."""
+    import logging
+    import os
+    import signal
+
+    from koala_ds.search import pool
+
+    problem = _problem(4, 8, limit=250.0)  # 1F1B's peak is 400 MB: the bound is not met at once
+    alone = search(problem, time_budget=None, generations=3, seed=5)
+    start, killed = pool.Evaluator._start_workers, []
+
+    def start_then_kill_one(self):
+        start(self)
+        proc = next(iter(self.pool._processes.values()))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(timeout=30)
+        killed.append(proc.exitcode)
+
+    monkeypatch.setattr(pool.Evaluator, "_start_workers", start_then_kill_one)
+    with caplog.at_level(logging.WARNING, logger="koala_ds.search.pool"):
+        result = search(problem, time_budget=None, generations=3, seed=5, workers=2)
+    assert killed == [-signal.SIGKILL]
+    assert "search worker process ended abruptly" in caplog.text
+    assert (result.makespan, result.schedule.to_dict()) == (alone.makespan, alone.schedule.to_dict())

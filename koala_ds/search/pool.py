@@ -2,15 +2,19 @@
 worker processes that end with their parent."""
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
 import threading
 import time
+from concurrent.futures.process import BrokenProcessPool
 from typing import Callable
 
 from .problem import SearchProblem
 
+
+logger = logging.getLogger(__name__)
 
 _WORKER: SearchProblem | None = None
 
@@ -119,16 +123,21 @@ class Evaluator:
                 out += self._run(jobs[i:i + step], None)
             return out
         self.count += len(jobs)
-        if self.pool is None or len(jobs) < 4:
-            out = []
-            for part, orders in jobs:
-                ev = self.problem.parts[part].evaluate(orders)
-                out.append((ev.makespan, ev.peak, ev.orders))
-            return out
-        if not self.started:
-            self._start_workers()
-        chunk = max(1, len(jobs) // (self.workers * 2))
-        return list(self.pool.map(_worker_eval, jobs, chunksize=chunk))
+        if self.pool is not None and len(jobs) >= 4:
+            chunk = max(1, len(jobs) // (self.workers * 2))
+            try:
+                if not self.started:
+                    self._start_workers()
+                return list(self.pool.map(_worker_eval, jobs, chunksize=chunk))
+            except BrokenProcessPool:  # a worker was killed (the out-of-memory killer, a user): same answers, slower
+                logger.warning("a search worker process ended abruptly (killed, or out of memory?): the search "
+                               "goes on in this process alone (--workers 1)")
+                self.close()
+        out = []
+        for part, orders in jobs:
+            ev = self.problem.parts[part].evaluate(orders)
+            out.append((ev.makespan, ev.peak, ev.orders))
+        return out
 
     def close(self) -> None:
         if self.pool is not None:
