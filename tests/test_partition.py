@@ -2,6 +2,7 @@
 split and schedule (koala_ds/sim/layers.py, koala_ds/layout.py, koala_ds/search/partition*.py)."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import random
@@ -293,3 +294,37 @@ def test_action_overhead_is_added_once_per_stage_not_per_layer():
     assert (b.forward, b.backward_input, b.backward_weight, b.backward) == \
         (a.forward + 0.5, a.backward_input + 0.5, a.backward_weight + 0.5, a.backward + 0.5)
     assert LayerProfile.from_dict(extra.to_dict()) == extra
+
+
+@pytest.mark.parametrize("given, source", [(["--memory-limit", "20000"], "--memory-limit 20000 MB per rank"),
+                                           ([], "the profile 140000 MB per rank")])
+def test_search_of_one_split_says_where_its_activation_limit_comes_from(tmp_path, capsys, given, source):
+    """The limit shown is the roomiest rank's activation memory (the whole limit less static memory):
+    it was labelled "(the profile)" when the user had given --memory-limit."""
+    lp = load_layer_profile("gpt1.3b-24L")
+    assert lp.memory_limit_mb == 140000
+    assert main(["search", "--profile", "gpt1.3b-24L", "-p", "2", "-m", "4", *given, "--generations", "1",
+                 "-o", str(tmp_path / "x.koala")]) == 0
+    text = capsys.readouterr().out
+    whole = float(given[1]) if given else lp.memory_limit_mb
+    limited = dataclasses.replace(lp, memory_limit_mb=whole)
+    limit = max(x for x in limited.stage_profile(uniform_partition(lp.num_layers, 2), 2).memory_limit_mb)
+    assert limit < whole
+    searching = re.search(r"^searching .*memory limit ([\d.]+) MB \(([^)]*)\)", text, re.M)
+    assert searching and float(searching.group(1)) == pytest.approx(limit, rel=1e-5)
+    assert searching.group(2) == f"{source}, less its parameters and optimizer state; the roomiest rank"
+    assert re.search(rf"^lower bound .* per rank \({re.escape(searching.group(2))}\)", text, re.M)
+
+
+def test_a_whole_memory_limit_too_small_for_one_split_is_answered_in_whole_memory(tmp_path, capsys):
+    """It said "raise --memory-limit to at least 6160.37 MB": a rank's activation need, which as
+    --memory-limit (the whole memory of a rank, per-layer profile) is below its static memory."""
+    argv = ["search", "--profile", "gpt1.3b-24L", "-p", "2", "-m", "4", "--generations", "1", "--quiet",
+            "-o", str(tmp_path / "x.koala"), "--memory-limit"]
+    assert main(argv + ["13000"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "for activations after its parameters and optimizer state" in err, err
+    least = re.search(r"raise --memory-limit to at least ([\d.]+) MB, or -p$", err)
+    assert least and float(least.group(1)) > 13000, err
+    assert main(argv + [least.group(1)]) == 0  # enough: the rank furthest short is the one named
+    assert main(argv + [f"{float(least.group(1)) - 0.01:.2f}"]) != 0

@@ -91,8 +91,12 @@ def _check_args(args: argparse.Namespace) -> Path:
 
 def _problem(args: argparse.Namespace, profile):
     from ..search import SearchProblem
+    from ..search.problem import MemoryTooSmall, mb_up
 
+    whole = None
     if isinstance(profile, LayerProfile):  # --partition N,N,... (or the uniform split) of a per-layer profile
+        whole = ("--memory-limit", args.memory_limit) if args.memory_limit is not None else \
+            ("the profile", profile.memory_limit_mb)
         profile = _layer_problem_profile(args, profile)
     p = args.p
     if p is None:
@@ -100,7 +104,19 @@ def _problem(args: argparse.Namespace, profile):
             raise SearchError(f"{profile.source} has {profile.num_stages} stages, not a multiple of -v {args.v}: "
                               f"give -p")
         p = profile.num_stages // args.v
-    return SearchProblem(profile, p, args.m, args.v, args.backward, args.memory_limit, placement=args.placement)
+    try:
+        problem = SearchProblem(profile, p, args.m, args.v, args.backward, args.memory_limit, placement=args.placement)
+    except MemoryTooSmall as exc:
+        if whole is None or whole[1] is None:
+            raise
+        raise KoalaError(f"{whole[0]} {whole[1]:.6g} MB per rank leaves rank {exc.rank} {exc.limit_mb:.6g} MB for "
+                         f"activations after its parameters and optimizer state, below the {exc.need_mb:.6g} MB any "
+                         f"schedule needs there (one activation of each of its stages): raise --memory-limit to at "
+                         f"least {mb_up(whole[1] - exc.limit_mb + exc.need_mb)} MB, or -p") from None
+    if whole is not None and whole[1] is not None:  # the limit shown is a rank's activation memory, not the setting
+        problem.memory_limit_source = (f"{whole[0]} {whole[1]:.6g} MB per rank, less its parameters and optimizer "
+                                       f"state; the roomiest rank")
+    return problem
 
 
 def _layer_problem_profile(args: argparse.Namespace, lp: LayerProfile):

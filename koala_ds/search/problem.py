@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -51,6 +52,24 @@ class SearchError(KoalaError):
             if name in names:
                 text = text.replace(f"`{name}`", names[name])
         return text
+
+
+def mb_up(mb: float) -> str:
+    """`mb` rounded up to 0.01 MB: a limit that large passes where `mb` is needed."""
+    return f"{math.ceil(mb * 100 - 1e-6) / 100:.12g}"
+
+
+class MemoryTooSmall(SearchError):
+    """A rank's memory limit is below what any schedule needs there (`need_mb`, one activation of
+    each of its stages): the message, and the figures for a front end that words the limit
+    otherwise (koala search with a per-layer profile: the whole memory of a rank)."""
+
+    def __init__(self, message: str, rank: int, need_mb: float, limit_mb: float):
+        super().__init__(message, "memory_limit")
+        self.rank, self.need_mb, self.limit_mb = rank, need_mb, limit_mb
+
+    def __reduce__(self):
+        return type(self), (str(self), self.rank, self.need_mb, self.limit_mb)
 
 
 def relative_gap(value: float, bound: float) -> float:
@@ -341,21 +360,24 @@ class SearchProblem:
         """Reject a limit below what any schedule needs. For every microbatch, a rank holds the
         activations of all its stages (of that microbatch's pipeline) at once: the backward of
         its earliest stage waits for the backward of its later ones, which wait for their
-        forwards. One microbatch at a time needs no more, so this is exact."""
+        forwards. One microbatch at a time needs no more, so this is exact. The rank furthest
+        short is named (the one a larger limit must cover)."""
+        worst = None  # (shortfall, rank, need, limit, placement)
         for pl in self.placements or []:
+            costs = self.profile.stage_costs(pl.num_stages, pl.pipelines)
             for r in range(self.p):
                 lim = self.limits[r]
                 if lim is None:
                     continue
-                need = 0.0
-                for k in range(pl.pipelines):
-                    need = max(need, sum(self.profile.stage_costs(pl.num_stages, pl.pipelines)[s].activation_mb
-                                         for s in pl.stages_of(r) if pl.pipeline_of(s) == k))
-                if need > lim * (1 + 1e-9) + 1e-9:
-                    raise SearchError(f"memory limit {lim:g} MB on rank {r} is below what any schedule needs "
-                                      f"there ({need:g} MB: one activation of each of its stages, placement "
-                                      f"{pl.describe()}); raise `memory_limit` to at least {need:g} MB",
-                                      "memory_limit")
+                need = max(sum(costs[s].activation_mb for s in pl.stages_of(r) if pl.pipeline_of(s) == k)
+                           for k in range(pl.pipelines))
+                if need > lim * (1 + 1e-9) + 1e-9 and (worst is None or need - lim > worst[0]):
+                    worst = (need - lim, r, need, lim, pl)
+        if worst is not None:
+            _, r, need, lim, pl = worst
+            raise MemoryTooSmall(f"memory limit {lim:g} MB on rank {r} is below what any schedule needs there "
+                                 f"({need:g} MB: one activation of each of its stages, placement {pl.describe()}); "
+                                 f"raise `memory_limit` to at least {mb_up(need)} MB", r, need, lim)
 
     def _part(self, placement: Placement, kind: str) -> PlacementProblem:
         sim = Simulator(self.search_profile, placement, self.m, kind)
