@@ -431,7 +431,9 @@ def overhead_only(engines: list[str], ps: list[int], latency: float, steps: int,
     1f1b at zero compute with 4 times as many microbatches: the CPU per action is also printed as
     the slope between the two lengths (the per-step costs, such as DeepSpeed's gradient all-reduce
     and optimizer step, cancel out), next to the floor: the same two 1F1B streams run on torch +
-    gloo alone, no engine (benchmarks/runtime_cpu.py's torch-bare), in this launch."""
+    gloo alone, no engine (benchmarks/runtime_cpu.py's torch-bare), in this launch. Each figure
+    also in user mode alone: the rest is the kernel's (waking the threads that wait for a message,
+    socket calls), which no runtime on torch + gloo avoids."""
     from engine_runs import cpu_ms_per_step, step_times_ms
 
     from koala_ds.profiler.emulate import autograd_cpu_ms
@@ -444,40 +446,62 @@ def overhead_only(engines: list[str], ps: list[int], latency: float, steps: int,
         cal_jobs, calib, one, zero = calibration_jobs(p, 2 * p, latency)
         long = load_schedule("1f1b", p, 8 * p, 1)
         jobs = cal_jobs + [{"key": "calibration 0 ms, 4m", "schedule": long.to_dict(), "costs": costs_of(zero, long)}]
-        bare_cpu = torch_bare_cpu_per_action(p, calib, 2 * steps)
-        bare_long = torch_bare_ms_per_step(p, 8 * p, 2 * steps)
-        bare_slope = (bare_long - bare_cpu * calib.num_actions) / (long.num_actions - calib.num_actions)
+        bare = PerAction.of(calib, long, torch_bare_ms_per_step(p, calib.m, 2 * steps),
+                            torch_bare_ms_per_step(p, long.m, 2 * steps))
         say(f"torch-bare p={p}: the same 1F1B streams on torch + gloo alone, no engine, no checks (the floor of a "
-            f"Python runtime here): {bare_cpu:.3f} ms CPU per action at m={2 * p}, {bare_slope:.3f} ms as the slope "
-            f"between m={2 * p} and m={8 * p}")
+            f"Python runtime here): {bare.text(calib, long)}")
         for engine in engines:
             res = run_engine(engine, p, {"calibration": jobs, "warmup": 2, "steps": steps}, timeout_s=1800)
             oh = overheads(calib, one, zero, step_times_ms(res, 2)[:len(cal_jobs)])
-            cpu_steps = cpu_ms_per_step(res, 2)
-            cpu = cpu_steps[len(cal_jobs) - 1] / calib.num_actions
-            slope = (cpu_steps[-1] - cpu_steps[len(cal_jobs) - 1]) / (long.num_actions - calib.num_actions)
-            say(f"{engine} p={p}: CPU time of the runtime at zero compute: {cpu:.3f} ms per action (all ranks' "
-                f"processes, {os.cpu_count()} cores; CPU per step / actions at m={2 * p}); {slope:.3f} ms per action "
-                f"as the slope between m={2 * p} and m={8 * p} (per-step costs cancel); above torch-bare: "
-                f"{cpu - bare_cpu:+.3f} and {slope - bare_slope:+.3f} ms per action (the engine's and koala's own "
-                f"code); overhead {oh['action']:.3f} ms per action + {oh['step']:.2f} ms per step (1 ms ops), "
+            at = [len(cal_jobs) - 1, -1]  # the zero-compute runs: m = 2p and m = 8p
+            cpu, user = cpu_ms_per_step(res, 2), cpu_ms_per_step(res, 2, user=True)
+            run = PerAction.of(calib, long, (cpu[at[0]], user[at[0]]), (cpu[at[1]], user[at[1]]))
+            say(f"{engine} p={p}: CPU time of the runtime at zero compute (all ranks' processes, {os.cpu_count()} "
+                f"cores; per action: CPU per step / actions): {run.text(calib, long)}; above torch-bare: "
+                f"{run.cpu - bare.cpu:+.3f} and {run.slope - bare.slope:+.3f} ms per action, in user mode "
+                f"{run.user - bare.user:+.3f} and {run.user_slope - bare.user_slope:+.3f} (the engine's and koala's "
+                f"own code); overhead {oh['action']:.3f} ms per action + {oh['step']:.2f} ms per step (1 ms ops), "
                 f"{oh['zero']:.3f} ms per action at zero compute")
     return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class PerAction:
+    """CPU ms per action of a runtime at zero compute, all ranks' processes: at m = 2p (`cpu`) and
+    as the slope between m = 2p and m = 8p (`slope`: per-step costs cancel), each also in user
+    mode alone (`user`, `user_slope`)."""
+
+    cpu: float
+    slope: float
+    user: float
+    user_slope: float
+
+    @classmethod
+    def of(cls, short: Schedule, long: Schedule, at_short: tuple[float, float], at_long: tuple[float, float]):
+        """From the (CPU, user-mode CPU) ms per step of the two streams."""
+        n, extra = short.num_actions, long.num_actions - short.num_actions
+        return cls(at_short[0] / n, (at_long[0] - at_short[0]) / extra,
+                   at_short[1] / n, (at_long[1] - at_short[1]) / extra)
+
+    def text(self, short: Schedule, long: Schedule) -> str:
+        return (f"{self.cpu:.3f} ms CPU per action at m={short.m}, {self.slope:.3f} ms as the slope between m={short.m} "
+                f"and m={long.m}; in user mode {self.user:.3f} and {self.user_slope:.3f} (the rest is the kernel's)")
 
 
 def torch_bare_cpu_per_action(p: int, calib: Schedule, steps: int) -> float:
     """CPU ms per action of the calibration's 1F1B stream (p ranks, zero compute) on torch + gloo
     alone: the floor of a Python runtime's CPU on this machine, which the engines' figures sit on."""
-    return torch_bare_ms_per_step(p, calib.m, steps) / calib.num_actions
+    return torch_bare_ms_per_step(p, calib.m, steps)[0] / calib.num_actions
 
 
-def torch_bare_ms_per_step(p: int, m: int, steps: int) -> float:
-    """CPU ms per step of 1F1B (p ranks, m microbatches, zero compute) on torch + gloo alone: all
-    ranks' processes, `steps` steps after 5 warm-up steps (benchmarks/runtime_cpu.py's torch-bare)."""
+def torch_bare_ms_per_step(p: int, m: int, steps: int) -> tuple[float, float]:
+    """CPU ms per step of 1F1B (p ranks, m microbatches, zero compute) on torch + gloo alone, and
+    those in user mode: all ranks' processes, `steps` steps after 5 warm-up steps
+    (benchmarks/runtime_cpu.py's torch-bare)."""
     from runtime_cpu import run as run_reference
 
     results = run_reference("torch-bare", {"m": m, "steps": steps, "profile": False}, p)
-    return sum(r["cpu_s"] for r in results) * 1e3 / steps
+    return (sum(r["cpu_s"] for r in results) * 1e3 / steps, sum(r["user_s"] for r in results) * 1e3 / steps)
 
 
 def markdown(rows: list[dict]) -> str:

@@ -7,7 +7,9 @@
 Each pipeline rank runs the schedule on zero-cost `EmulatedStage` chunks (tests/engine_runs.py:
 megatron-core's forward_step / backward_step through koala_ds.megatron, or DeepSpeed's
 train_batch through koala_ds.deepspeed) under cProfile with a CPU-time clock, after 5 warm-up
-steps. The table gives the profiled CPU per action (all ranks' processes) and rank 0's CPU split
+steps. The table gives the profiled CPU per action (all ranks' processes), the part of it in
+user mode (the rest is the kernel's: on this machine mostly waking the threads that wait for a
+message, and socket calls; no runtime on torch + gloo avoids it) and rank 0's CPU split
 by whose function it was spent in (a function's own time, not its callees'): koala_ds (the
 runtime, p2p layer and lowering; the emulated model and its harness are counted apart), the engine (megatron /
 deepspeed), torch's Python and C++ (autograd, modules), c10d (gloo's send / recv / wait) and the
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import resource
 import sys
 import time
 from pathlib import Path
@@ -56,29 +59,30 @@ def _owner(path: str, name: str) -> str:
 
 
 def _profiled(runner, steps: int, profile: bool = True) -> dict:
-    """CPU seconds of `steps` steps after 5 warm-up steps; with `profile`, under cProfile (CPU
-    clock), and rank 0's split by owner and its costliest functions."""
+    """CPU seconds of `steps` steps after 5 warm-up steps, and those in user mode (the rest is
+    the kernel's: at zero compute mostly waking threads for messages); with `profile`, under
+    cProfile (CPU clock), and rank 0's split by owner and its costliest functions."""
     import torch.distributed as dist
 
     for _ in range(5):
         runner.step()
     dist.barrier()
     prof = cProfile.Profile(time.process_time) if profile else None
-    cpu0 = time.process_time()
+    cpu0, user0 = time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_utime
     if prof is not None:
         prof.enable()
     for _ in range(steps):
         runner.step()
     if prof is not None:
         prof.disable()
-    cpu = time.process_time() - cpu0
+    cpu, user = time.process_time() - cpu0, resource.getrusage(resource.RUSAGE_SELF).ru_utime - user0
     dist.barrier()
     split = dict.fromkeys(OWNERS, 0.0)
     functions = []
     for (path, line, name), (_cc, calls, own, _cum, _callers) in (pstats.Stats(prof).stats.items() if prof else ()):
         split[_owner(path, name)] += own
         functions.append((own, calls, f"{_short(path)}:{line}({name})"))
-    return {"cpu_s": cpu, "split_s": split, "functions": sorted(functions, reverse=True)[:40]}
+    return {"cpu_s": cpu, "user_s": user, "split_s": split, "functions": sorted(functions, reverse=True)[:40]}
 
 
 def _short(path: str) -> str:
@@ -258,15 +262,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.schedule}, p={args.p}, m={args.m}, zero compute, {args.steps} "
           + ("unprofiled steps" if args.plain else "profiled steps; rank 0's CPU by owner (own time, % of its profiled CPU)"))
     owners = () if args.plain else OWNERS
-    print(f"{'engine':<15} {'ms/action':>9}  " + "  ".join(f"{o:>14}" for o in owners))
+    print(f"{'engine':<15} {'ms/action':>9} {'user mode':>9}  " + "  ".join(f"{o:>14}" for o in owners))
     for engine in args.engines:
         spec = {"job": {**job, "stock": engine == "deepspeed-stock"}, "m": args.m, "steps": args.steps,
                 "profile": not args.plain}
         results = run(engine, spec, args.p)
         per_action = sum(r["cpu_s"] for r in results) * 1000.0 / (args.steps * actions)
+        user = sum(r["user_s"] for r in results) * 1000.0 / (args.steps * actions)
         split = results[0]["split_s"]
         total = sum(split.values()) or 1.0
-        print(f"{engine:<15} {per_action:>9.3f}  " + "  ".join(f"{100 * split[o] / total:>13.1f}%" for o in owners))
+        print(f"{engine:<15} {per_action:>9.3f} {user:>9.3f}  " + "  ".join(f"{100 * split[o] / total:>13.1f}%" for o in owners))
         rank_actions = args.steps * len(schedule.ranks[0])
         for own, calls, where in results[0]["functions"][:args.top]:
             print(f"    {1e3 * own / rank_actions:7.4f} ms/action {calls / rank_actions:6.2f} calls/action  {where}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import random
+import resource
 import statistics
 import time
 
@@ -92,6 +93,11 @@ class _MegatronRunner:
                   seq_length=self.seq, micro_batch_size=1)
 
 
+def _user_s() -> float:
+    """This process's CPU seconds in user mode (all its threads)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_utime
+
+
 def _round_robin(runners: list, warmup: int, steps: int) -> list[list[tuple[float, float]]]:
     """Step k of every job, then step k + 1 of every job, ...: load drifts hit all jobs alike.
     Each round runs the jobs in a new order (the same on every rank: a shuffle seeded by the
@@ -100,15 +106,15 @@ def _round_robin(runners: list, warmup: int, steps: int) -> list[list[tuple[floa
     order would charge that to particular jobs."""
     import torch.distributed as dist
 
-    times: list[list[tuple[float, float]]] = [[] for _ in runners]
+    times: list[list[tuple[float, ...]]] = [[] for _ in runners]
     order = list(range(len(runners)))
     for k in range(warmup + steps):
         random.Random(k).shuffle(order)
         for j in order:
             dist.barrier()
-            c0, t0 = time.process_time(), time.perf_counter()
+            u0, c0, t0 = _user_s(), time.process_time(), time.perf_counter()
             runners[j].step()
-            times[j].append((t0, time.perf_counter(), c0, time.process_time()))
+            times[j].append((t0, time.perf_counter(), c0, time.process_time(), u0, _user_s()))
     return times
 
 
@@ -183,18 +189,20 @@ def step_times_ms(per_rank: list, warmup: int) -> list[list[float]]:
 
 
 # -- DeepSpeed ------------------------------------------------------------------------------------
-def cpu_ms_per_step(per_rank: list, warmup: int) -> list[float]:
+def cpu_ms_per_step(per_rank: list, warmup: int, user: bool = False) -> list[float]:
     """Per job: the CPU time (ms, all ranks together) of one step, median over the steps after
-    `warmup` (time.process_time: this process's threads, gloo's included)."""
+    `warmup` (time.process_time: this process's threads, gloo's included); with `user`, only
+    the time in user mode (getrusage: the kernel's, such as waking a thread for a message, left out)."""
     per_rank = [r["jobs"] if isinstance(r, dict) else r for r in per_rank]
     out = []
     for j in range(len(per_rank[0])):
         steps = []
         for k in range(warmup, len(per_rank[0][j]["times"])):
             rows = [r[j]["times"][k] for r in per_rank]
-            if any(len(t) < 4 for t in rows):
+            first = 4 if user else 2
+            if any(len(t) < first + 2 for t in rows):
                 break
-            steps.append(sum(t[3] - t[2] for t in rows) * 1000.0)
+            steps.append(sum(t[first + 1] - t[first] for t in rows) * 1000.0)
         out.append(statistics.median(steps) if steps else float("nan"))
     return out
 

@@ -1,8 +1,9 @@
 """benchmarks/runtime_cpu.py runs every engine it offers and prints one positive CPU per action
-for each (the benchmark's harness: tests/engine_runs.py, both engines and the bare references,
-two processes each)."""
+for each, and the part of it in user mode (the benchmark's harness: tests/engine_runs.py, both
+engines and the bare references, two processes each)."""
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -29,11 +30,11 @@ def test_every_engine_prints_its_cpu_per_action():
     engines = ("megatron", "megatron-bare", "deepspeed", "deepspeed-stock", "torch-bare")
     plain = _run("--plain", "--engines", *engines)
     for engine in engines:
-        row = re.search(rf"^{engine} +([0-9.]+) *$", plain, re.M)
-        assert row and float(row.group(1)) > 0, plain
+        row = re.search(rf"^{engine} +([0-9.]+) +([0-9.]+) *$", plain, re.M)
+        assert row and 0 < float(row.group(2)) <= float(row.group(1)), plain
     profiled = _run("--engines", "megatron", "--top", "3")
-    split = re.search(r"^megatron +([0-9.]+) +((?:[0-9.]+% *){6})$", profiled, re.M)
-    assert split and abs(sum(float(x) for x in re.findall(r"([0-9.]+)%", split.group(2))) - 100) < 0.5, profiled
+    split = re.search(r"^megatron +([0-9.]+) +([0-9.]+) +((?:[0-9.]+% *){6})$", profiled, re.M)
+    assert split and abs(sum(float(x) for x in re.findall(r"([0-9.]+)%", split.group(3))) - 100) < 0.5, profiled
     assert len(re.findall(r"ms/action +[0-9.]+ calls/action", profiled)) == 3, profiled
 
 
@@ -52,9 +53,31 @@ def test_engine_speedup_prints_the_runtimes_cpu_next_to_torch_and_gloo_alone():
                            "--engines", "megatron", "--steps", "2"], capture_output=True, text=True, timeout=400,
                           env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
-    floor = re.search(r"^torch-bare p=2: .*: ([0-9.]+) ms CPU per action at m=4, (-?[0-9.]+) ms as the slope",
-                      done.stdout, re.M)
-    engine = re.search(r"^megatron p=2: CPU time of the runtime at zero compute: ([0-9.]+) ms per action .*"
-                       r"above torch-bare: ([-+][0-9.]+) and ([-+][0-9.]+) ms per action", done.stdout, re.M)
-    assert floor and engine and float(floor.group(1)) > 0 and float(engine.group(1)) > 0, done.stdout
-    assert abs(float(engine.group(1)) - float(floor.group(1)) - float(engine.group(2))) < 0.0015, done.stdout
+    number = r"(-?[0-9.]+)"
+    figures = (rf"{number} ms CPU per action at m=4, {number} ms as the slope between m=4 and m=16; in user mode "
+               rf"{number} and {number} \(the rest is the kernel's\)")
+    floor = re.search(rf"^torch-bare p=2: .*: {figures}$", done.stdout, re.M)
+    engine = re.search(rf"^megatron p=2: CPU time of the runtime at zero compute .*: {figures}; above torch-bare: "
+                       rf"([-+][0-9.]+) and ([-+][0-9.]+) ms per action, in user mode ([-+][0-9.]+) and ([-+][0-9.]+)",
+                       done.stdout, re.M)
+    assert floor and engine, done.stdout
+    bare, run = [float(x) for x in floor.groups()], [float(x) for x in engine.groups()]
+    for cpu, user in ((bare[0], bare[2]), (run[0], run[2])):
+        assert 0 < user <= cpu, done.stdout
+    for k in range(4):  # the differences printed are those of the figures printed
+        assert abs(run[k] - bare[k] - run[4 + k]) < 0.0015, done.stdout
+
+
+def test_cpu_per_step_sums_the_ranks_median_over_steps_and_splits_off_user_mode():
+    from engine_runs import cpu_ms_per_step
+
+    def rank(cpu_s, user_s):  # one job; a step: (start, end, cpu0, cpu1, user0, user1) in seconds
+        return [{"key": "j", "times": [(0.0, 1.0, 0.0, c, 10.0, 10.0 + u) for c, u in zip(cpu_s, user_s)]}]
+
+    ranks = [rank([9.0, 0.002, 0.004, 0.003], [9.0, 0.001, 0.003, 0.002]),
+             rank([9.0, 0.001, 0.001, 0.001], [9.0, 0.0005, 0.0005, 0.0005])]
+    assert cpu_ms_per_step(ranks, warmup=1) == pytest.approx([4.0])  # steps 3, 5, 4 ms: the warm-up left out
+    assert cpu_ms_per_step(ranks, warmup=1, user=True) == pytest.approx([2.5])  # 1.5, 3.5, 2.5 ms
+    old = [[{"key": "j", "times": [t[:4] for t in r[0]["times"]]}] for r in ranks]  # results without user mode
+    assert cpu_ms_per_step(old, warmup=1) == pytest.approx([4.0])
+    assert math.isnan(cpu_ms_per_step(old, warmup=1, user=True)[0])
