@@ -328,3 +328,12 @@ def test_a_whole_memory_limit_too_small_for_one_split_is_answered_in_whole_memor
     assert least and float(least.group(1)) > 13000, err
     assert main(argv + [least.group(1)]) == 0  # enough: the rank furthest short is the one named
     assert main(argv + [f"{float(least.group(1)) - 0.01:.2f}"]) != 0
+
+
+@pytest.mark.parametrize("command", [["simulate", "1f1b"], ["compare"], ["search", "-o", "x.koala"]])
+def test_an_empty_partition_is_refused_not_taken_for_the_uniform_split(capsys, command):
+    with pytest.raises(SystemExit) as exc:
+        main([*command, "--profile", "gpt-largevocab-32L", "-p", "4", "-m", "8", "--partition", " "])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "argument --partition: is empty: give the layers per virtual stage, N,N,..., or drop it" in err

@@ -4,6 +4,7 @@ ignored without a word."""
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import subprocess
 import sys
@@ -46,6 +47,13 @@ def wrong_shape():
 
 def nothing():
     return None
+
+class Piped:  # what DeepSpeed's PipelineModule shows the profiler: its layer list and partition method
+    partition_method = "uniform"
+    _layer_specs = [torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)]
+
+def piped():
+    return Piped()
 '''
 
 #: Module names of their own: Python caches an imported module by its name.
@@ -124,6 +132,43 @@ def test_a_bad_partition_method_is_one_line_naming_it(capsys, tmp_path, model, m
     code, err = run(capsys, *DEEPSPEED, "--layers", f"{model}:layers", "--input", f"{model}:sample",
                     "--partition-method", method, "-o", tmp_path / "prof.json")
     assert_one_line(code, err, "--partition-method", needle)
+
+
+@pytest.mark.parametrize("argv,needles", [
+    (["--partition-method", "type:attention"], ["--partition-method type:attention: the REGEX matches no layer",
+                                                "(layer types: Linear)"]),
+    (["--per-layer", "--partition-method", "uniform"], ["--partition-method: a per-layer profile measures every "
+                                                         "layer", "drop it"]),
+    (["--layers-of-module", "--partition-method", "parameters"], ["--partition-method parameters:", "returned a "
+                                                                  "PipelineModule", "its own partition_method "
+                                                                  "'uniform'"]),
+], ids=["type-matching-nothing", "per-layer", "not-the-modules-own"])
+def test_a_partition_method_that_would_be_ignored_or_match_nothing_is_one_line(capsys, tmp_path, model, argv,
+                                                                                  needles):
+    """Each was taken without a word: a type:REGEX matching no layer gave DeepSpeed's degenerate
+    split, and the method was ignored with --per-layer or for a PipelineModule (its own wins)."""
+    layers = f"{model}:piped" if "--layers-of-module" in argv else f"{model}:layers"
+    argv = [a for a in argv if a != "--layers-of-module"]
+    code, err = run(capsys, *DEEPSPEED, "--layers", layers, "--input", f"{model}:sample", *argv,
+                    "-o", tmp_path / "prof.json")
+    assert_one_line(code, err, *needles)
+    assert not (tmp_path / "prof.json").exists()
+
+
+def test_the_modules_own_partition_method_is_used_and_written(capsys, tmp_path, model):
+    out = tmp_path / "prof.json"
+    code, err = run(capsys, *DEEPSPEED, "--layers", f"{model}:piped", "--input", f"{model}:sample",
+                    "--partition-method", "UNIFORM", "-o", out)  # the same method, as DeepSpeed reads it
+    assert code == 0, err
+    assert json.loads(out.read_text())["meta"]["partition_method"] == "UNIFORM"
+
+
+def test_optimizer_bytes_without_per_layer_is_refused(capsys):
+    """--optimizer-bytes-per-param-byte goes into per-layer profiles only; without --per-layer it
+    was ignored. Refused before anything runs (the -o folder does not exist)."""
+    code, err = run(capsys, "profile", "megatron-gpt", "-p", "2", "--optimizer-bytes-per-param-byte", "3",
+                    "-o", "/nonexistent/p.json")
+    assert_one_line(code, err, "--optimizer-bytes-per-param-byte goes into per-layer profiles only: add --per-layer")
 
 
 @pytest.mark.parametrize("threads", ["-3", "0"])

@@ -22,8 +22,15 @@ PARTITION_HELP = ("with a per-layer profile: layers per virtual stage in pipelin
 
 def add_partition_argument(parser: argparse.ArgumentParser, auto: bool = False) -> None:
     extra = "; auto: search it together with the schedule" if auto else ""
-    parser.add_argument("--partition", metavar="auto|N,N,..." if auto else "N,N,...", default=None,
-                        help=PARTITION_HELP + extra)
+    parser.add_argument("--partition", type=_partition_text, metavar="auto|N,N,..." if auto else "N,N,...",
+                        default=None, help=PARTITION_HELP + extra)
+
+
+def _partition_text(text: str) -> str:
+    """--partition as given; an empty one is refused (it was taken as no --partition at all)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty: give the layers per virtual stage, N,N,..., or drop it")
+    return text
 
 
 def load_model_profile(args: argparse.Namespace) -> CostProfile | LayerProfile | None:

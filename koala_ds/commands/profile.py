@@ -86,6 +86,9 @@ def _check_args(args) -> None:
         raise KoalaError(f"-p and -v must be >= 1 (got p={args.p}, v={args.v})")
     if args.warmup < 0 or args.iters < 1:
         raise KoalaError("--warmup must be >= 0 and --iters >= 1")
+    if args.optimizer_bytes_per_param_byte is not None and not args.per_layer:
+        raise KoalaError("--optimizer-bytes-per-param-byte goes into per-layer profiles only: add --per-layer, "
+                         "or drop it")
     check_output(args.output, "-o", (".json",))
 
 
@@ -319,6 +322,33 @@ def _layer_list(returned: Any, args) -> Any:
     return returned if hasattr(returned, "_layer_specs") else layers
 
 
+def _method_for(layers: Any, args) -> str | None:
+    """The partition method of the stages (None: per-layer, no partition): --partition-method,
+    checked against what it would be ignored for or match nothing of; else the module's, else
+    parameters (DeepSpeed's default)."""
+    given, own = args.partition_method, getattr(layers, "partition_method", None)
+    if args.per_layer:
+        if given is not None:
+            raise KoalaError("--partition-method: a per-layer profile measures every layer, the split is chosen "
+                             "later (koala search --partition, or auto): drop it")
+        return None
+    if given is not None and own is not None and given.lower() != str(own).lower():
+        raise KoalaError(f"--partition-method {given}: --layers {args.layers!r} returned a PipelineModule, which "
+                         f"DeepSpeed partitions by its own partition_method {own!r}: drop --partition-method, or "
+                         f"build the module with partition_method={given!r}")
+    method = given or own or "parameters"
+    if method.lower().startswith("type:"):
+        from ..profiler.models import layer_type_names
+
+        names = layer_type_names(getattr(layers, "_layer_specs", layers))
+        rx = re.compile(method.split(":", 1)[1], re.IGNORECASE)
+        if not any(rx.search(n) for n in names):
+            shown = ", ".join(sorted(set(n for n in names if n)))[:300]
+            raise KoalaError(f"--partition-method {method}: the REGEX matches no layer of --layers "
+                             f"{args.layers!r} (layer types: {shown or 'none named'})")
+    return method
+
+
 def _sample(returned: Any, ref: str) -> Any:
     """What --input returned: one microbatch's input (None is refused)."""
     if returned is None:
@@ -395,6 +425,7 @@ def cmd_deepspeed(args) -> int:
     layers_fn, input_fn = _load(args.layers, "--layers"), _load(args.input, "--input")
     device, p2p = _setup(args)
     layers = _layer_list(_call(layers_fn, args.layers, "--layers"), args)
+    args.partition_method = _method_for(layers, args)
     sample = _sample(_call(input_fn, args.input, "--input"), args.input)
     profile = _deepspeed_layers if args.per_layer else _deepspeed_stages
     with _p2p_deadline("--p2p-timeout", args.p2p_timeout, P2P_LATENCY_HINT), _model_errors(args):
@@ -446,8 +477,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--layers", required=True, metavar="MODULE:FUNC",
                    help="function returning a PipelineModule or its list of layers / LayerSpecs")
     d.add_argument("--input", required=True, metavar="MODULE:FUNC", help="function returning one microbatch's input")
-    d.add_argument("--partition-method", type=partition_method, default="parameters",
-                   help="uniform, parameters or type:REGEX (default parameters)")
+    d.add_argument("--partition-method", type=partition_method, default=None,
+                   help="uniform, parameters or type:REGEX (default parameters; a PipelineModule's own otherwise)")
     _common(d)
     d.set_defaults(func=cmd_deepspeed)
     q = kinds.add_parser("p2p", help="only the p2p latency (2-process gloo ping-pong)")

@@ -250,6 +250,21 @@ class _Layers(torch.nn.Module):
         return x
 
 
+def layer_type_names(specs) -> list[str]:
+    """The name DeepSpeed's type:REGEX partitioning matches for each layer (LayerSpec, module or
+    function) of a pipeline model's layer list."""
+    from deepspeed.runtime.pipe.module import LayerSpec
+
+    def name(spec) -> str:
+        if isinstance(spec, LayerSpec):
+            return spec.typename.__name__
+        if isinstance(spec, torch.nn.Module):
+            return spec.__class__.__name__
+        return getattr(spec, "__name__", "")
+
+    return [name(spec) for spec in specs]
+
+
 def pipeline_module_stages(module_or_layers, num_stages: int, partition_method: str = "parameters"):
     """Build the stages of a DeepSpeed pipeline model in this process: the layer list (LayerSpec,
     TiedLayerSpec, modules, callables) of a `PipelineModule` (its `_layer_specs`) or a list,
@@ -277,13 +292,6 @@ def pipeline_module_stages(module_or_layers, num_stages: int, partition_method: 
         else:
             built.append(spec)
 
-    def name(spec):
-        if isinstance(spec, LayerSpec):
-            return spec.typename.__name__
-        if isinstance(spec, torch.nn.Module):
-            return spec.__class__.__name__
-        return getattr(spec, "__name__", "")
-
     if method == "uniform":
         parts = ds_utils.partition_uniform(num_items=len(specs), num_parts=num_stages)
     elif method == "parameters":
@@ -292,7 +300,7 @@ def pipeline_module_stages(module_or_layers, num_stages: int, partition_method: 
         parts = ds_utils.partition_balanced(weights=counts, num_parts=num_stages)
     elif method.startswith("type:"):
         rx = re.compile(method.split(":", 1)[1], re.IGNORECASE)
-        parts = ds_utils.partition_balanced(weights=[1 if rx.search(name(s)) else 0 for s in specs],
+        parts = ds_utils.partition_balanced(weights=[1 if rx.search(n) else 0 for n in layer_type_names(specs)],
                                             num_parts=num_stages)
     else:
         raise ValueError(f"partition method {method!r}: use uniform, parameters or type:REGEX")
