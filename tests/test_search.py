@@ -687,3 +687,31 @@ def test_a_search_worker_killed_mid_search_leaves_the_same_answer(monkeypatch, c
     assert killed == [-signal.SIGKILL]
     assert "search worker process ended abruptly" in caplog.text
     assert (result.makespan, result.schedule.to_dict()) == (alone.makespan, alone.schedule.to_dict())
+
+
+def _ends_heavy(limit):
+    """4 stages whose first and last hold 200 MB per activation, the middle ones 100: on 2 ranks
+    (v = 2) the V-shape puts both 200 MB stages on rank 0 (400 MB whatever the schedule), the
+    interleaved placement 300 MB on each rank."""
+    stage = {"forward": 1, "backward_input": 1, "backward_weight": 1, "w_hold_mb": 20}
+    prof = CostProfile.from_dict({"version": 1, "p2p_latency": 0.02, "stages": [
+        {**stage, "activation_mb": mb} for mb in (200, 100, 100, 200)]})
+    return SearchProblem(prof, 2, 4, 2, "auto", limit)
+
+
+def test_a_default_placement_that_cannot_fit_is_left_out_not_the_whole_search():
+    """The search refused ('raise memory_limit to at least 400 MB') though the interleaved
+    placement fits 300 MB: the V-shape's need stopped it."""
+    problem = _ends_heavy(300.0)
+    assert [pl.style for pl in problem.placements] == ["interleaved"]
+    assert [(pl.style, r, need) for pl, r, need in problem.unfit] == [("vshape", 0, 400.0)]
+    result = search(problem, time_budget=None, generations=2, seed=0)
+    validate(result.schedule)
+    assert result.fits and result.peak <= 300.0 and result.schedule.placement.style == "interleaved"
+
+
+def test_a_limit_no_placement_fits_names_the_nearest_placement_and_what_it_needs():
+    with pytest.raises(SearchError, match=r"memory limit 250 MB on rank \d is below what any schedule needs there "
+                                          r"\(300 MB: one activation of each of its stages, placement interleaved\); "
+                                          r"raise `memory_limit` to at least 300 MB"):
+        _ends_heavy(250.0)

@@ -252,8 +252,10 @@ def _search(args: argparse.Namespace) -> int:
         print(f"searching {profile.source}: p={problem.p} m={args.m} v={args.v} "
               f"backward={_kinds_text(args.backward, problem)}, memory limit "
               f"{'none' if lim is None else f'{lim:.6g} MB'} ({problem.memory_limit_source}), placements "
-              f"{', '.join(pl.describe() for pl in problem.placements or [])}, "
-              f"budget {args.time_budget:g} s" + (f" / {args.generations} generations" if args.generations else ""))
+              f"{', '.join(pl.describe() for pl in problem.placements or [])}"
+              + "".join(f" ({pl.describe()} left out: its rank {r} needs {need:.6g} MB whatever the schedule)"
+                        for pl, r, need in problem.unfit)
+              + f", budget {args.time_budget:g} s" + (f" / {args.generations} generations" if args.generations else ""))
     result = search(problem, time_budget=args.time_budget, generations=args.generations, seed=args.seed,
                     workers=args.workers, progress=not args.quiet, started=started, min_gain=args.min_gain / 100)
     # write first: an interrupted search still leaves the best schedule so far on disk

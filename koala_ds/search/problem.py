@@ -318,6 +318,8 @@ class SearchProblem:
     limits: tuple[float | None, ...] = field(default=(), init=False)
     kinds: tuple[str, ...] = field(default=(), init=False)     # backward kinds searched (`backward_kinds`)
     parts: list[PlacementProblem] = field(default_factory=list, init=False)  # placement-major, then kind
+    unfit: list[tuple[Placement, int, float]] = field(default_factory=list, init=False)  # left out: (placement,
+    # its rank furthest short, what that rank needs in MB): below the limit whatever the schedule
 
     def __post_init__(self) -> None:
         for name in ("p", "m", "v"):
@@ -357,12 +359,13 @@ class SearchProblem:
             self.parts += [self._part(pl, kind) for kind in self.kinds]
 
     def _check_memory(self) -> None:
-        """Reject a limit below what any schedule needs. For every microbatch, a rank holds the
-        activations of all its stages (of that microbatch's pipeline) at once: the backward of
-        its earliest stage waits for the backward of its later ones, which wait for their
-        forwards. One microbatch at a time needs no more, so this is exact. The rank furthest
-        short is named (the one a larger limit must cover)."""
-        worst = None  # (shortfall, rank, need, limit, placement)
+        """Keep the placements whose memory need fits the limit; reject a limit below what any
+        schedule of every placement needs. For every microbatch, a rank holds the activations
+        of all its stages (of that microbatch's pipeline) at once: the backward of its earliest
+        stage waits for the backward of its later ones, which wait for their forwards. One
+        microbatch at a time needs no more, so this is exact. When none fits, the placement
+        nearest to fitting is named, with its rank furthest short (what a larger limit must cover)."""
+        short = {}  # placement -> (shortfall, rank, need, limit) of its rank furthest short
         for pl in self.placements or []:
             costs = self.profile.stage_costs(pl.num_stages, pl.pipelines)
             for r in range(self.p):
@@ -371,13 +374,17 @@ class SearchProblem:
                     continue
                 need = max(sum(costs[s].activation_mb for s in pl.stages_of(r) if pl.pipeline_of(s) == k)
                            for k in range(pl.pipelines))
-                if need > lim * (1 + 1e-9) + 1e-9 and (worst is None or need - lim > worst[0]):
-                    worst = (need - lim, r, need, lim, pl)
-        if worst is not None:
-            _, r, need, lim, pl = worst
+                if need > lim * (1 + 1e-9) + 1e-9 and need - lim > short.get(pl, (0.0,))[0]:
+                    short[pl] = (need - lim, r, need, lim)
+        fitting = [pl for pl in self.placements or [] if pl not in short]
+        if short and not fitting:
+            pl = min(short, key=lambda x: short[x][0])
+            _, r, need, lim = short[pl]
             raise MemoryTooSmall(f"memory limit {lim:g} MB on rank {r} is below what any schedule needs there "
                                  f"({need:g} MB: one activation of each of its stages, placement {pl.describe()}); "
                                  f"raise `memory_limit` to at least {mb_up(need)} MB", r, need, lim)
+        self.unfit = [(pl, short[pl][1], short[pl][2]) for pl in self.placements or [] if pl in short]
+        self.placements = fitting
 
     def _part(self, placement: Placement, kind: str) -> PlacementProblem:
         sim = Simulator(self.search_profile, placement, self.m, kind)
