@@ -17,6 +17,7 @@ from . import dumps_json, positive_float
 from .bounds import NO_FIT, ConfigBound, configuration_bound
 from . import partition
 from .table import format_table
+from ..search.problem import weight_copies
 from ..sim.layers import LayerProfile
 from ..sim import (MODES, CostProfile, SimResult, bundled_profiles, load_profile, simulate,
                    unit_profile)
@@ -123,18 +124,13 @@ def _mb(x: float | None) -> str:
 
 
 # -- koala simulate -----------------------------------------------------------------------
-def _bound_line(result: SimResult, bound: ConfigBound | None) -> str:
+def _bound_line(schedule: Schedule, result: SimResult, bound: ConfigBound | None) -> str:
     if bound is None:
         return "lower bound -: the profile does not describe this configuration for the search's model"
     fits = bound.fits(result.peak_memory_mb)
-    gap = bound.text(result.makespan, fits, weight_copies(result))
+    gap = bound.text(result.makespan, fits, weight_copies(schedule.placement))
     tail = "the schedule does not fit that memory limit" if gap == NO_FIT else f"makespan {gap} over it"
     return f"{bound.describe()}; {tail}"
-
-
-def weight_copies(result_or_schedule) -> int:
-    placement = getattr(result_or_schedule, "placement", None)
-    return getattr(placement, "pipelines", 1) if placement is not None else 1
 
 
 def _rank_rows(result: SimResult) -> list[tuple]:
@@ -152,7 +148,7 @@ def _print_simulation(schedule: Schedule, profile: CostProfile, result: SimResul
           f"placement={schedule.placement.describe()} backward={schedule.backward}, {profile.source}, "
           f"{result.mode} sends")
     print(f"makespan {result.makespan:.6g} ms   bubble {result.bubble_ratio:.2%}")
-    print(_bound_line(result, bound))
+    print(_bound_line(schedule, result, bound))
     print(format_table(_rank_rows(result), ("rank", "busy ms", "idle ms", "idle %", "finish ms", "peak MB",
                                             "limit MB", "fits"), ">>>>>>>>"))
     if any(x is not None for x in result.memory_limit_mb):
@@ -184,9 +180,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     bound = found[0] if found else None
     if args.json:
         fits = bound is not None and bound.fits(result.peak_memory_mb)
+        copies = weight_copies(schedule.placement)
         out = {"schedule": schedule.name, "profile": profile.source, **result.to_dict(timeline=args.timeline),
                "lower_bound": None if bound is None else bound.to_dict(),
-               "over_bound": None if bound is None else bound.over(result.makespan, fits, weight_copies(schedule)),
+               "over_bound": None if bound is None else bound.over(result.makespan, fits, copies),
                "fits_bound_memory_limit": fits}
         print(dumps_json(out, indent=1))
     else:
@@ -229,7 +226,7 @@ def compare_rows(profile: CostProfile, p: int, m: int, v: int, mode: str = "asyn
 
 
 def _compare_row(name: str, schedule: Schedule, result: SimResult, bound: ConfigBound | None) -> dict:
-    copies = weight_copies(schedule)
+    copies = weight_copies(schedule.placement)
     return {"schedule": name, "placement": schedule.placement.describe(), "backward": schedule.backward,
             "makespan": result.makespan, "bubble_ratio": result.bubble_ratio,
             "peak_memory_mb": result.peak_memory_max, "fits_memory": result.fits_memory,
