@@ -374,9 +374,12 @@ class Schedule:
         for i, rank in enumerate(ranks):
             _json_check(rank, list, source, f"ranks[{i}]")
         _check_count(sum(len(rank) for rank in ranks), source)
+        for key, expected in (("format", "koala-schedule"), ("version", 1)):
+            if key in data and data[key] != expected:
+                raise ScheduleError(f"{source}: {key} {data[key]!r}: a koala schedule has {expected!r} (koala export "
+                                    f"--format json writes one)")
         try:
-            placement = Placement(tuple(stage_ranks), _json_field(pl, "pipelines", int, source, "placement.", 1),
-                                  _json_field(pl, "style", str, source, "placement.", "map"))
+            placement = _json_placement(pl, tuple(stage_ranks), source)
             return cls(*(_json_field(data, k, int, source) for k in ("p", "m", "v")), placement,
                        tuple(tuple(_json_action(a, source, i, j) for j, a in enumerate(rank))
                              for i, rank in enumerate(ranks)),
@@ -436,6 +439,20 @@ class Schedule:
             v = placement.chunks_per_rank // placement.pipelines
         backward = "split" if any(a.op in (Op.I, Op.W) for a in actions) else "full"
         return cls(p, m, v, placement, tuple(tuple(r) for r in rows), backward, name)
+
+
+def _json_placement(pl: dict, stage_ranks: tuple, source: str) -> Placement:
+    """A JSON placement: its stage_ranks and pipelines; a style, when given, must name them."""
+    pipelines = _json_field(pl, "pipelines", int, source, "placement.", 1)
+    style = _json_field(pl, "style", str, source, "placement.", "map")
+    try:
+        placement = Placement.explicit(stage_ranks, pipelines)
+    except (ValueError, ZeroDivisionError, IndexError):  # not a placement at all: Schedule's checks word it
+        return Placement(stage_ranks, pipelines, style)
+    if style not in ("map", placement.style):
+        raise ScheduleError(f"{source}: placement.style {style!r} is not what placement.stage_ranks are "
+                            f"({placement.describe()}): fix it or drop it")
+    return placement
 
 
 def schedule_from_ranks(name: str, placement: Placement, m: int, ranks: Iterable[Iterable[Action]],

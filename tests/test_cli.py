@@ -62,3 +62,29 @@ def test_syntax_error_from_console_script(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert f"{bad}:3:11:" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("suffix", [".json", ".csv", ".koala"])
+def test_export_writes_what_the_suffix_of_o_is_read_back_as(tmp_path, capsys, suffix):
+    """`koala export 1f1b -o best.json` wrote .koala text into best.json, which then did not load."""
+    out = tmp_path / f"best{suffix}"
+    assert main(["export", "zb-h1", "-p", "2", "-m", "4", "-o", str(out)]) == 0
+    assert main(["validate", str(out), "-p", "2", "-m", "4"]) == 0
+    if suffix == ".json":
+        assert get("zb-h1").compile(2, 4, 1).same_order(Schedule.from_json(out.read_text()))
+
+
+def test_export_refuses_a_format_the_suffix_would_not_read_back(tmp_path, capsys):
+    assert main(["export", "1f1b", "-p", "2", "-m", "2", "--format", "koala", "-o", str(tmp_path / "b.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "a .json file is read back as json, not koala" in err, err
+    assert not (tmp_path / "b.json").exists()
+    assert main(["export", "1f1b", "-p", "2", "-m", "2", "--format", "json", "-o", str(tmp_path / "b.txt")]) == 0
+
+
+def test_a_two_pipeline_schedule_is_not_exported_as_torch_csv(tmp_path, capsys):
+    """Chimera's CSV said 'wrote' and read back as one pipeline with v=2 ('missing forward 0F1')."""
+    assert main(["export", "chimera", "-p", "4", "-m", "4", "-o", str(tmp_path / "c.csv")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "chimera runs 2 pipelines" in err and "export it as koala or json" in err, err
+    assert not (tmp_path / "c.csv").exists()

@@ -265,3 +265,19 @@ def test_parser_never_crashes_with_anything_but_syntax_errors(text):
         program.compile(2, 2, 1)
     except KoalaCompileError:
         pass
+
+
+@pytest.mark.parametrize("line, p, v, message", [
+    ("placement map 0 0", 2, 1, "map.koala:2:11: placement map puts 2 stage(s) of a pipeline on rank 0, but v=1"),
+    ("placement map 0 1 2", 2, 1, "map.koala:2:11: placement map names rank 2, but p=2 (ranks 0..1)"),
+    ("placement map 0 1 | 1 1", 2, 1, "placement map puts 0 stage(s) of a pipeline on rank 0, but v=1"),
+])
+def test_a_placement_map_that_does_not_fit_p_and_v_names_its_line(tmp_path, line, p, v, message):
+    """`placement map 0 0` at p=2 was an IndexError from deep in the placement (a traceback);
+    `0 1 2` at p=2 said 'placement has 3 ranks but p=2' without the file or line."""
+    path = tmp_path / "map.koala"
+    path.write_text(f"schedule x\n{line}\nrank:\n F B\n")
+    program = parse_program(path.read_text(), str(path))
+    with pytest.raises(KoalaError) as exc:
+        program.compile(p, 2, v)
+    assert message in str(exc.value)

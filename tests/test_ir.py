@@ -134,3 +134,20 @@ def test_random_schedules_survive_json_and_csv(seed, p, m, layout, backward):
         assert back.backward == "full"  # CSV cannot tell a split schedule that uses only B
     else:
         assert back.same_order(s)
+
+
+def test_a_json_placement_style_must_name_its_stage_ranks_and_the_format_be_koalas(tmp_path):
+    """A style contradicting stage_ranks was trusted ('ok ... placement=vshape' for an interleaved
+    map, whose .koala export then deadlocked); 'format': 'other' was accepted."""
+    data = get("interleaved-1f1b").compile(2, 4, 2).to_dict()
+    for style in ("vshape", "weird"):
+        bad = {**data, "placement": {**data["placement"], "style": style}}
+        with pytest.raises(ScheduleError, match=rf"^x.json: placement.style '{style}' is not what "
+                                                r"placement.stage_ranks are \(interleaved\): fix it or drop it$"):
+            Schedule.from_dict(bad, "x.json")
+    plain = {**data, "placement": {k: v for k, v in data["placement"].items() if k != "style"}}
+    assert Schedule.from_dict(plain).placement.style == "interleaved"  # a map is named by what it is
+    with pytest.raises(ScheduleError, match=r"^x.json: format 'other': a koala schedule has 'koala-schedule'"):
+        Schedule.from_dict({**data, "format": "other"}, "x.json")
+    with pytest.raises(ScheduleError, match=r"^x.json: version 2:"):
+        Schedule.from_dict({**data, "version": 2}, "x.json")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import re
+from pathlib import Path
 
 from .. import library
 from ..dsl import print_schedule
@@ -94,10 +95,29 @@ EXPORTERS = {
 }
 
 
+#: The format a suffix of -o stands for (what `koala validate` and the engines read it as).
+SUFFIX_FORMATS = {".koala": "koala", ".json": "json", ".csv": "torch-csv"}
+
+
+def export_format(fmt: str | None, output: str | None) -> str:
+    """--format, else the one -o's suffix stands for (else koala); a --format that is not what
+    -o's suffix stands for is refused: the file would not read back."""
+    implied = SUFFIX_FORMATS.get(Path(output).suffix.lower()) if output else None
+    if fmt is not None and implied is not None and fmt != implied:
+        raise KoalaError(f"-o {output}: a {Path(output).suffix} file is read back as {implied}, not {fmt}: change "
+                         f"the suffix of -o, or --format {implied}")
+    return fmt or implied or "koala"
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     if args.output:
         check_output(args.output, "-o")
+    args.format = export_format(args.format, args.output)
     schedule = resolve_schedule(args)
+    if args.format == "torch-csv" and schedule.placement.pipelines > 1:
+        raise KoalaError(f"--format torch-csv: {schedule.name} runs {schedule.placement.pipelines} pipelines "
+                         f"(placement {schedule.placement.describe()}); torch.distributed.pipelining's CSV holds one: "
+                         f"export it as koala or json")
     text = EXPORTERS[args.format](schedule)
     if args.output:
         atomic_write(args.output, text, "-o")
@@ -130,6 +150,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("export", help="write a schedule as .koala, JSON or torch compute-only CSV")
     add_schedule_arguments(p)
-    p.add_argument("--format", choices=sorted(EXPORTERS), default="koala")
+    p.add_argument("--format", choices=sorted(EXPORTERS), default=None,
+                   help="default: what -o's suffix stands for (.koala, .json, .csv: torch-csv), else koala")
     p.add_argument("-o", "--output", help="output file (default: stdout)")
     p.set_defaults(func=cmd_export)

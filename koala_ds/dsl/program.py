@@ -631,12 +631,29 @@ def from_ast(tree: A.ProgramAst, text: str = "") -> Program:
             ranks = [[rank(env) for rank in g] for g in groups]
             if len({len(g) for g in ranks}) != 1:
                 raise ScheduleError(f"{spec.pos}: placement map groups have different lengths")
-            return Placement.explicit([r for g in ranks for r in g], len(ranks))
+            return Placement.explicit(_checked_map(ranks, p, v, spec.pos), len(ranks))
     else:
         placement = spec.style
     compact = tree.compact
     return Program(tree.name, placement, tree.backward, body, tree.description, tree.source, reqs, tree.file, text,
                    compact.mode if compact else None, str(compact.pos) if compact else "")
+
+
+def _checked_map(groups: list[list[int]], p: int, v: int, pos) -> list[int]:
+    """The stage -> rank list of a `placement map` (one group per pipeline), checked against p
+    and v: ranks 0..p-1, v stages of each pipeline on every rank."""
+    flat = [r for g in groups for r in g]
+    outside = [r for r in flat if not 0 <= r < p]
+    if outside:
+        raise ScheduleError(f"{pos}: placement map names rank {outside[0]}, but p={p} (ranks 0..{p - 1}): change "
+                            f"the map or p")
+    for r in range(p):
+        held = [sum(1 for x in g if x == r) for g in groups]
+        if any(n != v for n in held):
+            raise ScheduleError(f"{pos}: placement map puts {next(n for n in held if n != v)} stage(s) of a "
+                                f"pipeline on rank {r}, but v={v} (each rank holds v stages of each pipeline): "
+                                f"change the map, p or v")
+    return flat
 
 
 def python_program(name: str, *, placement: str = "linear", backward: str = "full", description: str = "",
