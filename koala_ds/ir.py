@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Iterable, Sequence
 
+from .json_input import NotJson, parse_json
+
 
 class KoalaError(ValueError):
     """Base of every error koala-ds raises for bad input; the CLI prints it without a traceback."""
@@ -393,9 +395,9 @@ class Schedule:
     @classmethod
     def from_json(cls, text: str, source: str = "<json>") -> "Schedule":
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ScheduleError(f"{source}:{exc.lineno}:{exc.colno}: not JSON ({exc.msg})") from None
+            data = parse_json(text)
+        except NotJson as exc:
+            raise ScheduleError(f"{source}{exc.where}: not JSON ({exc.reason})") from None
         return cls.from_dict(data, source)
 
     # -- torch.distributed.pipelining compute-only CSV ----------------------------------

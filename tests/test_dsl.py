@@ -281,3 +281,21 @@ def test_a_placement_map_that_does_not_fit_p_and_v_names_its_line(tmp_path, line
     with pytest.raises(KoalaError) as exc:
         program.compile(p, 2, v)
     assert message in str(exc.value)
+
+
+def test_a_number_too_large_is_a_syntax_error_and_a_long_line_is_shown_around_the_caret():
+    """A 5000-digit count was Python's ValueError (int conversion limit); a product of large
+    literals crashed the loop-limit message itself while printing the number."""
+    with pytest.raises(KoalaSyntaxError) as exc:
+        parse_program("schedule x\nrank:\n  F * " + "1" * 5000 + "\n", "big.koala")
+    head, shown, caret = str(exc.value).splitlines()
+    assert head == "big.koala:3:7: number too large (5000 digits); expected at most 18 digits"
+    assert len(shown) < 140 and shown.endswith("...") and caret.index("^") == shown.index("1")
+    far = "schedule x\nrank:\n  F * (" + "p + " * 60 + "$)\n"
+    with pytest.raises(KoalaSyntaxError) as exc:
+        parse_program(far, "far.koala")
+    _, shown, caret = str(exc.value).splitlines()
+    assert shown.startswith("    ...") and shown[caret.index("^")] == "$"
+    huge = "schedule x\nlet a = 999999999999999999\nrank:\n  F * (" + "*".join(["a"] * 300) + ")\n  B\n"
+    with pytest.raises(KoalaError, match=r"repetition '\* about 2\^\d+' of about 2\^\d+ passes goes over the limit"):
+        parse_program(huge, "huge.koala").compile(1, 1, 1)

@@ -1,11 +1,12 @@
 import json
 import random
+import re
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from koala_ds.ir import Action, Op, Placement, Schedule, ScheduleError
-from koala_ds.library import get
+from koala_ds.ir import Action, KoalaError, Op, Placement, Schedule, ScheduleError
+from koala_ds.library import get, load_schedule
 from koala_ds.sim import random_schedule
 
 
@@ -151,3 +152,20 @@ def test_a_json_placement_style_must_name_its_stage_ranks_and_the_format_be_koal
         Schedule.from_dict({**data, "format": "other"}, "x.json")
     with pytest.raises(ScheduleError, match=r"^x.json: version 2:"):
         Schedule.from_dict({**data, "version": 2}, "x.json")
+
+
+@pytest.mark.parametrize("text, reason", [('{"m": ' + "7" * 5000 + "}", "Exceeds the limit (4300 digits)"),
+                                          ("[" * 100000 + "]" * 100000, "nested too deeply to read")])
+def test_json_python_will_not_read_is_one_error_naming_the_file(tmp_path, text, reason):
+    """A 5000-digit integer was a ValueError traceback, 100000 nested arrays a RecursionError."""
+    from koala_ds.sim import ProfileError
+    from koala_ds.sim.profile import CostProfile
+
+    with pytest.raises(ScheduleError, match=rf"^x.json: not JSON \({re.escape(reason)}"):
+        Schedule.from_json(text, "x.json")
+    with pytest.raises(ProfileError, match=rf"^p.json: not a JSON file \({re.escape(reason)}"):
+        CostProfile.from_json(text, "p.json")
+    path = tmp_path / "s.json"
+    path.write_text(text)
+    with pytest.raises(KoalaError, match=re.escape(reason)):
+        load_schedule(str(path), 2, 2, 1)

@@ -20,14 +20,21 @@ NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 MAX_NESTING = 64
 
 
+SHOWN_LINE, SHOWN_BEFORE_CARET = 120, 60  # how much of a long source line an error shows
+MAX_DIGITS = 18  # a literal's digits: counts of a schedule are far below; Python stops converting at 4300
+
+
 class KoalaSyntaxError(KoalaError):
     """A `.koala` program that does not parse."""
 
     def __init__(self, message: str, pos: A.Pos, expected: str = ""):
         self.pos, self.expected, self.reason = pos, expected, message
-        caret = " " * (pos.col - 1) + "^"
+        start = max(0, pos.col - 1 - SHOWN_BEFORE_CARET)  # a long line: the part around the caret
+        shown = ("..." if start else "") + pos.text[start:start + SHOWN_LINE] + \
+            ("..." if len(pos.text) > start + SHOWN_LINE else "")
+        caret = " " * (pos.col - 1 - start + (3 if start else 0)) + "^"
         exp = f"; expected {expected}" if expected else ""
-        super().__init__(f"{pos}: {message}{exp}\n    {pos.text}\n    {caret}")
+        super().__init__(f"{pos}: {message}{exp}\n    {shown}\n    {caret}")
 
 
 _TOKEN_RE = re.compile(r"""
@@ -211,6 +218,9 @@ class _Tokens:
     def atom(self) -> A.Expr:
         tok = self.cur
         if tok.kind == "num":
+            if len(tok.text.lstrip("0")) > MAX_DIGITS:
+                raise KoalaSyntaxError(f"number too large ({len(tok.text)} digits)", tok.pos,
+                                       f"at most {MAX_DIGITS} digits")
             self.next()
             return A.Num(int(tok.text), pos=tok.pos)
         if tok.kind == "name" and tok.text not in KEYWORDS and tok.text not in OPS:

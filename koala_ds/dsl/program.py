@@ -67,7 +67,7 @@ class Budget:
         self.passes_left -= n
         if self.passes_left < 0:
             what = what if isinstance(what, str) else what()
-            amount = f" of {n:,} passes" if n > 1 else ""
+            amount = f" of {_count_text(n)} passes" if n > 1 else ""
             raise KoalaError(f"{what}{amount} goes over the limit of {self.max_passes:,} loop passes "
                              f"for this p, m, v (LOOP_PASSES_PER_ACTION per action, at least MIN_LOOP_PASSES): "
                              f"bound the loop by p, m or v")
@@ -455,7 +455,7 @@ def _repeat(item: A.Repeat) -> Run:
         if count < 0:
             raise KoalaCompileError(f"{pos}: repetition count is {count} for {_fmt_params(rank.env)}; "
                                     f"this program needs other values of p, m or v")
-        rank.charge(count, lambda: f"repetition '* {count}'", pos)
+        rank.charge(count, lambda: f"repetition '* {_count_text(count)}'", pos)
         times(rank, count)
     return repeat
 
@@ -637,6 +637,11 @@ def from_ast(tree: A.ProgramAst, text: str = "") -> Program:
     compact = tree.compact
     return Program(tree.name, placement, tree.backward, body, tree.description, tree.source, reqs, tree.file, text,
                    compact.mode if compact else None, str(compact.pos) if compact else "")
+
+
+def _count_text(n: int) -> str:
+    """A count for a message: 1,234, or its size when Python would refuse to print it whole."""
+    return f"{n:,}" if n < 10 ** 30 else f"about 2^{n.bit_length() - 1}"
 
 
 def _checked_map(groups: list[list[int]], p: int, v: int, pos) -> list[int]:

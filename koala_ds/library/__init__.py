@@ -6,13 +6,13 @@ by `koala export --format json`) or a torch compute-only `.csv`.
 from __future__ import annotations
 
 import difflib
-import json
 import re
 from functools import lru_cache
 from pathlib import Path
 
 from ..dsl import Program, parse, parse_program
 from ..ir import KoalaError, Schedule, ScheduleError, change_hint
+from ..json_input import NotJson, parse_json
 
 LIBRARY_DIR = Path(__file__).resolve().parent
 #: The schedule JSON versions this koala-ds reads.
@@ -99,8 +99,8 @@ def read_schedule_file(path: str | Path) -> Schedule:
 
 def _check_json_version(text: str, path: Path) -> None:
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError:
+        data = parse_json(text)
+    except NotJson:
         return  # Schedule.from_json says where
     version = data.get("version", 1) if isinstance(data, dict) else 1
     if version not in SCHEDULE_JSON_VERSIONS:

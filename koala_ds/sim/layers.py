@@ -19,7 +19,6 @@ schedule's activations may use. Every error names the file and the field.
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..ir import Placement
+from ..json_input import NotJson, parse_json
 from .profile import (PROFILE_VERSION, CostProfile, ProfileError, StageCost, _number, check_header,
                       check_latency_and_limit, resolve_profile, with_action_overhead)
 
@@ -296,9 +296,9 @@ def read_profile_json(path_or_name: str | os.PathLike) -> tuple[Any, str]:
     except OSError as exc:
         raise ProfileError(f"{path}: cannot read ({exc.strerror})") from None
     try:
-        return json.loads(text), source
-    except json.JSONDecodeError as exc:
-        raise ProfileError(f"{source}:{exc.lineno}:{exc.colno}: not a JSON file ({exc.msg})") from None
+        return parse_json(text), source
+    except NotJson as exc:
+        raise ProfileError(f"{source}{exc.where}: not a JSON file ({exc.reason})") from None
 
 
 def is_layer_profile(data: Any) -> bool:

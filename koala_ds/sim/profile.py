@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..ir import KoalaError
+from ..json_input import NotJson, parse_json
 
 log = logging.getLogger(__name__)
 
@@ -161,9 +162,9 @@ class CostProfile:
     @classmethod
     def from_json(cls, text: str, source: str = "<profile>") -> "CostProfile":
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ProfileError(f"{source}:{exc.lineno}:{exc.colno}: not a JSON file ({exc.msg}); "
+            data = parse_json(text)
+        except NotJson as exc:
+            raise ProfileError(f"{source}{exc.where}: not a JSON file ({exc.reason}); "
                                f"a cost profile is JSON with fields {', '.join(TOP_FIELDS)}") from None
         return cls.from_dict(data, source)
 
