@@ -88,3 +88,22 @@ def test_a_two_pipeline_schedule_is_not_exported_as_torch_csv(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "chimera runs 2 pipelines" in err and "export it as koala or json" in err, err
     assert not (tmp_path / "c.csv").exists()
+
+
+def test_a_profile_whose_stages_v_does_not_divide_asks_for_another_v(capsys):
+    """It said 'give -p', which cannot help: the profile's stages are p x v."""
+    assert main(["compare", "--profile", "uniform-4", "-m", "4", "-v", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("uniform-4 has 4 stages, not a multiple of v=3 (the stages are p x v): change -v to one of "
+                        "1, 2, 4"), err
+
+
+def test_one_rank_is_never_idle_and_its_bubble_is_not_negative(capsys):
+    """p = 1 printed 'bubble -0.00%' and idle -5.45697e-12 (float noise)."""
+    from koala_ds.library import load_schedule
+    from koala_ds.sim import simulate
+    from koala_ds.sim.layers import load_layer_profile
+
+    lp = load_layer_profile("gpt-largevocab-32L")
+    result = simulate(load_schedule("1f1b", 1, 32, 1), lp.stage_profile([lp.num_layers], 1))
+    assert result.idle == (0.0,) and result.bubble_ratio == 0.0

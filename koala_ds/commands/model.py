@@ -115,7 +115,9 @@ def _default_p(profile: CostProfile | None, v: int, flag: str = "-p") -> int:
     if profile is None:
         raise KoalaError(f"{flag} is needed when no --profile is given")
     if profile.num_stages % v:
-        raise KoalaError(f"{profile.source} has {profile.num_stages} stages, not a multiple of v={v}: give {flag}")
+        divisors = [d for d in range(1, profile.num_stages + 1) if profile.num_stages % d == 0]
+        raise KoalaError(f"{profile.source} has {profile.num_stages} stages, not a multiple of v={v} (the stages are "
+                         f"p x v): change -v to one of {', '.join(map(str, divisors))}")
     return profile.num_stages // v
 
 

@@ -207,7 +207,7 @@ class Simulator:
         makespan = max(free)
         dur = self.lowered.dur_np
         busy = tuple(float(dur[np.asarray(o, dtype=np.int64)].sum()) if o else 0.0 for o in codes)
-        idle = tuple(makespan - b for b in busy)
+        idle = tuple(max(0.0, makespan - b) for b in busy)  # no -5e-12 where a rank is never idle
         bubble = (sum(idle) / (self.p * makespan)) if makespan > 0 else 0.0
         peaks = self.lowered.peaks(codes)
         events = None
@@ -279,7 +279,7 @@ class Simulator:
                 c = codes[r][pos[r]]
                 lines.append(f"rank {r} waits at {self.decode(c)} for {slot_text(self.lowered.dep[c])}")
         hint = (" (the orders run with non-blocking sends: a blocking send waits for its receiver; "
-                "use mode='async' or reorder)") if mode == "rendezvous" else ""
+                "use async sends: --mode async, mode='async' in Python; or reorder)") if mode == "rendezvous" else ""
         raise ScheduleError(f"deadlock in {mode} mode{hint}: " + "; ".join(lines))
 
 
