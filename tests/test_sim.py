@@ -44,7 +44,9 @@ def test_hand_computed_1f1b_two_stages_with_latency():
     assert r.peak_memory_mb == (20, 20)  # rank 0 holds two stage-0 activations, rank 1 one of 20 MB
     # Rendezvous: rank 0 blocks sending 0F1 until rank 1 reaches 1F1, which comes after 1B0,
     # whose send waits for rank 0 to reach 0B0: the classic deadlock of blocking sends.
-    with pytest.raises(ScheduleError, match=r"deadlock in rendezvous mode \(.*use async sends: --mode async, mode=.async. in Python; or reorder\).*rank 0 is blocked sending the output of 0F1"):
+    with pytest.raises(ScheduleError, match=r"deadlock in rendezvous mode \(.*use async sends: --mode async, "
+                                            r"mode=.async. in Python; or reorder\).*rank 0 is blocked sending "
+                                            r"the output of 0F1"):
         simulate(s, two_stage_profile(), mode="rendezvous")
 
 
