@@ -733,3 +733,13 @@ def test_simulate_says_two_copies_of_the_weights_not_a_gap_below_the_bound(tmp_p
     assert line.endswith("makespan 2x weights over it"), line
     assert main(["simulate", "chimera", "--profile", str(prof), "-m", "6", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["over_bound"] is None
+
+
+def test_a_full_backward_library_seed_run_split_says_so():
+    """'found by library interleaved-1f1b' came with '1.329x its speed': the answer was that order
+    with each B run as I + W, which the origin now says."""
+    prof = _ends_heavy(None).profile
+    problem = SearchProblem(prof, 2, 1, 2, "auto", None, placement="interleaved")
+    result = search(problem, time_budget=None, generations=1, seed=0)
+    assert result.origin == "library interleaved-1f1b as I + W" and result.schedule.backward == "split"
+    assert result.makespan < next(r.makespan for r in result.library if r.name == "interleaved-1f1b")

@@ -571,5 +571,6 @@ def _library_seeds(problem: SearchProblem, rows: Sequence[LibraryRow]) -> Iterat
         problem.part_for(sched.placement)  # adds its parts when its placement is not searched
         for idx, part in enumerate(problem.parts):
             if part.admits(sched):
-                yield idx, part.orders_of(sched), f"library {row.name}"
+                as_split = " as I + W" if part.backward != sched.backward else ""  # a full B run split
+                yield idx, part.orders_of(sched), f"library {row.name}{as_split}"
 
