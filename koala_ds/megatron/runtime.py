@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Callable, Iterator, List, Optional, Union
+from typing import Any, Callable, Iterator, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -217,15 +217,22 @@ def _check_tied_embeddings(models: list, schedule: Schedule, rank: int) -> None:
                 f"or choose a schedule with the interleaved placement")
 
 
-def _losses_to_last_rank(schedule: Schedule, comm, losses: list, rank: int, p: int, model_device) -> list:
-    """Megatron-LM reads the losses on the last pipeline rank; a V-shape computes them elsewhere."""
+def _losses_to_last_rank(schedule: Schedule, comm, losses: list, num_tokens, rank: int, p: int, model_device
+                         ) -> tuple[list, Any]:
+    """(losses, token count) where megatron-core reads them: Megatron-LM the losses, and
+    finalize_model_grads the token count of a per-token loss (it broadcasts it from there), on the
+    last pipeline rank; a V-shape computes both on another rank. `num_tokens`: None when the loss
+    is not per token."""
     holder = schedule.placement.rank_of(schedule.num_stages - 1)
     if holder == p - 1:
-        return losses
+        return losses, num_tokens
     if rank == holder:
-        comm.send_object(losses, p - 1)
-        return []
-    return comm.recv_object(holder, model_device) if rank == p - 1 else losses
+        comm.send_object((losses, num_tokens), p - 1)
+        return [], num_tokens  # its count is replaced by the broadcast from the last rank
+    if rank == p - 1:
+        received, count = comm.recv_object(holder, model_device)
+        return received, None if count is None else count.to(num_tokens.device, num_tokens.dtype)
+    return losses, num_tokens
 
 
 class KoalaForwardBackward:
@@ -325,14 +332,14 @@ class KoalaForwardBackward:
             runner.run()
             losses = runner.losses()
             comm.finish()
-            losses = _losses_to_last_rank(schedule, comm, losses, rank, p, model_device)
+            tokens = runner.total_num_tokens if config.calculate_per_token_loss else None
+            losses, tokens = _losses_to_last_rank(schedule, comm, losses, tokens, rank, p, model_device)
 
             if config.finalize_model_grads_func is not None and not forward_only:
                 mcs.finish_embedding_wgrad_compute(config, embedding_module, holds_last, tp_group)
                 waiter.phase = "finalize_model_grads_func"
-                config.finalize_model_grads_func(
-                    models, runner.total_num_tokens if config.calculate_per_token_loss else None,
-                    pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+                config.finalize_model_grads_func(models, tokens, pg_collection=pg_collection,
+                                                 force_all_reduce=force_all_reduce)
             if config.timers is not None:
                 config.timers("forward-backward").stop()
             return losses
