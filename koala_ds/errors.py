@@ -7,7 +7,9 @@
 A `KoalaError` (a bad schedule, a config that does not fit it: KoalaConfigError,
 MegatronScheduleError, the library's errors) is the user's to fix, and every rank detects the
 same one before any communication. So instead of a traceback per rank, rank 0 prints
-`error: <message>` on stderr and every rank exits with code 2 (`USER_ERROR_EXIT`). Any other
+`error: <message>` on stderr and every rank exits with code 2 (`USER_ERROR_EXIT`). An error only
+the rank raising it sees (a KoalaError with `rank_local = True`: the Megatron runtime's
+P2PTimeoutError) is printed by that rank, whichever it is. Any other
 exception keeps its traceback, written in one piece: ranks that fail together (every rank meets
 the same bug) print theirs one after another, not mixed line by line or word by word.
 `rank_zero_argument_errors(parser)` does the same for argparse errors (the koala flags'
@@ -59,8 +61,10 @@ def one_line(exc: BaseException) -> str:
 
 
 def report_user_error(exc: KoalaError, prog: str | None = None) -> None:
-    """Write `<prog>: error: <message>` to stderr, on rank 0 only."""
-    if process_rank() != 0:
+    """Write `<prog>: error: <message>` to stderr, on rank 0 only; an error that only the rank
+    raising it sees (`rank_local`, e.g. a pipeline timeout: rank 0 may be the rank that hangs)
+    on that rank."""
+    if process_rank() != 0 and not getattr(exc, "rank_local", False):
         return
     prefix = f"{prog}: " if prog else ""
     # A program's error output, not a log record: it must reach the user whatever the logging setup.

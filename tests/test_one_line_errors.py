@@ -57,6 +57,22 @@ def test_run_main_other_ranks_exit_2_quietly_after_rank_zero(monkeypatch, capsys
     assert capsys.readouterr() == ("", "")
 
 
+def test_a_pipeline_timeout_is_printed_by_the_rank_that_gave_up(monkeypatch, capsys):
+    """Rank 1 timing out (rank 0 hung) exited 2 without a word: only rank 0 printed user errors."""
+    from koala_ds.megatron.p2p import P2PTimeoutError
+
+    def main():
+        raise P2PTimeoutError("koala p2p: pipeline rank 1 failed to receive the activation of stage 1 from "
+                              "pipeline rank 0 within 3 s")
+
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as info:
+        run_main(main, "pretrain_gpt", grace_s=0.0)
+    assert info.value.code == 2
+    assert capsys.readouterr().err == ("pretrain_gpt: error: koala p2p: pipeline rank 1 failed to receive the "
+                                       "activation of stage 1 from pipeline rank 0 within 3 s\n")
+
+
 def test_run_main_keeps_other_exceptions_and_return_codes(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "0")
     # Python's own hook (torch.distributed installs one that prefixes each line with the rank

@@ -33,7 +33,10 @@ __all__ = ["ACT", "GRAD", "Message", "P2P", "P2PTimeoutError", "ChannelGroups", 
 
 class P2PTimeoutError(KoalaError, TimeoutError):
     """A pipeline receive or send did not complete in time (a peer died, hung or diverged), or
-    failed before its deadline (the peer closed the connection): the message says which."""
+    failed before its deadline (the peer closed the connection): the message says which. What
+    one rank saw (`rank_local`): that rank prints it (koala_ds.errors), not rank 0."""
+
+    rank_local = True
 
 
 class P2P:
