@@ -69,6 +69,11 @@ def test_megatron_core_schedules_refuse_gloo_with_cuda_tensors():
         ex.check_pipeline_backend(False, 2, cuda, "gloo")
     with pytest.raises(KoalaError, match="on CPU use --pipeline-schedule koala"):
         ex.check_pipeline_backend(False, 2, cpu, "gloo")
+    ex.check_pipeline_backend(True, 1, cpu, "gloo")
+    # forward_backward_no_pipelining makes its token count on CUDA: a traceback on CPU at p = 1
+    with pytest.raises(KoalaError, match=r"at --pipeline-model-parallel-size 1 forward_backward_no_pipelining\); "
+                                         r"on CPU use --pipeline-schedule koala"):
+        ex.check_pipeline_backend(False, 1, cpu, "gloo")
 
 
 def run(tmp_path: Path, schedule: str, extra: list[str]) -> dict:

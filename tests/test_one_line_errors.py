@@ -4,6 +4,7 @@ values and the closest match for unknown ones."""
 from __future__ import annotations
 
 import argparse
+import re
 import logging
 import os
 import subprocess
@@ -178,12 +179,14 @@ def test_deepspeed_schedule_errors_name_deepspeeds_settings(tmp_path):
 
 
 # -- Megatron ----------------------------------------------------------------------------------
-def _install(extra: list[str], p: int = 2, v=None, gbs: int = 8, mbs: int = 1, dp: int = 1):
+def _install(extra: list[str], p: int = 2, v=None, gbs: int = 8, mbs: int = 1, dp: int = 1, layout=None):
     pytest.importorskip("megatron.core")
     from koala_ds.megatron import add_arguments, install
 
     args = add_arguments(argparse.ArgumentParser()).parse_args(["--pipeline-schedule", "koala", *extra])
     args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size = p, v
+    if layout is not None:  # Megatron-LM's flag (and the example's)
+        args.pipeline_model_parallel_layout, args.num_layers = layout, 4
     args.global_batch_size, args.micro_batch_size, args.data_parallel_size = gbs, mbs, dp
     return install(args)
 
@@ -196,6 +199,22 @@ def test_megatron_install_checks_a_koala_file_against_the_flags_before_the_model
     with pytest.raises(MegatronScheduleError) as info:
         _install(["--koala-schedule", str(path)], p=2)
     assert "needs p == 4" in str(info.value) and "change --pipeline-model-parallel-size" in str(info.value)
+
+
+def test_megatron_v_given_by_the_layout_is_named_as_the_layout_and_one_rank_takes_one_chunk():
+    """v from --pipeline-model-parallel-layout was blamed on --virtual-pipeline-model-parallel-size
+    (which the user never set); v > 1 at p = 1 got past install and died in megatron-core's
+    initialize_model_parallel (a traceback)."""
+    from koala_ds.megatron import MegatronScheduleError
+
+    with pytest.raises(MegatronScheduleError, match=r"needs v == 1 .*got p=2, m=8, v=2: change "
+                                                    r"--pipeline-model-parallel-layout$"):
+        _install(["--koala-schedule", "zb-h1"], v=2, layout="E|tt|t|tL")  # Megatron-LM sets v from the layout
+    for layout, given in (("Et*2|t*2L", "--pipeline-model-parallel-layout gives 2 stage(s) per pipeline rank"),
+                          (None, "--virtual-pipeline-model-parallel-size gives 2 model chunk(s) per rank")):
+        with pytest.raises(MegatronScheduleError, match=rf"^{re.escape(given)} with --pipeline-model-parallel-size "
+                                                        r"1, which megatron-core refuses"):
+            _install(["--koala-schedule", "interleaved-1f1b"], p=1, v=2, layout=layout)
 
 
 def test_megatron_errors_name_megatrons_flags_and_the_closest_name():

@@ -211,16 +211,19 @@ def distributed_setup(backend_flag, cuda: bool, local_rank: int, local_world: in
 
 
 def check_pipeline_backend(koala: bool, pp: int, device: torch.device, backend: str) -> None:
-    """megatron-core's own pipeline schedules send the model's tensors with torch.distributed:
-    they need CUDA, and NCCL on it. The Koala runtime runs on CPU and stages CUDA tensors
-    through the CPU for gloo."""
+    """megatron-core's own schedules need CUDA (forward_backward_no_pipelining too, at
+    --pipeline-model-parallel-size 1: it makes its token count on CUDA); its pipeline schedules
+    send the model's tensors with torch.distributed, so NCCL on it. The Koala runtime runs on CPU
+    and stages CUDA tensors through the CPU for gloo."""
     from koala_ds.ir import KoalaError
 
-    if koala or pp == 1:
+    if koala:
         return
     if device.type != "cuda":
-        raise KoalaError("megatron-core's own pipeline schedules need CUDA; on CPU use --pipeline-schedule koala")
-    if backend == "gloo":
+        raise KoalaError("megatron-core's own schedules need CUDA (its pipeline schedules, and at "
+                         "--pipeline-model-parallel-size 1 forward_backward_no_pipelining); on CPU use "
+                         "--pipeline-schedule koala")
+    if backend == "gloo" and pp > 1:
         raise KoalaError("megatron-core's own pipeline schedules cannot send CUDA tensors over gloo: with "
                          "--distributed-backend gloo use --pipeline-schedule koala, or --distributed-backend nccl "
                          "(one GPU per rank)")

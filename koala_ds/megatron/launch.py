@@ -17,13 +17,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import dataclasses
 from dataclasses import dataclass, field
 
 from ..errors import rank_zero_argument_errors
 from ..timeout import TimeoutSettingError, check_timeout
 from .. import library
 from ..ir import Placement
-from ..resolve import FIXED_SUFFIXES, MEGATRON, MEGATRON_LM, check_fit, load
+from ..resolve import FIXED_SUFFIXES, MEGATRON, MEGATRON_LM, Setting, check_fit, load
 from .layout import tied_embeddings_conflict
 from .resolve import MegatronScheduleError, check_spec, resolve
 
@@ -105,6 +106,12 @@ def _layout_chunks(args) -> int | None:
         raise MegatronScheduleError(str(exc)) from None
 
 
+#: v as --pipeline-model-parallel-layout gives it (stages per pipeline rank) when the virtual size is unset.
+LAYOUT_V = Setting("--pipeline-model-parallel-layout",
+                   "--pipeline-model-parallel-layout gives {value} stage(s) per pipeline rank",
+                   "give --pipeline-model-parallel-layout {value} stage(s) per pipeline rank (separated by |)")
+
+
 def _check_sizes(spec: str, args, settings=MEGATRON) -> Placement | None:
     """Check the schedule against the flags now, before any process group or model exists: the
     whole schedule when the flags give p, v and the number of microbatches; else p and v (a
@@ -118,6 +125,13 @@ def _check_sizes(spec: str, args, settings=MEGATRON) -> Placement | None:
         if value is not None and value < 1:  # 0 read as 1, -2 blamed on --num-layers
             raise MegatronScheduleError(f"{flag} {value}: must be >= 1")
     v = vp or _layout_chunks(args) or 1
+    if getattr(args, "pipeline_model_parallel_layout", None):  # v is the layout's (Megatron-LM sets the
+        settings = dataclasses.replace(settings, v=LAYOUT_V)     # virtual size from it): messages name it
+    if p == 1 and v > 1:  # megatron-core's initialize_model_parallel refuses it (a traceback)
+        raise MegatronScheduleError(f"{settings.v.given.format(name=settings.v.name, value=v)} with "
+                                    f"--pipeline-model-parallel-size 1, which megatron-core refuses (model chunks "
+                                    f"need two pipeline ranks or more): use one chunk per rank, or a larger "
+                                    f"--pipeline-model-parallel-size")
     m = microbatches_from_args(args)
     if m is not None:
         return resolve(spec, p, m, v, settings).placement  # cached: the runtime finds it resolved
