@@ -243,6 +243,16 @@ def resolve(spec, p: int | None, m: int | None, v: int | None = 1, settings: Set
     return schedule
 
 
+def check_profile_stages(cost, schedule: Schedule, settings: Settings, shown) -> None:
+    """A profile must give one entry per stage of the schedule (as `koala simulate` checks)."""
+    stages = schedule.placement.num_stages
+    if cost.num_stages not in (stages, stages // schedule.placement.pipelines):
+        raise ScheduleFitError(f"{settings.profile} {shown}: {cost.num_stages} stage entries, but schedule "
+                               f"{schedule.name!r} has {stages} stages (p x v = {schedule.p} x {schedule.v}): give "
+                               f"the profile of this model's stages (koala profile ... -p {schedule.p} -v "
+                               f"{schedule.v})")
+
+
 def load_profile(profile, settings: Settings):
     """A cost profile (`koala_ds.sim.CostProfile`) from a file, a bundled name or a parsed dict;
     its errors name the setting it came from."""

@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable
 
@@ -318,6 +319,8 @@ def case_engine(case: dict, spec: dict, dp: int):
                         case.get("placement", "linear"), case.get("parts"),
                         config if case.get("module_config") else None, case.get("checkpoint_interval", 0),
                         spec.get("mp", 1))
+    if case.get("aux") is not None:  # the module's additional losses (an MoE auxiliary loss, say)
+        model.get_additional_losses = lambda: OrderedDict(aux=torch.tensor(case["aux"]), z=torch.tensor(2.0))
     return model, _engine(model, case, config)
 
 
@@ -340,12 +343,14 @@ def train_worker(rank: int, world: int, spec: dict) -> dict:
     A case: {"label", "schedule" (None = DeepSpeed's stock TrainSchedule), "chunks", "placement",
     "tied", "via" ("config" | "direct"), "koala": extra pipeline.koala keys, "clip": gradient_clipping
     (absent: DeepSpeed's default), "parts": the module's cut (KoalaPipelineModule(parts=...)),
-    "module_config": build the module with config= (its pipeline.koala.parts), "bf16", "zero": the
+    "module_config": build the module with config= (its pipeline.koala.parts), "aux": the value of the
+    module's additional loss 'aux' (get_additional_losses, beside 'z' = 2), "bf16", "zero": the
     config's zero_optimization section, "checkpoint_interval": the module's
     activation_checkpoint_interval, "partitioned": pipe_partitioned and grad_partitioned on}; spec["mp"]:
     model-parallel ranks per stage. Returns per case the engine's and its optimizer's class names,
     the module's checkpoint interval, the step losses, an eval_batch loss, the final parameters,
-    the step times (seconds) and the message kinds the Koala engine sends as model-parallel shares.
+    the step times (seconds), the message kinds the Koala engine sends as model-parallel shares and
+    the additional losses of the last step (engine.agg_additional_losses).
     spec["target_scale"] scales the targets (see `tiny_batches`)."""
     import koala_ds.deepspeed  # noqa: F401  (registers the engine with deepspeed.initialize)
 
@@ -371,6 +376,7 @@ def train_worker(rank: int, world: int, spec: dict) -> dict:
             "checkpoint_interval": engine.module.activation_checkpoint_interval, "losses": losses,
             "eval": eval_loss, "times": times, "split": sorted(getattr(engine, "_split_kinds", ())),
             "params": _weights(model) if spec.get("params", True) else {},
+            "additional": {k: float(x) for k, x in (engine.agg_additional_losses or {}).items()},
         }
         del engine, model
     return out

@@ -239,6 +239,48 @@ def test_engine_selection():
     assert select_engine_class(model, {"schedule": "koala"}) is KoalaPipelineEngine
 
 
+def test_koala_settings_while_deepspeeds_own_engine_runs_are_said_to_be_ignored(monkeypatch, caplog):
+    """"pipeline.koala" or KOALA_SCHEDULE without "pipeline.schedule": "koala": the stock engine ran
+    and they were ignored without a word."""
+    import logging
+
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    monkeypatch.delenv("DS_PIPELINE_SCHEDULE", raising=False)
+    monkeypatch.delenv("KOALA_SCHEDULE", raising=False)
+    with caplog.at_level(logging.WARNING, logger="koala_ds.deepspeed.install"):
+        assert select_engine_class(object(), {"koala": {"schedule": "zb-h1"}}) is PipelineEngine
+        monkeypatch.setenv("KOALA_SCHEDULE", "zb-h1")
+        assert select_engine_class(object(), {}) is PipelineEngine
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and all("the Koala settings are ignored" in x for x in said), said
+    assert said[0].startswith('"pipeline.koala" set') and said[1].startswith("KOALA_SCHEDULE set"), said
+    caplog.clear()
+    monkeypatch.delenv("KOALA_SCHEDULE")
+    with caplog.at_level(logging.WARNING, logger="koala_ds.deepspeed.install"):
+        select_engine_class(object(), {})
+    assert not caplog.records
+
+
+@pytest.mark.parametrize("value", ["", "  ", 0, False, ["zb-h1"]])
+def test_an_empty_or_non_text_koala_schedule_is_refused(value):
+    """"schedule": "" (or 0) ran 1f1b without a word."""
+    with pytest.raises(KoalaConfigError, match=r'^DeepSpeed config "pipeline.koala.schedule" is .*: give a library '
+                                               r'name, a .koala / .json / .csv file, or drop the key \(default 1f1b\)$'):
+        KoalaPipelineConfig.from_pipeline_section({"schedule": "koala", "koala": {"schedule": value}}, env={})
+
+
+def test_a_profile_with_another_number_of_stages_is_refused():
+    """A DeepSpeed config's profile was 'loaded and checked', but any number of stages passed."""
+    from koala_ds.deepspeed import KoalaPipelineEngine
+
+    schedule = load_schedule("zb-h1", 2, 4)
+    with pytest.raises(KoalaError, match=r'^"pipeline.koala.profile" gpt-lmhead-8: 8 stage entries, but schedule '
+                                         r"'zb-h1' has 2 stages \(p x v = 2 x 1\)"):
+        KoalaPipelineEngine._log_profile(schedule, "gpt-lmhead-8", '"pipeline.koala.profile"')
+    KoalaPipelineEngine._log_profile(load_schedule("zb-h1", 4, 8), "uniform-4", '"pipeline.koala.profile"')
+
+
 @pytest.mark.parametrize("config,says", [
     ({"fp16": {"enabled": True}}, 'remove "fp16": {"enabled": true}'),
     ({"zero_optimization": {"stage": 2}}, '"zero_optimization": {"stage": 2} partitions the gradients'),
@@ -691,3 +733,20 @@ def test_launcher_patch_applies_and_the_flag_reaches_the_engine(patched_deepspee
         assert res["engine"] == "KoalaPipelineEngine" and res["schedule"] == "zb-h1"
     assert {res["buffers"] for res in lines} == {2, 1}  # zb-h1 holds p - r microbatches, not m
     assert lines[0]["loss"] == lines[1]["loss"]
+
+
+@pytest.mark.slow
+@pytest.mark.deepspeed_ext
+@pytest.mark.timeout(400)
+def test_the_modules_additional_losses_are_reported_as_by_stock():
+    """get_additional_losses (an MoE auxiliary loss, say): the Koala engine never added them up, so
+    agg_additional_losses was 0 on the first rank and None on the last, and DeepSpeed's loss
+    broadcast had 2 values on one side and 4 on the other."""
+    cases = [{**_stock(), "aux": 0.25}, _case("zb-h1", aux=0.25), _case("zb-v", "vshape", aux=0.25)]
+    results = launch(train_worker, 2, {**_spec(2, cases), "params": False}, timeout_s=380)
+    for res in results:
+        got = res["value"]["cases"]
+        assert got["stock"]["additional"] == pytest.approx({"aux": 0.25, "z": 2.0}), got["stock"]
+        for label in ("zb-h1", "zb-v"):
+            assert got[label]["additional"] == pytest.approx(got["stock"]["additional"]), (label, got[label])
+            assert all(_close(a, b) for a, b in zip(got[label]["losses"], got["stock"]["losses"])), label

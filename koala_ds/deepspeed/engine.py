@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Callable
@@ -54,7 +55,7 @@ from ..bounded_collectives import WaitFailure, wait_work
 from ..channels import ChannelGroups, Link, schedule_channels
 from ..ir import KoalaError, Placement, Schedule
 from ..lowering import ACT, GRAD, Message
-from ..resolve import DEEPSPEED, ScheduleFitError, check_fit, load, load_profile, resolve
+from ..resolve import DEEPSPEED, ScheduleFitError, check_fit, check_profile_stages, load, load_profile, resolve
 from ..timeout import DEFAULT_TIMEOUT_S, ENV_TIMEOUT, TimeoutSettingError, timeout_setting
 from ..validate import validate
 from ..wgrad import WeightGradQueue
@@ -115,7 +116,12 @@ class KoalaPipelineConfig:
         profile, profile_source = koala.get("profile"), DEEPSPEED.profile
         if profile is None and env.get(ENV_KOALA_PROFILE):
             profile, profile_source = env[ENV_KOALA_PROFILE], ENV_KOALA_PROFILE
-        return cls(koala.get("schedule") or env.get(ENV_KOALA_SCHEDULE) or None, profile, timeout, source,
+        schedule = koala.get("schedule")
+        if schedule is not None and not isinstance(schedule, Schedule) and (not isinstance(schedule, str)
+                                                                              or not schedule.strip()):
+            raise KoalaConfigError(f'DeepSpeed config "pipeline.koala.schedule" is {schedule!r}: give a library '
+                                   f'name, a .koala / .json / .csv file, or drop the key (default 1f1b)')
+        return cls(schedule or env.get(ENV_KOALA_SCHEDULE) or None, profile, timeout, source,
                    koala.get("parts"), profile_source)
 
 
@@ -201,6 +207,14 @@ def clip_grads_like_stock(params: list, counted: list, max_norm: float, mpu, dev
         if q.grad is not None:
             q.grad.data.mul_(clip_coef.to(q.grad.device))
     return total
+
+
+def _added(total, loss):
+    """`total` + `loss` (a tensor, or a list of them: element-wise), as a new value; a copy of
+    `loss` when `total` is None."""
+    if torch.is_tensor(loss):
+        return loss.clone() if total is None else total + loss
+    return [x.clone() for x in loss] if total is None else [a + x for a, x in zip(total, loss)]
 
 
 class _BoundedBackend:
@@ -428,7 +442,9 @@ class KoalaPipelineEngine(PipelineEngine):
     @staticmethod
     def _log_profile(schedule: Schedule, profile: str, source: str = DEEPSPEED.profile) -> None:
         # a KoalaError naming the setting (the config key, or the variable) and the file when it is bad
-        cost = load_profile(profile, replace(DEEPSPEED, profile=source))
+        settings = replace(DEEPSPEED, profile=source)
+        cost = load_profile(profile, settings)
+        check_profile_stages(cost, schedule, settings, profile)
         logger.info("Koala profile %s: %d stage entries for schedule %r", profile, cost.num_stages, schedule.name)
 
     def _channel_groups(self, schedule: Schedule, p: int, timeout_s: float) -> tuple[list, list]:
@@ -836,26 +852,34 @@ class KoalaPipelineEngine(PipelineEngine):
                 if not torch.is_grad_enabled():
                     buffers["outputs"][buffer_id] = None
         else:
-            if self._compute_loss and module.loss_fn is not None:
-                loss = module.loss_fn(outputs, buffers["labels"][buffer_id])
-            else:
-                loss = outputs
-            buffers["labels"][buffer_id] = None
-            if self.eval_return_logits:
-                self.outputs = outputs
-            detached = loss.detach() if torch.is_tensor(loss) else [x.detach() for x in loss]
-            self.fwd_outputs.append(detached)
-            total = self.total_loss
-            if torch.is_tensor(loss):
-                total = detached.clone() if total is None else total + detached
-            else:
-                total = [d.clone() for d in detached] if total is None else [a + d for a, d in zip(total, detached)]
-            # a tensor or a list, never a parameter, buffer or module: skip nn.Module.__setattr__'s checks
-            object.__setattr__(self, "total_loss", total)
-            if torch.is_grad_enabled():
-                buffers["losses"][buffer_id] = loss
+            self._last_stage_loss(buffer_id, outputs)
         if not torch.is_grad_enabled():
             buffers["inputs"][buffer_id] = None
+
+    def _last_stage_loss(self, buffer_id: int, outputs) -> None:
+        """The loss of the last stage's output, added up over the step as the stock engine does:
+        the loss, and the module's additional losses (`get_additional_losses`, e.g. an MoE
+        auxiliary loss), which DeepSpeed's loss broadcast sends with it."""
+        buffers, module = self.pipe_buffers, self.module
+        if self._compute_loss and module.loss_fn is not None:
+            loss = module.loss_fn(outputs, buffers["labels"][buffer_id])
+        else:
+            loss = outputs
+        buffers["labels"][buffer_id] = None
+        if self.eval_return_logits:
+            self.outputs = outputs
+        detached = loss.detach() if torch.is_tensor(loss) else [x.detach() for x in loss]
+        self.fwd_outputs.append(detached)
+        # tensors, lists and dicts, never a parameter, buffer or module: skip nn.Module.__setattr__'s checks
+        object.__setattr__(self, "total_loss", _added(self.total_loss, detached))
+        additional = module.get_additional_losses()
+        if additional is not None:
+            totals = self.total_additional_losses if self.total_additional_losses is not None else OrderedDict()
+            for name, extra in additional.items():
+                totals[name] = _added(totals.get(name), torch.as_tensor(extra).detach())
+            object.__setattr__(self, "total_additional_losses", totals)
+        if torch.is_grad_enabled():
+            buffers["losses"][buffer_id] = loss
 
     def _backward_targets(self, buffer_id: int, stage: int, microbatch: int, message):
         """(tensors to differentiate, their gradients or None) for the stage's backward; the

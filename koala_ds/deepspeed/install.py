@@ -14,12 +14,15 @@ a `PipelineModule`. `install()` replaces that global with `EngineSelector`, whic
 from __future__ import annotations
 
 import logging
+import os
 
 import deepspeed
 from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine, DualPipeVModule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from .engine import KoalaConfigError, KoalaPipelineEngine, ensure_config_class, koala_requested
+from ..errors import process_rank
+from .engine import (ENV_KOALA_SCHEDULE, ENV_PIPELINE_SCHEDULE, KoalaConfigError, KoalaPipelineEngine,
+                     ensure_config_class, koala_requested)
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +39,20 @@ def select_engine_class(model, pipeline_section: dict | None) -> type:
                                    "engine: build a koala_ds.deepspeed.KoalaPipelineModule(..., chunks=2, "
                                    "placement='vshape') to run dualpipe-v with Koala")
         return DualPipeVEngine
+    if not wants:
+        _warn_unused_koala_settings(pipeline_section)
     return KoalaPipelineEngine if wants else PipelineEngine
+
+
+def _warn_unused_koala_settings(pipeline_section: dict | None) -> None:
+    """Koala settings while DeepSpeed's own engine is chosen: said once, on rank 0, not refused (a
+    config can keep them to compare with the stock schedule)."""
+    given = ['"pipeline.koala"'] if isinstance((pipeline_section or {}).get("koala"), dict) else []
+    given += [name for name in (ENV_KOALA_SCHEDULE,) if os.environ.get(name)]
+    if given and process_rank() == 0:
+        logger.warning("%s set, but DeepSpeed's own pipeline engine and schedule run (\"pipeline.schedule\" is not "
+                       "\"koala\", nor %s): the Koala settings are ignored; set \"pipeline\": {\"schedule\": "
+                       "\"koala\"} to run them", " and ".join(given), ENV_PIPELINE_SCHEDULE)
 
 
 class _SelectorMeta(type):
