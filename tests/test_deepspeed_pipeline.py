@@ -750,3 +750,44 @@ def test_the_modules_additional_losses_are_reported_as_by_stock():
         for label in ("zb-h1", "zb-v"):
             assert got[label]["additional"] == pytest.approx(got["stock"]["additional"]), (label, got[label])
             assert all(_close(a, b) for a, b in zip(got[label]["losses"], got["stock"]["losses"])), label
+
+
+_MISSPELT = textwrap.dedent('''
+    import importlib, os, sys
+    import deepspeed, torch
+    from deepspeed.pipe import PipelineModule
+    from koala_ds.errors import run_main
+
+    def main():
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # not what this is about
+        deepspeed.init_distributed(dist_backend="gloo")
+        model = PipelineModule([torch.nn.Linear(4, 4)], num_stages=1, loss_fn=torch.nn.functional.mse_loss)
+        config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": 1,
+                  "pipeline": {"schedule": "koalaa"}}
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                          config=config)
+        print("ENGINE", type(engine).__name__, "koala_ds.deepspeed" in sys.modules)
+
+    run_main(main, "train.py")
+''')
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_the_patched_initialize_refuses_a_misspelt_pipeline_schedule(patched_deepspeed, tmp_path):
+    """With the launcher patch and no koala_ds import in the script, "pipeline.schedule": "koalaa"
+    ran DeepSpeed's own engine without a word (the patch imported the plugin only for "koala")."""
+    from koala_ds.spawn import free_port
+
+    script = tmp_path / "train.py"
+    script.write_text(_MISSPELT)
+    env = {**os.environ, "PYTHONPATH": f"{patched_deepspeed}{os.pathsep}{REPO}", "DS_ACCELERATOR": "cpu",
+           "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    env.pop("DS_PIPELINE_SCHEDULE", None)
+    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=180,
+                         cwd=tmp_path)
+    assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "ENGINE" not in run.stdout
+    error = [x for x in run.stderr.splitlines() if "error:" in x]
+    assert len(error) == 1 and "\"pipeline.schedule\" is 'koalaa' (did you mean 'koala'?)" in error[0], run.stderr
