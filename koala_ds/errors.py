@@ -134,7 +134,8 @@ def rank_zero_argument_errors(parser: argparse.ArgumentParser,
                               grace_s: float = OTHER_RANKS_GRACE_S) -> argparse.ArgumentParser:
     """Make `parser`'s argument errors one line on rank 0 (`prog: error: message (see prog
     -h)`, no usage block) and exit code USER_ERROR_EXIT on every rank, like a KoalaError under
-    run_main. Every rank parses the same command line, so every rank finds the same error."""
+    run_main. Every rank parses the same command line, so every rank finds the same error.
+    --help prints on rank 0 only, too."""
 
     def error(message: str) -> NoReturn:
         if process_rank() == 0:
@@ -142,6 +143,13 @@ def rank_zero_argument_errors(parser: argparse.ArgumentParser,
         exit_user_error(grace_s)
 
     parser.error = error  # type: ignore[method-assign]
+    print_help = parser.print_help
+
+    def help_on_rank_zero(file=None) -> None:  # --help: once, not once per rank
+        if process_rank() == 0:
+            print_help(file)
+
+    parser.print_help = help_on_rank_zero  # type: ignore[method-assign]
     return parser
 
 

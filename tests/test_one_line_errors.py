@@ -285,9 +285,13 @@ def test_deepspeed_example_user_error_is_one_line_on_one_rank(tmp_path):
     (["--schedule", "zb-v", "--chunks", "2"], "use --chunks 2 --placement vshape."),
     (["--schedule", "zb-h2", "--microbatches", "2"], "m >= 2 * p - 1"),
     (["--pp", "3"], "--pp 3 does not divide the 2 processes"),
+    (["--chunks", "2", "--placement", "vshape"], "--chunks 2 needs --schedule: a schedule of 2 chunks per rank "
+                                                 "(e.g. --schedule zb-v for --placement vshape)"),
+    (["--schedule", "P4"], "was made for p=4 but --pp is 2 (default: every process): set --pp 4 (and start a "
+                           "multiple of 4 processes)"),
 ])
 def test_deepspeed_example_flags_are_checked_in_its_own_words_before_deepspeed_starts(monkeypatch, capsys,
-                                                                                       flags, says):
+                                                                                       tmp_path, flags, says):
     """The example's flags used to reach DeepSpeed unchecked: --microbatches 0 was an
     AssertionError traceback, a schedule that did not fit named the KoalaPipelineModule's chunks
     and "pipeline.koala.schedule" (settings the script's user never wrote)."""
@@ -297,6 +301,13 @@ def test_deepspeed_example_flags_are_checked_in_its_own_words_before_deepspeed_s
     spec = importlib.util.spec_from_file_location("ds_example_train", ROOT / "examples/deepspeed_pipe/train.py")
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
+    if "P4" in flags:  # a schedule file made for 4 pipeline ranks
+        from koala_ds.library import load_schedule
+
+        path = tmp_path / "p4.json"
+        path.write_text(load_schedule("zb-h1", 4, 8).to_json())
+        flags = [str(path) if f == "P4" else f for f in flags]
+    monkeypatch.delenv("KOALA_SCHEDULE", raising=False)
     monkeypatch.setattr(example.deepspeed, "init_distributed", lambda **_: pytest.fail("DeepSpeed was started"))
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
@@ -324,6 +335,20 @@ def test_argument_errors_are_one_line_on_rank_zero_and_exit_2_everywhere(monkeyp
         assert err == "train.py: error: argument --steps: invalid int value: 'many' (see train.py -h)\n"
     else:
         assert err == ""
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_help_is_printed_by_rank_zero_only(monkeypatch, capsys, rank):
+    """`koala-run --nproc-per-node 2 train.py --help` printed the usage once per rank."""
+    from koala_ds.errors import rank_zero_argument_errors
+
+    monkeypatch.setenv("RANK", rank)
+    parser = rank_zero_argument_errors(argparse.ArgumentParser(prog="train.py"), grace_s=0.0)
+    with pytest.raises(SystemExit) as info:
+        parser.parse_args(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: train.py") if rank == "0" else out == ""
 
 
 def test_megatron_koala_flags_make_the_parser_one_line(monkeypatch, capsys):

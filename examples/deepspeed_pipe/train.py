@@ -32,7 +32,8 @@ from koala_ds.resolve import DEEPSPEED, Setting, resolve
 #: How the schedule's messages name this script's flags (the engine's own messages name the
 #: DeepSpeed config keys and the KoalaPipelineModule's arguments, which this script sets from them).
 FLAGS = replace(DEEPSPEED, schedule="--schedule",
-                p=Setting("--pp", "--pp is {value} (default: every process)", "set --pp {value}"),
+                p=Setting("--pp", "--pp is {value} (default: every process)",
+                          "set --pp {value} (and start a multiple of {value} processes)"),
                 m=Setting("--microbatches"),
                 v=Setting("--chunks"),
                 placement_fix="use --chunks {v} --placement {style}")
@@ -67,6 +68,10 @@ def check_flags(args, world: int) -> int:
     if args.schedule is not None:
         placement = Placement.named("linear" if args.chunks == 1 else args.placement, pp, args.chunks)
         resolve(args.schedule, pp, args.microbatches, args.chunks, FLAGS, placement=placement)
+    elif args.chunks > 1 and not os.environ.get("KOALA_SCHEDULE"):  # the engine's default, 1f1b, has one chunk
+        example = "zb-v" if args.placement == "vshape" else "interleaved-1f1b"
+        raise KoalaError(f"--chunks {args.chunks} needs --schedule: a schedule of {args.chunks} chunks per rank "
+                         f"(e.g. --schedule {example} for --placement {args.placement})")
     return pp
 
 
