@@ -243,14 +243,15 @@ def resolve(spec, p: int | None, m: int | None, v: int | None = 1, settings: Set
     return schedule
 
 
-def check_profile_stages(cost, schedule: Schedule, settings: Settings, shown) -> None:
-    """A profile must give one entry per stage of the schedule (as `koala simulate` checks)."""
-    stages = schedule.placement.num_stages
-    if cost.num_stages not in (stages, stages // schedule.placement.pipelines):
-        raise ScheduleFitError(f"{settings.profile} {shown}: {cost.num_stages} stage entries, but schedule "
-                               f"{schedule.name!r} has {stages} stages (p x v = {schedule.p} x {schedule.v}): give "
-                               f"the profile of this model's stages (koala profile ... -p {schedule.p} -v "
-                               f"{schedule.v})")
+def check_profile_stages(cost, placement: Placement, what: str, settings: Settings, shown) -> None:
+    """A profile must give one entry per stage of the schedule (as `koala simulate` checks);
+    `what` names the schedule, `shown` the profile."""
+    stages, p = placement.num_stages, placement.p
+    v = placement.chunks_per_rank // placement.pipelines
+    if cost.num_stages not in (stages, stages // placement.pipelines):
+        raise ScheduleFitError(f"{settings.profile} {shown}: {cost.num_stages} stage entries, but {what} has "
+                               f"{stages} stages (p x v = {p} x {v}): give the profile of this model's stages "
+                               f"(koala profile ... -p {p} -v {v})")
 
 
 def load_profile(profile, settings: Settings):

@@ -4,6 +4,7 @@ values and the closest match for unknown ones."""
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import logging
 import os
@@ -215,6 +216,19 @@ def test_megatron_v_given_by_the_layout_is_named_as_the_layout_and_one_rank_take
         with pytest.raises(MegatronScheduleError, match=rf"^{re.escape(given)} with --pipeline-model-parallel-size "
                                                         r"1, which megatron-core refuses"):
             _install(["--koala-schedule", "interleaved-1f1b"], p=1, v=2, layout=layout)
+
+
+def test_megatron_profile_with_another_number_of_stages_is_refused_at_install(tmp_path):
+    """--koala-profile was read, any number of stages passed."""
+    from koala_ds.megatron import MegatronScheduleError
+
+    with pytest.raises(MegatronScheduleError, match=r"^--koala-profile gpt-lmhead-8: 8 stage entries, but "
+                                                    r"--koala-schedule zb-h1 has 2 stages \(p x v = 2 x 1\)"):
+        _install(["--koala-schedule", "zb-h1", "--koala-profile", "gpt-lmhead-8"])
+    two = tmp_path / "two.json"
+    stage = {"forward": 1, "backward_input": 1, "backward_weight": 1, "activation_mb": 1, "w_hold_mb": 0}
+    two.write_text(json.dumps({"version": 1, "p2p_latency": 0.01, "stages": [stage, stage]}))
+    assert _install(["--koala-schedule", "zb-h1", "--koala-profile", str(two)]) is not None
 
 
 def test_megatron_errors_name_megatrons_flags_and_the_closest_name():

@@ -444,7 +444,7 @@ class KoalaPipelineEngine(PipelineEngine):
         # a KoalaError naming the setting (the config key, or the variable) and the file when it is bad
         settings = replace(DEEPSPEED, profile=source)
         cost = load_profile(profile, settings)
-        check_profile_stages(cost, schedule, settings, profile)
+        check_profile_stages(cost, schedule.placement, f"schedule {schedule.name!r}", settings, profile)
         logger.info("Koala profile %s: %d stage entries for schedule %r", profile, cost.num_stages, schedule.name)
 
     def _channel_groups(self, schedule: Schedule, p: int, timeout_s: float) -> tuple[list, list]:

@@ -24,7 +24,8 @@ from ..errors import rank_zero_argument_errors
 from ..timeout import TimeoutSettingError, check_timeout
 from .. import library
 from ..ir import Placement
-from ..resolve import FIXED_SUFFIXES, MEGATRON, MEGATRON_LM, Setting, check_fit, load
+from ..resolve import (FIXED_SUFFIXES, MEGATRON, MEGATRON_LM, Setting, check_fit, check_profile_stages, load,
+                       load_profile)
 from .layout import tied_embeddings_conflict
 from .resolve import MegatronScheduleError, check_spec, resolve
 
@@ -78,6 +79,10 @@ def schedule_from_args(args, chunks: str = "megatron") -> str | None:
     if chunks == "schedule" and placement is not None:
         _check_tied_embeddings(spec, placement, args)
         _check_no_checkpoints(placement, args)
+    profile = getattr(args, "koala_profile", None)
+    if profile is not None and placement is not None:  # its stages: the schedule's (as koala simulate checks)
+        check_profile_stages(load_profile(profile, MEGATRON), placement, f"--koala-schedule {spec}", MEGATRON,
+                             profile)
     timeout = getattr(args, "koala_p2p_timeout", None)
     if timeout is not None:
         try:
