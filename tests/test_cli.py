@@ -107,3 +107,15 @@ def test_one_rank_is_never_idle_and_its_bubble_is_not_negative(capsys):
     lp = load_layer_profile("gpt-largevocab-32L")
     result = simulate(load_schedule("1f1b", 1, 32, 1), lp.stage_profile([lp.num_layers], 1))
     assert result.idle == (0.0,) and result.bubble_ratio == 0.0
+
+
+def test_a_fixed_schedule_file_and_a_profile_of_other_stages_ask_for_another_profile(tmp_path, capsys):
+    """It advised '-p 4 for v=2', which a .json schedule (p and v its own) cannot take."""
+    path = tmp_path / "il.json"
+    assert main(["export", "interleaved-1f1b", "-p", "2", "-m", "4", "-v", "2", "-o", str(path)]) == 0
+    capsys.readouterr()
+    for command in ("simulate", "show"):
+        assert main([command, str(path), "--profile", "gpt-lmhead-8"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.endswith(f"gpt-lmhead-8 has 8 stages but {path} is a schedule of p x v = 2 x 2 = 4 stages: give "
+                            f"--profile a profile of 4 stages"), err

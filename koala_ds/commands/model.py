@@ -70,7 +70,7 @@ def prepare_outputs(schedule: Schedule, args: argparse.Namespace) -> CostProfile
         return None
     check_output_flags(args)
     profile = _profile_for(schedule, args)
-    check_profile_fits(profile, schedule.p, schedule.v, schedule.placement)
+    check_profile_fits(profile, schedule.p, schedule.v, schedule.placement, _fixed_file(args))
     return profile
 
 
@@ -100,15 +100,25 @@ def _write_files(schedule: Schedule, result: SimResult, args: argparse.Namespace
         print(f"wrote Chrome trace {path} (open it in https://ui.perfetto.dev or chrome://tracing)")
 
 
-def check_profile_fits(profile: CostProfile, p: int, v: int, placement=None) -> None:
-    """A one-line error naming -p / -v when the profile's stages are not the configuration's."""
+def check_profile_fits(profile: CostProfile, p: int, v: int, placement=None, fixed: str | None = None) -> None:
+    """A one-line error naming -p / -v when the profile's stages are not the configuration's;
+    `fixed`: the schedule file that fixes p and v (then the profile is what can change)."""
     stages = p * v if placement is None else placement.num_stages
     pipelines = 1 if placement is None else placement.pipelines
     if profile.num_stages in (stages, stages // pipelines):
         return
+    if fixed is not None:
+        raise KoalaError(f"{profile.source} has {profile.num_stages} stages but {fixed} is a schedule of p x v = "
+                         f"{p} x {v} = {stages} stages: give --profile a profile of {stages // pipelines} stages")
     hint = f" (-p {profile.num_stages // v} for v={v})" if profile.num_stages % v == 0 else ""
     raise KoalaError(f"{profile.source} has {profile.num_stages} stages but p x v = {p} x {v} = {stages}: "
                      f"change -p or -v to match the profile{hint}")
+
+
+def _fixed_file(args: argparse.Namespace) -> str | None:
+    """The schedule argument when it is a fixed schedule file (.json, .csv: p and v are its own)."""
+    name = getattr(args, "schedule", None)
+    return name if isinstance(name, str) and Path(name).suffix in FIXED_SUFFIXES else None
 
 
 def _default_p(profile: CostProfile | None, v: int, flag: str = "-p") -> int:
@@ -176,7 +186,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             print(partition.split_line(layers, part, schedule.p, bool(args.partition)))
     if profile is None:
         profile = unit_profile(schedule)
-    check_profile_fits(profile, schedule.p, schedule.v, schedule.placement)
+    check_profile_fits(profile, schedule.p, schedule.v, schedule.placement, _fixed_file(args))
     result = simulate(schedule, profile, mode=args.mode, timeline=bool(args.gantt or args.trace or args.timeline))
     found = configuration_bound(profile, schedule.p, schedule.m, schedule.v)
     bound = found[0] if found else None
