@@ -143,16 +143,22 @@ class Action:
 
     def __post_init__(self) -> None:
         if not isinstance(self.op, Op):
-            object.__setattr__(self, "op", Op(self.op))
+            try:
+                object.__setattr__(self, "op", Op(self.op))
+            except ValueError:
+                raise ScheduleError(f"action op {self.op!r}: one of {', '.join(OP_NAMES)}") from None
+        if type(self.stage) is not int or type(self.microbatch) is not int:  # a bool or 1.0 would pass for 1
+            name, value = ("stage", self.stage) if type(self.stage) is not int else ("microbatch", self.microbatch)
+            raise ScheduleError(f"action {name} {value!r}: expected an integer, got {type(value).__name__}")
         if self.stage < 0 or self.microbatch < 0:
-            raise ScheduleError(f"action {self.stage}{self.op}{self.microbatch}: negative index")
+            raise ScheduleError(f"action {self.stage}{self.op.value}{self.microbatch}: negative index")
 
     def __str__(self) -> str:
         return f"{self.stage}{self.op.value}{self.microbatch}"
 
     @classmethod
     def parse(cls, text: str) -> "Action":
-        match = _ACTION_RE.match(text)
+        match = _ACTION_RE.match(text) if isinstance(text, str) else None
         if not match:
             raise ScheduleError(f"bad action {text!r}: expected <stage><F|I|W|B><microbatch>, e.g. 3I7")
         return cls(Op(match.group(2)), int(match.group(1)), int(match.group(3)))

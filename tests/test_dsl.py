@@ -299,3 +299,41 @@ def test_a_number_too_large_is_a_syntax_error_and_a_long_line_is_shown_around_th
     huge = "schedule x\nlet a = 999999999999999999\nrank:\n  F * (" + "*".join(["a"] * 300) + ")\n  B\n"
     with pytest.raises(KoalaError, match=r"repetition '\* about 2\^\d+' of about 2\^\d+ passes goes over the limit"):
         parse_program(huge, "huge.koala").compile(1, 1, 1)
+
+
+@pytest.mark.parametrize("mb", [False, True, 1.0])
+def test_a_microbatch_that_is_not_an_integer_is_refused_and_leaves_other_schedules_alone(mb):
+    """b.F(mb=False) compiled, and the action cache (keyed by value: False == 0) then handed '0FFalse'
+    to every later schedule of the process, the library's included (their JSON no longer loaded);
+    mb=1.0 was a TypeError, and every later 1f1b too."""
+    from koala_ds.ir import Schedule
+    from koala_ds.library import load_schedule
+
+    @python_program(f"odd-{mb!r}")
+    def odd(b, p, m, v, r):
+        b.F(mb=mb)
+
+    with pytest.raises(KoalaError, match="microbatch must be integers|expected an integer"):
+        odd.compile(2, 4)
+    s = load_schedule("1f1b", 2, 4)
+    assert all(type(a.microbatch) is int for rank in s.ranks for a in rank)
+    assert Schedule.from_json(s.to_json()) == s
+
+
+@pytest.mark.parametrize("p, m", [(True, 4), (2, True)])
+def test_a_bool_is_not_a_size(p, m):
+    """load_schedule("1f1b", True, 4) gave a schedule with p=True (its JSON then refused)."""
+    from koala_ds.library import load_schedule
+
+    with pytest.raises(KoalaError, match="must be a positive integer"):
+        load_schedule("1f1b", p, m)
+
+
+def test_action_refuses_what_is_not_an_action():
+    from koala_ds.ir import Action, ScheduleError
+
+    for args in (("X", 1, 2), ("F", "1", 2), ("F", 1, 2.0), ("F", True, 2)):
+        with pytest.raises(ScheduleError):
+            Action(*args)
+    with pytest.raises(ScheduleError, match="bad action 5"):
+        Action.parse(5)

@@ -85,6 +85,9 @@ _ACTIONS_KEPT = 1 << 14
 
 
 def _action(op: str, stage: int, microbatch: int) -> Action:
+    if type(stage) is not int or type(microbatch) is not int:  # the cache's key: False == 0 == 0.0
+        raise KoalaError(f"{op}: chunk and microbatch must be integers, got stage {stage!r}, microbatch "
+                         f"{microbatch!r}")
     key = (op, stage, microbatch)
     action = _ACTIONS.get(key)
     if action is None:
@@ -512,7 +515,7 @@ class Program:
         """None when (p, m, v) is supported; else the reason, naming what to change: koala's
         flags (-p, -m, -v), or the engine's settings given as `names` ({"m": "...", ...})."""
         for name, val in (("p", p), ("m", m), ("v", v)):
-            if not isinstance(val, int) or val < 1:
+            if type(val) is not int or val < 1:  # not a bool: True would pass for 1
                 return f"{name} must be a positive integer, got {name}={val!r} ({change_hint(name, names)})"
         too_big = size_error(p, m, v, self.backward, names)
         if too_big:
