@@ -193,3 +193,20 @@ def test_a_time_limit_that_is_not_positive_names_its_parameter(solver):
         getattr(exact, solver)(SearchProblem(_profile(3), 3, 4, 1, "split"), time_limit=0)
     assert exc.value.parameter == "time_limit"
     assert "--exact-time-limit must be positive, got 0" in exc.value.worded(FLAGS)
+
+
+def test_a_hint_of_a_placement_not_searched_leaves_the_problem_as_it_was():
+    """solve_exact(problem, hint=chimera) added chimera's parts to the problem: its lower bound fell
+    from 17.2 to 13.2 and a later search answered with a two-copy schedule the adapters cannot run."""
+    from koala_ds.library import load_schedule
+    from koala_ds.search import SearchError
+
+    problem = SearchProblem(CostProfile.uniform(4, p2p_latency=0.5, backward_weight=0.2), 4, 4)
+    bound, parts = problem.lower_bound, len(problem.parts)
+    exact = solve_exact(problem, hint=load_schedule("chimera", 4, 4), time_limit=10)
+    assert exact.status in ("optimal", "feasible")
+    assert (problem.lower_bound, len(problem.parts)) == (bound, parts)
+    answer = search(problem, time_budget=None, generations=3, seed=0)
+    assert answer.schedule.placement.pipelines == 1 and answer.makespan >= bound * (1 - 1e-9)
+    with pytest.raises(SearchError, match=r"`hint` is a schedule of p=4, m=8; the problem's p=4, m=4"):
+        solve_exact(problem, hint=load_schedule("1f1b", 4, 8), time_limit=5)

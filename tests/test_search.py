@@ -1,6 +1,8 @@
 """The schedule search: BTT encoding, greedy seeds, the GA, the CLI (fast cases only)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from koala_ds import library
@@ -742,3 +744,18 @@ def test_a_full_backward_library_seed_run_split_says_so():
     result = search(problem, time_budget=None, generations=1, seed=0)
     assert result.origin == "library interleaved-1f1b as I + W" and result.schedule.backward == "split"
     assert result.makespan < next(r.makespan for r in result.library if r.name == "interleaved-1f1b")
+
+
+@pytest.mark.parametrize("placements, says", [([], "`placements` is empty"),
+                                              (["linear"], "`placements` holds 'linear', not a"),
+                                              ("other-p", "is a placement of p=2, v=1; this problem's p=4, v=1")])
+def test_placements_given_are_checked_and_name_the_parameter(placements, says):
+    """placements=[] was accepted and then a ValueError (min of an empty sequence); a name, an
+    AttributeError; a placement of another p, a ProfileError naming no parameter."""
+    from koala_ds.ir import Placement
+
+    if placements == "other-p":
+        placements = [Placement.named("linear", 2, 1)]
+    with pytest.raises(SearchError, match=re.escape(says)) as exc:
+        SearchProblem(CostProfile.uniform(4), 4, 4, placements=placements)
+    assert exc.value.parameter == "placements"

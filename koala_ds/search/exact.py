@@ -297,9 +297,14 @@ def _status(cp_model, status) -> str:
 
 
 def _part(problem: SearchProblem, part: PlacementProblem | None, hint: Schedule | None) -> PlacementProblem:
+    """The part to solve; `problem` is left as it was (a hint of a placement not searched gets a
+    part of its own, not one the search would then see)."""
+    if hint is not None and (hint.p, hint.m) != (problem.p, problem.m):
+        raise SearchError(f"`hint` is a schedule of p={hint.p}, m={hint.m}; the problem's p={problem.p}, "
+                          f"m={problem.m}", "hint")
     if part is not None:
         return part
-    return problem.part_for(hint.placement) if hint is not None else problem.parts[0]
+    return problem.part_of(hint.placement, hint.backward) if hint is not None else problem.parts[0]
 
 
 def solve_exact(problem: SearchProblem, part: PlacementProblem | None = None, hint: Schedule | None = None,

@@ -353,10 +353,25 @@ class SearchProblem:
         if self.placements is None:
             self.placements = placements_for(self.p, self.v, self.placement)
         else:
-            self.placements = list(self.placements)
+            self.placements = self._checked_placements(self.placements)
         self._check_memory()
         for pl in self.placements:
             self.parts += [self._part(pl, kind) for kind in self.kinds]
+
+    def _checked_placements(self, placements) -> list[Placement]:
+        """`placements` given: a non-empty list of Placements of this problem's p and v."""
+        placements = list(placements)
+        if not placements:
+            raise SearchError("`placements` is empty: give one placement or more, or None (then `placement` "
+                              "decides)", "placements")
+        for pl in placements:
+            if not isinstance(pl, Placement):
+                raise SearchError(f"`placements` holds {pl!r}, not a koala_ds.ir.Placement", "placements")
+            v = pl.chunks_per_rank // pl.pipelines
+            if (pl.p, v) != (self.p, self.v):
+                raise SearchError(f"`placements`: {pl.describe()} is a placement of p={pl.p}, v={v}; this "
+                                  f"problem's p={self.p}, v={self.v}", "placements")
+        return placements
 
     def _check_memory(self) -> None:
         """Keep the placements whose memory need fits the limit; reject a limit below what any
@@ -422,15 +437,24 @@ class SearchProblem:
         """The parts of the placements searched (`part_for` may add others after them)."""
         return self.parts[:len(self.placements or []) * len(self.kinds)]
 
+    def part_of(self, placement: Placement, backward: str | None = None) -> PlacementProblem:
+        """`part_for` without adding to the problem: a placement not searched gets a part of its
+        own, which the search, its bound and its seeds never see."""
+        same = [part for part in self.parts if part.placement.stage_ranks == placement.stage_ranks
+                and part.placement.pipelines == placement.pipelines]
+        if same:
+            return next((part for part in same if part.backward == backward), same[0])
+        return self._part(placement, backward if backward in self.kinds else self.kinds[0])
+
     @property
     def lower_bound(self) -> float:
         """The bound over every placement and backward kind searched (the smallest of their bounds:
-        the answer may be any of them)."""
-        return min(part.lower_bound for part in self.parts)
+        the answer may be any of them); not over parts `part_for` added."""
+        return min(part.lower_bound for part in self.searched_parts)
 
     def lower_bound_of(self, backward: str) -> float:
-        """The bound over the parts of one backward kind."""
-        return min(part.lower_bound for part in self.parts if part.backward == backward)
+        """The bound over the searched parts of one backward kind."""
+        return min(part.lower_bound for part in self.searched_parts if part.backward == backward)
 
     @property
     def memory_limit_mb(self) -> float | None:
