@@ -337,3 +337,20 @@ def test_an_empty_partition_is_refused_not_taken_for_the_uniform_split(capsys, c
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 2 and len(err.splitlines()) == 1, err
     assert "argument --partition: is empty: give the layers per virtual stage, N,N,..., or drop it" in err
+
+
+def test_the_search_apis_name_their_parameter_where_the_cli_names_its_flag(capsys, tmp_path):
+    """search_partition(memory_limit=10) and SearchProblem(memory_limit=...) said '--memory-limit'
+    to an API caller; the CLI still says --memory-limit."""
+    from koala_ds.search import SearchError, SearchProblem
+    from koala_ds.sim import CostProfile
+
+    lp = load_layer_profile("gpt-largevocab-32L")
+    with pytest.raises(SearchError) as exc:
+        search_partition(lp, p=8, m=8, memory_limit=10)
+    assert "(`memory_limit`)" in str(exc.value) and "--memory-limit" not in str(exc.value)
+    assert SearchProblem(CostProfile.uniform(4), 4, 4, memory_limit=1000).memory_limit_source == "`memory_limit`"
+    assert main(["search", "--profile", "uniform-4", "-m", "8", "--memory-limit", "300", "--generations", "1",
+                 "-o", str(tmp_path / "x.koala")]) == 0
+    out = capsys.readouterr().out
+    assert "memory limit 300 MB (--memory-limit)" in out and "`memory_limit`" not in out

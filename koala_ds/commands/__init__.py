@@ -34,6 +34,11 @@ positive_float = finite_float(0.0)
 nonnegative_float = finite_float(0.0, strict=False)
 
 
+def cli_words(text: str) -> str:
+    """A text of the search's in the CLI's words: its parameter `memory_limit` as --memory-limit."""
+    return text.replace("`memory_limit`", "--memory-limit")
+
+
 def positive_int(text: str) -> int:
     """An argparse `type`: a whole number >= 1 (argparse names the flag in its error)."""
     try:

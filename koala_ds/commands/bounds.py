@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..search.problem import SearchError, SearchProblem, relative_gap
+from . import cli_words
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ def from_problem(problem: SearchProblem) -> ConfigBound:
     parts = problem.searched_parts
     best = min(parts, key=lambda part: part.lower_bound)
     return ConfigBound(best.lower_bound, best.lower_bound_binding, tuple(problem.limits),
-                       problem.memory_limit_source)
+                       cli_words(problem.memory_limit_source))
 
 
 def configuration_bound(profile, p: int, m: int, v: int, memory_limit: float | None = None

@@ -11,6 +11,7 @@ from ..ir import KoalaError, Placement
 from ..layout import run_lines
 from ..sim import CostProfile, ProfileError
 from ..sim.layers import LayerProfile, load_any_profile, parse_partition, partition_text
+from . import cli_words
 from .table import format_table
 
 log = logging.getLogger(__name__)
@@ -140,7 +141,7 @@ def print_auto(res, lp: LayerProfile, p: int) -> None:
     print(f"split: {partition_text(joint.partition)} (layers per virtual stage in pipeline order)")
     print(f"schedule: {joint.schedule_name} (placement {sched.placement.describe()}, backward {sched.backward}); "
           f"makespan {joint.makespan:.6g} ms, peak activations {joint.peak:.6g} MB; memory limit {lim_text} per "
-          f"rank ({res.memory_limit_source})")
+          f"rank ({cli_words(res.memory_limit_source)})")
     print(f"lower bound for any split and schedule: {res.bound.value:.6g} ms; the answer is {res.gap:+.2%} over it")
     print("over uniform split + best predefined: " + ("-" if res.speedup is None else f"{res.speedup:.2f}x"))
     base = res.uniform_predefined

@@ -10,7 +10,7 @@ from pathlib import Path
 from ..dsl import print_schedule
 from ..ir import KoalaError
 from ..outputs import atomic_write, check_output
-from . import nonnegative_float, positive_float
+from . import cli_words, nonnegative_float, positive_float
 from .bounds import ConfigBound, from_problem
 from .model import GANTT_SUFFIXES
 from . import partition
@@ -113,6 +113,7 @@ def _problem(args: argparse.Namespace, profile):
                          f"activations after its parameters and optimizer state, below the {exc.need_mb:.6g} MB any "
                          f"schedule needs there (one activation of each of its stages): raise --memory-limit to at "
                          f"least {mb_up(whole[1] - exc.limit_mb + exc.need_mb)} MB, or -p") from None
+    problem.memory_limit_source = cli_words(problem.memory_limit_source)
     if whole is not None and whole[1] is not None:  # the limit shown is a rank's activation memory, not the setting
         problem.memory_limit_source = (f"{whole[0]} {whole[1]:.6g} MB per rank, less its parameters and optimizer "
                                        f"state; the roomiest rank")

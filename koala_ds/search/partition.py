@@ -109,7 +109,7 @@ class PartitionSearch:
         self.p, self.m, self.v, self.S = p, m, v, p * v
         lp.uniform_partition(self.S)  # enough layers for p x v stages, or a one-line error
         if memory_limit is not None:
-            lp, self.limit_source = dataclasses.replace(lp, memory_limit_mb=float(memory_limit)), "--memory-limit"
+            lp, self.limit_source = dataclasses.replace(lp, memory_limit_mb=float(memory_limit)), "`memory_limit`"
         elif lp.memory_limit_mb is not None:
             self.limit_source = "the profile"
         else:

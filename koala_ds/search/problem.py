@@ -337,7 +337,7 @@ class SearchProblem:
                 raise SearchError(f"`memory_limit` must be a positive number of MB up to {MAX_PROFILE_NUMBER:g}, "
                                   f"got {self.memory_limit:g}", "memory_limit")
             limit: float | tuple | None = float(self.memory_limit)
-            self.memory_limit_source = "--memory-limit"
+            self.memory_limit_source = "`memory_limit`"  # the CLI words it --memory-limit
         elif self.profile.memory_limit_mb is not None:
             limit = self.profile.memory_limit_mb
             self.memory_limit_source = "the profile"
