@@ -38,8 +38,8 @@ def check_max_hold(max_hold) -> Optional[float]:
     """The bound as a float (or None: defer every covered layer); a one-line error otherwise."""
     if max_hold is None:
         return None
-    if isinstance(max_hold, bool) or not isinstance(max_hold, (int, float)) or not max_hold >= 0:
-        raise ValueError(f"koala wgrad: max_hold (koala_ds.wgrad.prepare) must be a number >= 0 "
+    if isinstance(max_hold, bool) or not isinstance(max_hold, (int, float)) or not 0 <= max_hold < float("inf"):
+        raise ValueError(f"koala wgrad: max_hold (koala_ds.wgrad.prepare) must be a finite number >= 0 "
                          f"(a fraction of the activation) or None (defer every layer), got {max_hold!r}")
     return float(max_hold)
 

@@ -305,3 +305,63 @@ def test_w_hold_measurement_leaves_the_processs_own_gc_freeze_alone():
         gc.unfreeze()
     measure_stage(stage, lambda: torch.randn(4, 8, requires_grad=True), is_last=False, warmup=0, iters=1)
     assert gc.get_freeze_count() == 0  # nothing left frozen by the profiler itself
+
+
+class _Emb(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(1024, 32) * 0.01)
+
+    def forward(self, x):
+        return x @ self.weight.t() @ self.weight  # a stand-in: (B, 32) -> (B, 32)
+
+
+def test_a_tied_head_counts_its_parameters_as_deepspeed_counts_them():
+    """--partition-method parameters counted a tied layer with a forward_fn as 0 parameters (a
+    function, not a module): the profiler cut 8 layers 2 + 6 where DeepSpeed cuts 4 + 4."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+    from deepspeed.runtime.utils import partition_balanced
+
+    from koala_ds.profiler.models import pipeline_module_stages
+
+    layers = ([TiedLayerSpec("emb", _Emb)] + [LayerSpec(torch.nn.Linear, 32, 32) for _ in range(6)]
+              + [TiedLayerSpec("emb", _Emb, forward_fn=lambda mod, x: x @ mod.weight.t() @ mod.weight)])
+    weights = [1024 * 32] + [32 * 32 + 32] * 6 + [1024 * 32]  # DeepSpeed builds and counts each spec
+    parts = partition_balanced(weights=weights, num_parts=2)
+    stages = pipeline_module_stages(layers, 2, "parameters")
+    assert [len(s.funcs) for s in stages] == [parts[1] - parts[0], parts[2] - parts[1]] == [4, 4]
+
+
+def test_a_tuple_input_goes_to_the_first_layer_as_one_argument():
+    """DeepSpeed hands a tuple input to the first layer whole; the profiler unpacked it into the
+    stage's forward, which took one argument (a TypeError for every such model)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from koala_ds.profiler.models import profile_pipeline_module
+
+    def first(inp):
+        x, scale = inp
+        return x * scale
+
+    layers = [first, torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)]
+    result = profile_pipeline_module(layers, (torch.randn(2, 4), torch.tensor(2.0)), 2, partition_method="uniform",
+                                     warmup=0, iters=1)
+    assert len(result.stages) == 2
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["profile", "p2p", "--numel", "1000", "--dtype", "qint8"], "--dtype qint8: not a dtype gloo sends"),
+    (["profile", "megatron-gpt", "-p", "2", "-o", "x.json", "--max-w-hold", "inf"],
+     "argument --max-w-hold: expected a finite number >= 0 or none, got 'inf'"),
+])
+def test_a_dtype_gloo_cannot_send_and_an_infinite_hold_are_one_line(capsys, argv, says):
+    """qint8 was a 260-line traceback from the ping-pong's processes; --max-w-hold inf profiled every
+    stage and then failed writing the JSON, naming no option."""
+    from koala_ds.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and says in err, err

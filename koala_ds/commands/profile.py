@@ -28,7 +28,7 @@ def max_w_hold(text: str):
     try:
         return check_max_hold(float(text))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0 or none, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0 or none, got {text!r}") from None
 
 
 PARTITION_METHODS = "uniform, parameters or type:REGEX"
@@ -265,7 +265,7 @@ def _describe(exc: BaseException) -> str:
 def _user_error(message: str, exc: BaseException) -> KoalaError:
     """A one-line KoalaError quoting the user's exception; its traceback goes to the DEBUG log."""
     log.debug("%s", message, exc_info=exc)
-    return KoalaError(f"{message}: {_describe(exc)} (--log-level DEBUG shows the traceback)")
+    return KoalaError(f"{message}: {_describe(exc)} (koala --log-level DEBUG profile ... shows the traceback)")
 
 
 def _load(ref: str, what: str) -> Callable[[], Any]:

@@ -244,7 +244,8 @@ class _Layers(torch.nn.Module):
         self.funcs = funcs
         self.mods = torch.nn.ModuleList([f for f in funcs if isinstance(f, torch.nn.Module)])
 
-    def forward(self, x):
+    def forward(self, *args):
+        x = args[0] if len(args) == 1 else args  # a tuple input: the first layer's one argument, as DeepSpeed
         for f in self.funcs:
             x = f(x)
         return x
@@ -295,8 +296,10 @@ def pipeline_module_stages(module_or_layers, num_stages: int, partition_method: 
     if method == "uniform":
         parts = ds_utils.partition_uniform(num_items=len(specs), num_parts=num_stages)
     elif method == "parameters":
+        # a tied layer with a forward_fn is a function of its module: DeepSpeed counts the module at each use
+        mods = [b if isinstance(b, torch.nn.Module) else getattr(b, "module", None) for b in built]
         counts = [sum(p.numel() for p in b.parameters() if p.requires_grad) if isinstance(b, torch.nn.Module) else 0
-                  for b in built]
+                  for b in mods]
         parts = ds_utils.partition_balanced(weights=counts, num_parts=num_stages)
     elif method.startswith("type:"):
         rx = re.compile(method.split(":", 1)[1], re.IGNORECASE)

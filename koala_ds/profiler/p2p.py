@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+import warnings
 from dataclasses import dataclass
 
 from ..ir import KoalaError
@@ -54,6 +55,19 @@ def _available_bytes() -> int | None:
         return None
 
 
+def _sendable(kind) -> bool:
+    """Whether the ping-pong can fill a buffer of `kind` (not a quantized dtype, say)."""
+    import torch
+
+    try:
+        with warnings.catch_warnings():  # quantized dtypes: a deprecation warning before they fail
+            warnings.simplefilter("ignore")
+            torch.empty(1, dtype=kind).zero_()  # what the ping-pong does to its buffers
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return True
+
+
 def check_message(numel: int, dtype: str = "float32", flag: str = "--numel") -> int:
     """The message's size in bytes, or a one-line KoalaError: `dtype` is not a torch dtype,
     `numel` < 1, the message is above MAX_MESSAGE_BYTES, or the two processes' buffers would
@@ -63,6 +77,8 @@ def check_message(numel: int, dtype: str = "float32", flag: str = "--numel") -> 
     kind = getattr(torch, dtype, None) if isinstance(dtype, str) else None
     if not isinstance(kind, torch.dtype):
         raise KoalaError(f"--dtype {dtype!r}: not a torch dtype (e.g. float32, bfloat16, float16)")
+    if not _sendable(kind):
+        raise KoalaError(f"--dtype {dtype}: not a dtype gloo sends (e.g. float32, bfloat16, float16, int64)")
     if not isinstance(numel, int) or numel < 1:
         raise KoalaError(f"{flag} must be a positive integer, got {numel!r}")
     size = numel * torch.empty((), dtype=kind).element_size()
