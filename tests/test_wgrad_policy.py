@@ -53,7 +53,7 @@ def test_the_profile_option_takes_a_fraction_or_none():
 
     assert max_w_hold("0.5") == 0.5 and max_w_hold("none") is None and max_w_hold("0") == 0.0
     for bad in ("-1", "lots"):
-        with pytest.raises(argparse.ArgumentTypeError, match="a number >= 0 or none"):
+        with pytest.raises(argparse.ArgumentTypeError, match="a finite number >= 0 or none"):
             max_w_hold(bad)
 
 
