@@ -408,7 +408,12 @@ class Schedule:
 
     # -- torch.distributed.pipelining compute-only CSV ----------------------------------
     def to_torch_csv(self) -> str:
-        """One row per rank, one action per cell (`3I7`), as torch's `_load_csv` reads it."""
+        """One row per rank, one action per cell (`3I7`), as torch's `_load_csv` reads it; one
+        pipeline only (torch runs one: two would read back as another schedule)."""
+        if self.placement.pipelines > 1:
+            raise ScheduleError(f"{self.name} runs {self.placement.pipelines} pipelines (placement "
+                                f"{self.placement.describe()}); torch.distributed.pipelining's CSV holds one: write it "
+                                f"as koala or json")
         return "".join(",".join(str(a) for a in rank) + "\n" for rank in self.ranks)
 
     @classmethod

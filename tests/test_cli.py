@@ -86,7 +86,7 @@ def test_a_two_pipeline_schedule_is_not_exported_as_torch_csv(tmp_path, capsys):
     """Chimera's CSV said 'wrote' and read back as one pipeline with v=2 ('missing forward 0F1')."""
     assert main(["export", "chimera", "-p", "4", "-m", "4", "-o", str(tmp_path / "c.csv")]) == 2
     err = capsys.readouterr().err.strip()
-    assert "chimera runs 2 pipelines" in err and "export it as koala or json" in err, err
+    assert "chimera runs 2 pipelines" in err and "write it as koala or json" in err, err
     assert not (tmp_path / "c.csv").exists()
 
 

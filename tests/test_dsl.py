@@ -337,3 +337,14 @@ def test_action_refuses_what_is_not_an_action():
             Action(*args)
     with pytest.raises(ScheduleError, match="bad action 5"):
         Action.parse(5)
+
+
+def test_printing_an_action_of_a_stage_the_rank_does_not_hold_is_a_schedule_error():
+    """print_schedule raised a bare IndexError where validate and simulate say ScheduleError."""
+    from koala_ds.ir import Action, Op, Schedule, ScheduleError
+
+    good = parse_program(ONE_F_ONE_B, "t.koala").compile(2, 2)
+    ranks = (good.ranks[0] + (Action(Op.F, 5, 0),), good.ranks[1])
+    bad = Schedule(good.p, good.m, good.v, good.placement, ranks, good.backward, "bad")
+    with pytest.raises(ScheduleError, match=r"action 5F0 on rank 0 is not of a stage the placement"):
+        print_schedule(bad)

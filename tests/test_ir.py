@@ -169,3 +169,12 @@ def test_json_python_will_not_read_is_one_error_naming_the_file(tmp_path, text, 
     path.write_text(text)
     with pytest.raises(KoalaError, match=re.escape(reason)):
         load_schedule(str(path), 2, 2, 1)
+
+
+def test_to_torch_csv_refuses_two_pipelines():
+    """The CLI refused chimera as torch-csv; Schedule.to_torch_csv wrote it, and it read back as
+    one pipeline with v=2 (another schedule)."""
+    with pytest.raises(ScheduleError, match=r"chimera runs 2 pipelines .*CSV holds one"):
+        get("chimera").compile(4, 8).to_torch_csv()
+    one = get("zb-h1").compile(4, 8)
+    assert Schedule.from_torch_csv(one.to_torch_csv()).same_order(one)

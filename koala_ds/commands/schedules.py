@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .. import library
 from ..dsl import print_schedule
-from ..ir import MAX_ACTIONS, KoalaError, Schedule
+from ..ir import MAX_ACTIONS, KoalaError, Schedule, ScheduleError
 from ..outputs import atomic_write, check_output
 from ..resolve import resolve
 from ..validate import render_grid, validate
@@ -114,11 +114,10 @@ def cmd_export(args: argparse.Namespace) -> int:
         check_output(args.output, "-o")
     args.format = export_format(args.format, args.output)
     schedule = resolve_schedule(args)
-    if args.format == "torch-csv" and schedule.placement.pipelines > 1:
-        raise KoalaError(f"--format torch-csv: {schedule.name} runs {schedule.placement.pipelines} pipelines "
-                         f"(placement {schedule.placement.describe()}); torch.distributed.pipelining's CSV holds one: "
-                         f"export it as koala or json")
-    text = EXPORTERS[args.format](schedule)
+    try:
+        text = EXPORTERS[args.format](schedule)
+    except ScheduleError as exc:  # what that format cannot hold
+        raise KoalaError(f"--format {args.format}: {exc}") from None
     if args.output:
         atomic_write(args.output, text, "-o")
         log.info("wrote %s", args.output)

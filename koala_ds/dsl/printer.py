@@ -6,7 +6,7 @@ Normal form: one `rank N:` block per rank; an op is written bare when the implic
 """
 from __future__ import annotations
 
-from ..ir import Op, Schedule
+from ..ir import Op, Schedule, ScheduleError
 from .program import RankEmitter
 
 MAX_PERIOD = 12
@@ -19,6 +19,9 @@ def rank_tokens(schedule: Schedule, rank: int) -> list[str]:
     out = []
     for a in schedule.ranks[rank]:
         op, stage, mb = a.op.value, a.stage, a.microbatch
+        if stage >= placement.num_stages or placement.rank_of(stage) != rank:  # validate would say so too
+            raise ScheduleError(f"schedule {schedule.name!r}: action {a} on rank {rank} is not of a stage the "
+                                f"placement ({placement.describe()}) gives that rank")
         chunk = placement.chunk_of(stage)
         if a.op is Op.W and emitter.oldest_pending_w() == (stage, mb):
             out.append("W")
