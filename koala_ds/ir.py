@@ -178,6 +178,16 @@ PLACEMENT_STYLES = {
 PLACEMENT_ALIASES = {"looped": "interleaved", "wave": "vshape", "v": "vshape", "zigzag": "vshape"}
 
 
+def _style_ranks(style: str, p: int, n: int, pipelines: int) -> list[int] | None:
+    """The stage -> rank list a named style gives for p ranks and n stages (None: no such style)."""
+    if style == "bidirectional":
+        if pipelines != 2:
+            return None
+        down = PLACEMENT_STYLES["interleaved"](p, n // 2)
+        return down + [p - 1 - r for r in down]
+    return PLACEMENT_STYLES[style](p, n) if style in PLACEMENT_STYLES and pipelines == 1 else None
+
+
 @dataclass(frozen=True)
 class Placement:
     """Which rank holds each virtual stage.
@@ -190,7 +200,9 @@ class Placement:
 
     stage_ranks: tuple[int, ...]
     pipelines: int = 1
-    style: str = "map"  # linear | interleaved | vshape | bidirectional | map
+    # linear | interleaved | vshape | bidirectional | map: a name for stage_ranks, which must be what
+    # it names; not compared (two placements with the same ranks are one)
+    style: str = field(default="map", compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stage_ranks", tuple(int(r) for r in self.stage_ranks))
@@ -205,6 +217,9 @@ class Placement:
         counts = dict(Counter(self.stage_ranks))
         if len(set(counts.values())) != 1:
             raise ScheduleError(f"placement: ranks hold different numbers of stages {counts}")
+        if self.style != "map" and list(self.stage_ranks) != _style_ranks(self.style, len(ranks), n, self.pipelines):
+            raise ScheduleError(f"placement: style {self.style!r} does not give stage_ranks {list(self.stage_ranks)} "
+                                f"(pipelines={self.pipelines}); use style 'map', or Placement.explicit")
 
     # -- construction -------------------------------------------------------------------
     @classmethod
