@@ -182,12 +182,12 @@ def test_to_torch_csv_refuses_two_pipelines():
 
 def test_a_placement_is_its_stage_ranks_and_a_style_must_name_them():
     """Placement((0, 1, 2, 3)) and the named linear one were unequal (so were their schedules, and
-    a schedule and its JSON round trip); Placement(..., style="vshape") on linear ranks was taken
-    (validated 'ok', its JSON then refused)."""
+    a schedule and its JSON round trip); Placement(..., style="interleaved") on V-shape ranks was
+    taken (validated 'ok', its JSON then refused)."""
     s = load_schedule("1f1b", 4, 8)
     plain = Schedule(4, 8, 1, Placement((0, 1, 2, 3)), s.ranks, "full", "1f1b")
     assert plain.placement == s.placement and plain == s and Schedule.from_json(plain.to_json()) == plain
-    with pytest.raises(ScheduleError, match=r"style 'vshape' does not give stage_ranks \[0, 1, 2, 3\]"):
-        Placement((0, 1, 2, 3), 1, "vshape")
+    with pytest.raises(ScheduleError, match=r"style 'interleaved' does not give stage_ranks \[0, 1, 1, 0\]"):
+        Placement((0, 1, 1, 0), 1, "interleaved")
     assert Placement.named("interleaved", 4, 1).style == "linear"  # one chunk: every style is linear
     assert Placement.named("vshape", 2, 2).stage_ranks == (0, 1, 1, 0)
