@@ -63,7 +63,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "messages' CPU): simulate and search add it to every F, I, W and B; matters when stage "
                         "times are a few ms or less (measure it: benchmarks/engine_speedup.py --overhead-only)")
     p.add_argument("--p2p-timeout", type=positive_float, default=120.0, metavar="S", help="deadline of the ping-pong (default 120 s)")
-    p.add_argument("--memory-limit", type=positive_float, default=None, metavar="MB", help="write this per-rank memory limit")
+    p.add_argument("--memory-limit", type=positive_float, default=None, metavar="MB",
+                   help="write this per-rank memory limit: for activations in a stage profile; with --per-layer "
+                        "a rank's whole memory (parameters and optimizer state included)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--threads", type=positive_int, default=1,
                    help="torch CPU threads, >= 1 (default 1: one pipeline rank per process and core)")
