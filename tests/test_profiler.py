@@ -365,3 +365,17 @@ def test_a_dtype_gloo_cannot_send_and_an_infinite_hold_are_one_line(capsys, argv
         code = exc.code
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and says in err, err
+
+
+def test_a_stage_with_nothing_to_backpropagate_costs_no_backward():
+    """Leading parameter-free layers passing integer token ids on (DeepSpeed runs them): the
+    profiler called backward on an output with no graph ('does not require grad')."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from koala_ds.profiler.models import profile_pipeline_module
+
+    layers = [lambda ids: ids + 0, lambda ids: ids * 1, torch.nn.Embedding(16, 8), torch.nn.Linear(8, 8)]
+    result = profile_pipeline_module(layers, torch.randint(0, 16, (2, 4)), 2, partition_method="uniform",
+                                     warmup=0, iters=1)
+    first = result.stages[0]
+    assert first.activation_bytes == 0 and first.w_hold_bytes == 0 and not first.input_grad
+    assert max(first.backward_input + first.backward_weight) < 1.0  # ms: only the step's bookkeeping

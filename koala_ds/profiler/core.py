@@ -288,7 +288,7 @@ class _StageRun:
 
     def backward_input(self, out, grad):
         with _step("backward"), self.deferral.input_step(direct=self.direct_wgrad) as queue:
-            out.backward(grad)
+            _backward(out, grad)
         return queue
 
     def timed(self, step: Callable[[], Any]) -> tuple[Any, float]:
@@ -313,7 +313,7 @@ class _StageRun:
             meas.backward_weight.append(w_ms)
         if full_backward:
             args, out, f_full = self.forward(plain=True)
-            _, b_ms = self.timed(lambda: out.backward(grad))
+            _, b_ms = self.timed(lambda: _backward(out, grad))
             if meas is not None:
                 meas.backward_full.append(b_ms)
                 if self.plain_linears:
@@ -341,6 +341,13 @@ class _StageRun:
         meas.w_hold_bytes = tracker.saved_bytes(alive_only=True) + queue.held_bytes()
         with _step("backward"):
             queue.run()
+
+
+def _backward(out, grad) -> None:
+    """`out.backward(grad)`; nothing when `out` has no graph: a stage with no parameters whose
+    input needs no gradient (integer token ids passed on, as DeepSpeed runs them) has I = W = B = 0."""
+    if out.requires_grad:
+        out.backward(grad)
 
 
 @contextlib.contextmanager
