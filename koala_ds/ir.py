@@ -226,15 +226,14 @@ class Placement:
     def named(cls, style: str, p: int, v: int = 1) -> "Placement":
         style = PLACEMENT_ALIASES.get(style, style)
         if style == "bidirectional":
-            down = PLACEMENT_STYLES["interleaved"](p, p * v)
-            return cls(tuple(down + [p - 1 - r for r in down]), pipelines=2, style="bidirectional")
+            return cls(tuple(_style_ranks(style, p, 2 * p * v, 2)), pipelines=2, style="bidirectional")
         if style not in PLACEMENT_STYLES:
             known = ", ".join(sorted([*PLACEMENT_STYLES, "bidirectional", "map"]))
             raise ScheduleError(f"unknown placement {style!r}; known: {known}")
         if style == "linear" and v != 1:
             raise ScheduleError(f"placement linear needs v == 1 (got v={v}): use interleaved or vshape")
         # canonical label: with one chunk (or one rank) every style is the linear one
-        return cls(tuple(PLACEMENT_STYLES[style](p, p * v)), 1, style).canonical()
+        return cls(tuple(_style_ranks(style, p, p * v, 1)), 1, style).canonical()
 
     @classmethod
     def explicit(cls, stage_ranks: Sequence[int], pipelines: int = 1) -> "Placement":
@@ -246,15 +245,11 @@ class Placement:
         p, v = self.p, self.chunks_per_rank // self.pipelines
         candidates = ["bidirectional"] if self.pipelines == 2 else list(PLACEMENT_STYLES)
         for style in candidates:
-            if style == "bidirectional":
-                down = PLACEMENT_STYLES["interleaved"](p, p * v)
-                ranks = tuple(down + [p - 1 - r for r in down])
-            elif style == "linear" and v != 1:
+            if style == "linear" and v != 1:
                 continue
-            else:
-                ranks = tuple(PLACEMENT_STYLES[style](p, p * v))
-            if ranks == self.stage_ranks:
-                return Placement(ranks, self.pipelines, style)
+            ranks = _style_ranks(style, p, self.num_stages, self.pipelines)
+            if ranks is not None and tuple(ranks) == self.stage_ranks:
+                return Placement(self.stage_ranks, self.pipelines, style)
         return Placement(self.stage_ranks, self.pipelines, "map")
 
     # -- queries ------------------------------------------------------------------------
