@@ -242,7 +242,7 @@ class Placement:
         return placement.canonical()
 
     def canonical(self) -> "Placement":
-        p, v = self.p, self.chunks_per_rank // self.pipelines
+        p, v = self.p, self.v
         candidates = ["bidirectional"] if self.pipelines == 2 else list(PLACEMENT_STYLES)
         for style in candidates:
             if style == "linear" and v != 1:
@@ -268,6 +268,11 @@ class Placement:
     @property
     def stages_per_pipeline(self) -> int:
         return self.num_stages // self.pipelines
+
+    @property
+    def v(self) -> int:
+        """Model chunks per rank and pipeline (a schedule's v)."""
+        return self.chunks_per_rank // self.pipelines
 
     def rank_of(self, stage: int) -> int:
         return self.stage_ranks[stage]
@@ -459,7 +464,7 @@ class Schedule:
         p = len(rows)
         m = max(a.microbatch for a in actions) + 1
         if v is None:
-            v = placement.chunks_per_rank // placement.pipelines
+            v = placement.v
         backward = "split" if any(a.op in (Op.I, Op.W) for a in actions) else "full"
         return cls(p, m, v, placement, tuple(tuple(r) for r in rows), backward, name)
 
@@ -484,5 +489,5 @@ def schedule_from_ranks(name: str, placement: Placement, m: int, ranks: Iterable
     ranks = tuple(tuple(r) for r in ranks)
     if backward is None:
         backward = "split" if any(a.op in (Op.I, Op.W) for r in ranks for a in r) else "full"
-    v = placement.chunks_per_rank // placement.pipelines
+    v = placement.v
     return Schedule(placement.p, m, v, placement, ranks, backward, name)

@@ -108,7 +108,7 @@ class Lowered:
         self.placement, self.m, self.backward = placement, m, backward
         self.split = backward == "split"
         self.p = placement.p
-        self.v = placement.chunks_per_rank // placement.pipelines   # chunks per rank and pipeline
+        self.v = placement.v   # chunks per rank and pipeline
         S = self.num_stages = placement.num_stages
         self.ncodes, self.nslots = 4 * S * m, 2 * S * m
         if profile is None:

@@ -246,8 +246,7 @@ def resolve(spec, p: int | None, m: int | None, v: int | None = 1, settings: Set
 def check_profile_stages(cost, placement: Placement, what: str, settings: Settings, shown) -> None:
     """A profile must give one entry per stage of the schedule (as `koala simulate` checks);
     `what` names the schedule, `shown` the profile."""
-    stages, p = placement.num_stages, placement.p
-    v = placement.chunks_per_rank // placement.pipelines
+    stages, p, v = placement.num_stages, placement.p, placement.v
     if cost.num_stages not in (stages, stages // placement.pipelines):
         raise ScheduleFitError(f"{settings.profile} {shown}: {cost.num_stages} stage entries, but {what} has "
                                f"{stages} stages (p x v = {p} x {v}): give the profile of this model's stages "

@@ -48,7 +48,7 @@ def _warn_unused_koala_settings(pipeline_section: dict | None) -> None:
     """Koala settings while DeepSpeed's own engine is chosen: said once, on rank 0, not refused (a
     config can keep them to compare with the stock schedule)."""
     given = ['"pipeline.koala"'] if isinstance((pipeline_section or {}).get("koala"), dict) else []
-    given += [name for name in (ENV_KOALA_SCHEDULE,) if os.environ.get(name)]
+    given += [ENV_KOALA_SCHEDULE] if os.environ.get(ENV_KOALA_SCHEDULE) else []
     if given and process_rank() == 0:
         logger.warning("%s set, but DeepSpeed's own pipeline engine and schedule run (\"pipeline.schedule\" is not "
                        "\"koala\", nor %s): the Koala settings are ignored; set \"pipeline\": {\"schedule\": "

@@ -130,7 +130,7 @@ def inference_order(placement: Placement, micro_batches: int) -> Schedule:
     Every dependency goes from (mb, s-1) to (mb, s), so this order never deadlocks."""
     ranks = [[Action(Op.F, s, mb) for mb in range(micro_batches) for s in placement.stages_of(rank)]
              for rank in range(placement.p)]
-    return Schedule(placement.p, micro_batches, placement.chunks_per_rank // placement.pipelines, placement, ranks,
+    return Schedule(placement.p, micro_batches, placement.v, placement, ranks,
                     "full", "inference")
 
 

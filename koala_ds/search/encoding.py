@@ -150,7 +150,7 @@ def decode(encoding: Encoding, name: str = "searched") -> Schedule:
             counter.use(kind, c, mb)
             out.append(Action(OPS[kind], counter.stages[c], mb))
         ranks.append(tuple(out))
-    v = placement.chunks_per_rank // placement.pipelines
+    v = placement.v
     return Schedule(placement.p, m, v, placement, tuple(ranks), encoding.backward, name)
 
 

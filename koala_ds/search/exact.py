@@ -334,7 +334,7 @@ def solve_exact(problem: SearchProblem, part: PlacementProblem | None = None, hi
         orders[pl.rank_of(s)].append((solver.Value(st), (0 if op is Op.F else 1 if op in (Op.I, Op.B) else 2),
                                       Action(op, s, mb)))
     ranks = tuple(tuple(a for _, _, a in sorted(o, key=lambda x: (x[0], x[1]))) for o in orders)
-    v = pl.chunks_per_rank // pl.pipelines
+    v = pl.v
     schedule = Schedule(pl.p, sim.m, v, pl, ranks, sim.backward, "exact")
     simres = simulate(schedule, problem.search_profile, timeline=False)
     obj = solver.ObjectiveValue() / sc

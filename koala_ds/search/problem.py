@@ -270,7 +270,7 @@ class PlacementProblem:
     def schedule(self, codes: Sequence[Sequence[int]], name: str) -> Schedule:
         """The schedule of each rank's codes."""
         ranks = tuple(tuple(self.sim.decode(c) for c in rank_codes) for rank_codes in codes)
-        v = self.placement.chunks_per_rank // self.placement.pipelines
+        v = self.placement.v
         return Schedule(self.placement.p, self.sim.m, v, self.placement, ranks, self.sim.backward, name)
 
     @property
@@ -280,9 +280,7 @@ class PlacementProblem:
 
     def admits(self, schedule: Schedule) -> bool:
         """Whether `schedule` can seed this part: its placement, and full backward or a split part."""
-        pl = schedule.placement
-        return (pl.stage_ranks == self.placement.stage_ranks and pl.pipelines == self.placement.pipelines
-                and (schedule.backward == "full" or self.backward == "split"))
+        return schedule.placement == self.placement and (schedule.backward == "full" or self.backward == "split")
 
     def orders_of(self, schedule: Schedule) -> list[list[int]]:
         """The orders of a schedule as this part's BTT choices (microbatch exceptions dropped: the
@@ -367,9 +365,8 @@ class SearchProblem:
         for pl in placements:
             if not isinstance(pl, Placement):
                 raise SearchError(f"`placements` holds {pl!r}, not a koala_ds.ir.Placement", "placements")
-            v = pl.chunks_per_rank // pl.pipelines
-            if (pl.p, v) != (self.p, self.v):
-                raise SearchError(f"`placements`: {pl.describe()} is a placement of p={pl.p}, v={v}; this "
+            if (pl.p, pl.v) != (self.p, self.v):
+                raise SearchError(f"`placements`: {pl.describe()} is a placement of p={pl.p}, v={pl.v}; this "
                                   f"problem's p={self.p}, v={self.v}", "placements")
         return placements
 
@@ -414,8 +411,7 @@ class SearchProblem:
 
     def allows(self, placement: Placement) -> bool:
         """Whether `placement` is one of the placements this problem searches."""
-        return any(pl.stage_ranks == placement.stage_ranks and pl.pipelines == placement.pipelines
-                   for pl in self.placements or [])
+        return placement in (self.placements or [])  # placements equal by their ranks and pipelines
 
     @property
     def allows_two_copies(self) -> bool:
@@ -425,8 +421,7 @@ class SearchProblem:
     def part_for(self, placement: Placement, backward: str | None = None) -> PlacementProblem:
         """The part of `placement` with backward kind `backward` (None or a kind not searched: its
         first part). A placement not searched gets its parts (every kind) added."""
-        same = [part for part in self.parts if part.placement.stage_ranks == placement.stage_ranks
-                and part.placement.pipelines == placement.pipelines]
+        same = [part for part in self.parts if part.placement == placement]
         if not same:
             same = [self._part(placement, kind) for kind in self.kinds]
             self.parts += same
@@ -440,10 +435,8 @@ class SearchProblem:
     def part_of(self, placement: Placement, backward: str | None = None) -> PlacementProblem:
         """`part_for` without adding to the problem: a placement not searched gets a part of its
         own, which the search, its bound and its seeds never see."""
-        same = [part for part in self.parts if part.placement.stage_ranks == placement.stage_ranks
-                and part.placement.pipelines == placement.pipelines]
-        if same:
-            return next((part for part in same if part.backward == backward), same[0])
+        if any(part.placement == placement for part in self.parts):
+            return self.part_for(placement, backward)  # found, not added
         return self._part(placement, backward if backward in self.kinds else self.kinds[0])
 
     @property

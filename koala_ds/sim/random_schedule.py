@@ -61,5 +61,5 @@ def random_schedule(placement: Placement, m: int, backward: str = "full", seed: 
             if prev is not None and (prev, mb) in f_done:
                 ready[placement.rank_of(prev)].append(backward_action(prev, mb))
     assert len(grad_done) == total, "random_schedule: internal error, not every backward was placed"
-    v = placement.chunks_per_rank // placement.pipelines
+    v = placement.v
     return Schedule(p, m, v, placement, tuple(tuple(o) for o in orders), backward, name)

@@ -221,7 +221,7 @@ class Simulator:
                 timed.extend(map(TimedAction, repeat(r), count(), acts, rank_starts, ends))
             events = tuple(timed)
         if v is None:
-            v = self.placement.chunks_per_rank // self.placement.pipelines
+            v = self.placement.v
         return SimResult(name, mode, self.p, self.m, v, makespan, busy, idle, tuple(free), bubble, peaks,
                          self.memory_limits, self.fits_memory(peaks), events)
 
