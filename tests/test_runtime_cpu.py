@@ -1,5 +1,7 @@
-"""benchmarks/runtime_cpu.py runs every engine it offers and prints one positive CPU per action
-for each, and the part of it in user mode (the benchmark's harness: tests/engine_runs.py, both
+"""benchmarks/runtime_cpu.py runs every engine it offers and prints one CPU per action for each,
+and the part of it in user mode (never more than the whole; either may read 0.000 on a busy machine,
+where a rank's share of the CPU rounds to nothing: the tests check the output's form and meaning,
+not a measured magnitude) (the benchmark's harness: tests/engine_runs.py, both
 engines and the bare references, two processes each)."""
 from __future__ import annotations
 
@@ -23,15 +25,28 @@ def _run(*args: str) -> str:
     return done.stdout
 
 
+def _check_cpu_rows(plain: str, engines) -> None:
+    """One row per engine: its CPU per action and the part of it in user mode, never more."""
+    for engine in engines:
+        row = re.search(rf"^{engine} +([0-9.]+) +([0-9.]+) *$", plain, re.M)
+        assert row and 0 <= float(row.group(2)) <= float(row.group(1)), plain
+
+
+def test_a_busy_machines_zero_user_time_is_a_valid_row():
+    # what a fresh clone's run printed on a busy 2-core machine (2026-12-05): the suite failed on it
+    _check_cpu_rows("megatron-bare 0.105 0.000\ntorch-bare 0.2 0.1\n", ("megatron-bare", "torch-bare"))
+    with pytest.raises(AssertionError):  # user mode above the whole is not a valid row
+        _check_cpu_rows("megatron-bare 0.105 0.200\n", ("megatron-bare",))
+    with pytest.raises(AssertionError):  # nor is a missing one
+        _check_cpu_rows("torch-bare 0.2 0.1\n", ("megatron-bare",))
+
+
 @pytest.mark.slow
 @pytest.mark.deepspeed_ext
 @pytest.mark.timeout(600)
 def test_every_engine_prints_its_cpu_per_action():
     engines = ("megatron", "megatron-bare", "deepspeed", "deepspeed-stock", "torch-bare")
-    plain = _run("--plain", "--engines", *engines)
-    for engine in engines:
-        row = re.search(rf"^{engine} +([0-9.]+) +([0-9.]+) *$", plain, re.M)
-        assert row and 0 < float(row.group(2)) <= float(row.group(1)), plain
+    _check_cpu_rows(_run("--plain", "--engines", *engines), engines)
     profiled = _run("--engines", "megatron", "--top", "3")
     split = re.search(r"^megatron +([0-9.]+) +([0-9.]+) +((?:[0-9.]+% *){6})$", profiled, re.M)
     assert split and abs(sum(float(x) for x in re.findall(r"([0-9.]+)%", split.group(3))) - 100) < 0.5, profiled
@@ -63,7 +78,7 @@ def test_engine_speedup_prints_the_runtimes_cpu_next_to_torch_and_gloo_alone():
     assert floor and engine, done.stdout
     bare, run = [float(x) for x in floor.groups()], [float(x) for x in engine.groups()]
     for cpu, user in ((bare[0], bare[2]), (run[0], run[2])):
-        assert 0 < user <= cpu, done.stdout
+        assert 0 <= user <= cpu, done.stdout  # the part in user mode (a busy machine may round it to 0)
     for k in range(4):  # the differences printed are those of the figures printed
         assert abs(run[k] - bare[k] - run[4 + k]) < 0.0015, done.stdout
 
