@@ -58,13 +58,13 @@ def test_action_cap_in_search_and_compare(capsys, tmp_path):
     with pytest.raises(SearchError, match=r"12,000,000,000 actions .*use a smaller `m`, `p` or `v`") as exc:
         SearchProblem(load_profile("uniform-4"), 4, 10**9, 1)
     assert exc.value.parameter == "m"
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU time: refused before any work, however busy the machine
     err = one_line_error(capsys, "compare", "--profile", "uniform-4", "-m", "1000000000")
     assert "8,000,000,000 actions" in err and "MAX_ACTIONS" in err and "-m" in err and len(err) < 300, err
     err = one_line_error(capsys, "search", "--profile", "uniform-4", "-m", "1000000", "--time-budget", "1",
                          "-o", str(tmp_path / "best.koala"))
     assert "12,000,000 actions" in err and "use a smaller -m, -p or -v" in err, err
-    assert time.perf_counter() - t0 < 10 and not (tmp_path / "best.koala").exists()
+    assert time.process_time() - t0 < 10 and not (tmp_path / "best.koala").exists()
 
 
 def test_a_memory_limit_too_large_names_the_option(capsys, tmp_path):
