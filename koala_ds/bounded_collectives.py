@@ -37,6 +37,7 @@ COLLECTIVES = (
     "all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
     "all_gather_coalesced", "_all_gather_base", "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base",
     "all_to_all", "all_to_all_single", "gather", "scatter", "barrier",
+    "all_gather_single",  # torch >= 2.15: all_gather_object gathers through it
 )
 
 Wait = Callable[[object, object, Callable[[], str]], None]  # (work, group, describe)
