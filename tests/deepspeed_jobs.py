@@ -378,6 +378,8 @@ def train_worker(rank: int, world: int, spec: dict) -> dict:
             "params": _weights(model) if spec.get("params", True) else {},
             "additional": {k: float(x) for k, x in (engine.agg_additional_losses or {}).items()},
         }
+        if hasattr(engine, "close_trace"):  # "pipeline.koala.trace": end the file (workers leave by os._exit)
+            engine.close_trace()
         del engine, model
     return out
 

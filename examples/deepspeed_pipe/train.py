@@ -13,10 +13,15 @@ line instead, and the script needs no Koala import at all:
     deepspeed --num_gpus 2 --pipeline_schedule koala --koala_schedule zb-h1 examples/deepspeed_pipe/train.py
 
 `--schedule` takes a library name (koala list), a .koala program or a schedule .json file.
+`--loss-log FILE` writes rank 0's per-iteration losses and times (`iteration_ms`: train_batch,
+which returns after the step's optimizer update) as JSON, as examples/megatron_gpt's flag does.
+`--trace FILE` records the measured timeline of every training step (the DeepSpeed config's
+"pipeline.koala.trace"): each process writes FILE.rank<global rank>.json (docs/deepspeed.md).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from dataclasses import replace
@@ -27,7 +32,9 @@ from deepspeed.pipe import LayerSpec, PipelineModule
 
 from koala_ds.errors import rank_zero_argument_errors, run_main
 from koala_ds.ir import KoalaError, Placement
+from koala_ds.outputs import atomic_write, check_output
 from koala_ds.resolve import DEEPSPEED, Setting, resolve
+from koala_ds.trace_record import check_trace_path
 
 #: How the schedule's messages name this script's flags (the engine's own messages name the
 #: DeepSpeed config keys and the KoalaPipelineModule's arguments, which this script sets from them).
@@ -46,6 +53,32 @@ class Block(torch.nn.Module):
 
     def forward(self, x):
         return torch.relu(self.linear(x)) + x
+
+
+#: Rows of one microbatch.
+MICRO_BATCH = 4
+
+
+def build_layers(dim: int = 64) -> list:
+    """The model's layer list: 8 residual blocks and a linear head."""
+    return [LayerSpec(Block, dim) for _ in range(8)] + [LayerSpec(torch.nn.Linear, dim, 1)]
+
+
+def sample_input(dim: int = 64) -> torch.Tensor:
+    """One microbatch's input, as the training loop feeds it."""
+    return torch.randn(MICRO_BATCH, dim)
+
+
+def layers() -> list:
+    """The layer list at the default --dim: `koala profile deepspeed --layers train:layers --input
+    train:sample --partition-method uniform -p 2 -o prof.json`, run with this folder on PYTHONPATH
+    (docs/profiling.md); another --dim: a module of your own returning build_layers(dim)."""
+    return build_layers()
+
+
+def sample() -> torch.Tensor:
+    """One microbatch's input at the default --dim (for `koala profile deepspeed --input`)."""
+    return sample_input()
 
 
 def positive(text: str) -> int:
@@ -72,6 +105,12 @@ def check_flags(args, world: int) -> int:
         example = "zb-v" if args.placement == "vshape" else "interleaved-1f1b"
         raise KoalaError(f"--chunks {args.chunks} needs --schedule: a schedule of {args.chunks} chunks per rank "
                          f"(e.g. --schedule {example} for --placement {args.placement})")
+    if args.trace is not None:
+        if args.schedule is None and os.environ.get("DS_PIPELINE_SCHEDULE") != "koala":
+            raise KoalaError("--trace needs --schedule: only the Koala engine records a trace")
+        check_trace_path(args.trace, "--trace")
+    if args.loss_log is not None:
+        check_output(args.loss_log, "--loss-log")
     return pp
 
 
@@ -84,6 +123,11 @@ def main() -> None:
     parser.add_argument("--steps", type=positive, default=5)
     parser.add_argument("--microbatches", type=positive, default=8)
     parser.add_argument("--dim", type=positive, default=64)
+    parser.add_argument("--trace", default=None, metavar="FILE",
+                        help='record each training step\'s timeline: FILE.rank<global rank>.json per process '
+                             '(sets "pipeline.koala.trace"; needs a Koala schedule)')
+    parser.add_argument("--loss-log", default=None, metavar="FILE",
+                        help="write rank 0's per-iteration losses and times (iteration_ms) as JSON")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by `deepspeed`
     args = rank_zero_argument_errors(parser).parse_args()  # a bad flag: one line on rank 0
 
@@ -91,7 +135,7 @@ def main() -> None:
     pp = check_flags(args, world)
     deepspeed.init_distributed(dist_backend="gloo" if os.environ.get("DS_ACCELERATOR") == "cpu" else None)
     torch.manual_seed(0)
-    layers = [LayerSpec(Block, args.dim) for _ in range(8)] + [LayerSpec(torch.nn.Linear, args.dim, 1)]
+    layers = build_layers(args.dim)
     common = dict(num_stages=pp, loss_fn=torch.nn.functional.mse_loss, partition_method="uniform", seed_layers=True)
     if args.chunks > 1:
         from koala_ds.deepspeed import KoalaPipelineModule  # also registers the Koala engine
@@ -100,9 +144,9 @@ def main() -> None:
     else:
         model = PipelineModule(layers, **common)
     config = {
-        "train_micro_batch_size_per_gpu": 4,
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "gradient_accumulation_steps": args.microbatches,
-        "train_batch_size": 4 * args.microbatches * (world // pp),
+        "train_batch_size": MICRO_BATCH * args.microbatches * (world // pp),
         "steps_per_print": 10 ** 9,
         "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
         "pipeline": {"pipe_partitioned": False, "grad_partitioned": False},
@@ -111,16 +155,21 @@ def main() -> None:
         import koala_ds.deepspeed  # noqa: F401  (registers the engine with deepspeed.initialize)
 
         config["pipeline"].update({"schedule": "koala", "koala": {"schedule": args.schedule}})
+    if args.trace is not None:
+        config["pipeline"].setdefault("koala", {})["trace"] = args.trace
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()], config=config)
 
     gen = torch.Generator().manual_seed(1 + model._grid.data_parallel_id)
-    data = [(torch.randn(4, args.dim, generator=gen), torch.randn(4, 1, generator=gen))
+    data = [(torch.randn(MICRO_BATCH, args.dim, generator=gen), torch.randn(MICRO_BATCH, 1, generator=gen))
             for _ in range(args.microbatches)]
     samples = config["train_batch_size"]
+    times, losses = [], []
     for step in range(args.steps):
         t0 = time.perf_counter()
         loss = engine.train_batch(iter(data))  # returns after the step's optimizer update
         ms = (time.perf_counter() - t0) * 1000
+        times.append(ms)
+        losses.append(float(loss))
         if engine.global_rank == 0:
             name = getattr(getattr(engine, "koala_schedule", None), "name", "stock")
             print(f"step {step}: loss {float(loss):.5f}, {ms:.1f} ms per iteration, {samples / ms * 1000:.1f} "
@@ -128,6 +177,14 @@ def main() -> None:
     eval_loss = engine.eval_batch(iter(data))
     if engine.global_rank == 0:
         print(f"eval loss {float(eval_loss):.5f}", flush=True)
+        if args.loss_log is not None:
+            name = getattr(getattr(engine, "koala_schedule", None), "name", "stock")
+            atomic_write(args.loss_log, json.dumps({"schedule": name, "pp": pp, "dp": world // pp, "chunks": args.chunks,
+                                               "placement": args.placement, "dim": args.dim,
+                                               "microbatches": args.microbatches, "losses": losses,
+                                               "iteration_ms": times}) + "\n", "--loss-log")
+    if hasattr(engine, "close_trace"):  # --trace: end the trace file (else done at exit)
+        engine.close_trace()
     # Tear the process group down before the interpreter does: left to interpreter exit, gloo's
     # worker threads may still hold work objects whose tensors need the (finalising)
     # interpreter, and the rank aborts ("terminate called without an active exception").

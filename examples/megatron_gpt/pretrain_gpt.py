@@ -313,6 +313,8 @@ def main(argv=None) -> int:
         stages = [c * pp + pp_rank for c in range(v)]
     chunks = build_model(args, make_config(args, tp, pp, v), stages, layout, device)
     losses, times = train(args, chunks, m, v)
+    if report.func is not None:  # --koala-trace: end the trace file (else done at exit)
+        report.func.close_trace()
     is_logger = pp_rank == pp - 1 and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
     if is_logger and args.loss_log:
         with open(args.loss_log, "w") as fh:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -57,6 +58,7 @@ from ..ir import KoalaError, Placement, Schedule
 from ..lowering import ACT, GRAD, Message
 from ..resolve import DEEPSPEED, ScheduleFitError, check_fit, check_profile_stages, load, load_profile, resolve
 from ..timeout import DEFAULT_TIMEOUT_S, ENV_TIMEOUT, TimeoutSettingError, timeout_setting
+from ..trace_record import TraceRecorder, check_trace_path, timed_wait
 from ..validate import validate
 from ..wgrad import WeightGradQueue
 from .checkpoint import check_optimizer_layout, module_layout, write_layout
@@ -70,6 +72,7 @@ logger = logging.getLogger(__name__)
 ENV_PIPELINE_SCHEDULE = "DS_PIPELINE_SCHEDULE"
 ENV_KOALA_SCHEDULE = "KOALA_SCHEDULE"
 ENV_KOALA_PROFILE = "KOALA_PROFILE"
+ENV_KOALA_TRACE = "KOALA_TRACE"
 ENV_KOALA_TIMEOUT = ENV_TIMEOUT  # KOALA_TIMEOUT_S (KOALA_P2P_TIMEOUT is read too): see koala_ds.timeout
 #: The values of `"pipeline": {"schedule": ...}` (and DS_PIPELINE_SCHEDULE): DeepSpeed's own engine or Koala's.
 PIPELINE_SCHEDULES = ("default", "koala")
@@ -98,6 +101,8 @@ class KoalaPipelineConfig:
     timeout_source: str = "the default"  # the setting timeout_s came from, for messages
     parts: Any = None  # the model's layer boundaries (checked against the module; see module.py)
     profile_source: str = DEEPSPEED.profile  # the setting profile came from, for messages
+    trace: str | None = None  # FILE: every process records its steps' timeline (koala_ds.trace_record)
+    trace_source: str = '"pipeline.koala.trace"'  # the setting trace came from, for messages
 
     @classmethod
     def from_pipeline_section(cls, section: dict | None, env: dict | None = None) -> "KoalaPipelineConfig":
@@ -105,10 +110,10 @@ class KoalaPipelineConfig:
         koala = (section or {}).get("koala") or {}
         if not isinstance(koala, dict):
             raise KoalaConfigError(f'DeepSpeed config "pipeline.koala" must be an object, got {koala!r}')
-        unknown = set(koala) - {"schedule", "profile", "timeout_s", "parts"}
+        unknown = set(koala) - {"schedule", "profile", "timeout_s", "parts", "trace"}
         if unknown:
             raise KoalaConfigError(f'DeepSpeed config "pipeline.koala": unknown keys {sorted(unknown)} '
-                                   f'(known: schedule, profile, timeout_s, parts)')
+                                   f'(known: schedule, profile, timeout_s, parts, trace)')
         try:
             timeout, source = timeout_setting(koala.get("timeout_s"), '"pipeline.koala.timeout_s"', env)
         except TimeoutSettingError as exc:
@@ -121,8 +126,28 @@ class KoalaPipelineConfig:
                                                                               or not schedule.strip()):
             raise KoalaConfigError(f'DeepSpeed config "pipeline.koala.schedule" is {schedule!r}: give a library '
                                    f'name, a .koala / .json / .csv file, or drop the key (default 1f1b)')
+        trace, trace_source = _trace_setting(koala.get("trace"), env)
         return cls(schedule or env.get(ENV_KOALA_SCHEDULE) or None, profile, timeout, source,
-                   koala.get("parts"), profile_source)
+                   koala.get("parts"), profile_source, trace, trace_source)
+
+
+def _trace_setting(value, env) -> tuple[str | None, str]:
+    """(FILE or None, the setting it came from): "pipeline.koala.trace", else KOALA_TRACE; the
+    folder is checked now, before training (koala_ds.trace_record)."""
+    source, label = '"pipeline.koala.trace"', 'DeepSpeed config "pipeline.koala.trace"'
+    if value is None and env.get(ENV_KOALA_TRACE):
+        value, source = env[ENV_KOALA_TRACE], ENV_KOALA_TRACE
+        label = source
+    if value is None:
+        return None, source
+    if not isinstance(value, str) or not value.strip():
+        raise KoalaConfigError(f"{label} is {value!r}: give a file name (each process writes "
+                               f"FILE.rank<global rank>.json), or drop the key")
+    try:
+        check_trace_path(value, label)
+    except KoalaError as exc:
+        raise KoalaConfigError(str(exc)) from None
+    return value, source
 
 
 def koala_requested(pipeline_section: dict | None, env: dict | None = None) -> bool:
@@ -427,6 +452,22 @@ class KoalaPipelineEngine(PipelineEngine):
         self._meta_sent: set[int] = set()
         self._grad_specs: dict[int, list] = {}  # stage -> shapes of its output's gradients
         self._reset_step_state()
+        self._init_trace(kcfg)
+
+    def _init_trace(self, kcfg) -> None:
+        """With "pipeline.koala.trace": the recorder of this process's training steps, and the
+        waits for an action's input (the posted receive; a stage's first, blocking, shape
+        receive) timed into it. Bound once: without a trace, nothing per action changes."""
+        self._koala_recorder: TraceRecorder | None = None
+        self._koala_step_recorder: TraceRecorder | None = None  # set while a recorded train_batch runs
+        if kcfg.trace is None:
+            return
+        label = kcfg.trace_source if kcfg.trace_source == ENV_KOALA_TRACE else f"DeepSpeed config {kcfg.trace_source}"
+        # on a GPU an action ends when its kernels have run, not when they were queued
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else None
+        self._koala_recorder = recorder = TraceRecorder(kcfg.trace, "deepspeed", label, self.global_rank, sync)
+        object.__setattr__(self, "_take", timed_wait(recorder, self._take))
+        object.__setattr__(self, "_recv_meta", timed_wait(recorder, self._recv_meta))
 
     # -- set-up checks ------------------------------------------------------------------
     @staticmethod
@@ -520,23 +561,40 @@ class KoalaPipelineEngine(PipelineEngine):
                                        for r, g in enumerate(self._pipe_global)]
         return self._link_sets[direct]
 
-    def _program(self, pipe_schedule) -> tuple:
+    def _program(self, pipe_schedule, traced: bool = False) -> tuple:
         """The instructions of `pipe_schedule` as (handler, positional arguments) pairs, built once
-        per schedule: the interpreter's work per instruction is the call."""
-        key = id(pipe_schedule)
+        per schedule: the interpreter's work per instruction is the call. `traced` (a training
+        schedule): each compute action's instructions (the receives posted before it, the
+        compute, its send: one list of `steps()`) between the trace recorder's marks."""
+        key = (id(pipe_schedule), traced)
         if key not in self._programs:
             program = []
-            for cmd in (c for step in pipe_schedule.steps() for c in step):
-                handler = self._INSTRUCTION_MAP.get(type(cmd))
-                if handler is None:
-                    raise RuntimeError(f'{self.__class__.__name__} does not understand instruction {repr(cmd)}')
-                names = handler.__code__.co_varnames[1:handler.__code__.co_argcount][:len(cmd.kwargs)]
-                if set(names) == set(cmd.kwargs):
-                    program.append((handler, tuple(cmd.kwargs[n] for n in names)))
-                else:  # keywords that are not its leading parameters
-                    program.append((functools.partial(handler, **cmd.kwargs), ()))
+            steps = list(pipe_schedule.steps())
+            for k, step in enumerate(steps):
+                mark = traced and k < len(steps) - 1  # the last list: WaitSends, the reduction, the optimizer
+                if mark:
+                    program.append((KoalaPipelineEngine._trace_begin, (k,)))
+                program += [self._instruction(cmd) for cmd in step]
+                if mark:
+                    program.append((KoalaPipelineEngine._trace_end, ()))
             self._programs[key] = (pipe_schedule, tuple(program))  # the schedule keeps its id unique
         return self._programs[key][1]
+
+    def _instruction(self, cmd) -> tuple:
+        """(handler, positional arguments) of one DeepSpeed instruction."""
+        handler = self._INSTRUCTION_MAP.get(type(cmd))
+        if handler is None:
+            raise RuntimeError(f'{self.__class__.__name__} does not understand instruction {repr(cmd)}')
+        names = handler.__code__.co_varnames[1:handler.__code__.co_argcount][:len(cmd.kwargs)]
+        if set(names) == set(cmd.kwargs):
+            return handler, tuple(cmd.kwargs[n] for n in names)
+        return functools.partial(handler, **cmd.kwargs), ()  # keywords that are not its leading parameters
+
+    def _trace_begin(self, index: int) -> None:
+        self._koala_step_recorder.begin(index)
+
+    def _trace_end(self) -> None:
+        self._koala_step_recorder.end()
 
     def _exec_schedule(self, pipe_schedule):
         """`PipelineEngine._exec_schedule` over the schedule's precomputed program (`_program`),
@@ -544,7 +602,8 @@ class KoalaPipelineEngine(PipelineEngine):
         self._reset_step_state()
         self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
         self.fwd_outputs = []
-        for handler, args in self._program(pipe_schedule):
+        traced = self._koala_step_recorder is not None and isinstance(pipe_schedule, KoalaPipeSchedule)
+        for handler, args in self._program(pipe_schedule, traced):
             handler(self, *args)
         leftover = [f"{s}W{mb}" for s, mb in self._w_state] + [str(msg) for msg in (*self._mail, *self._inbox)]
         if leftover:
@@ -642,8 +701,36 @@ class KoalaPipelineEngine(PipelineEngine):
 
     # -- every collective of a step is bounded by the same timeout -----------------------
     def train_batch(self, data_iter=None):
-        with self._bounded_collectives():
-            return super().train_batch(data_iter)
+        recorder = self._koala_recorder
+        if recorder is None:
+            with self._bounded_collectives():
+                return super().train_batch(data_iter)
+        return self._recorded_train_batch(recorder, data_iter)
+
+    def _recorded_train_batch(self, recorder: TraceRecorder, data_iter):
+        """train_batch recording its timeline: the step (gradient reduction and optimizer step
+        included), each action, and what follows the last action (koala_ds.trace_record)."""
+        start = time.perf_counter_ns()
+        recording = recorder.begin_step(self._koala_schedule, self.stage_id, self.grid.data_parallel_id, start)
+        object.__setattr__(self, "_koala_step_recorder", recorder if recording else None)
+        try:
+            with self._bounded_collectives():
+                result = super().train_batch(data_iter)
+        finally:
+            object.__setattr__(self, "_koala_step_recorder", None)
+        if recording:
+            recorder.end_step()
+        return result
+
+    def close_trace(self) -> None:
+        """End the trace file (also done by destroy() and at interpreter exit); a no-op without a trace."""
+        recorder = getattr(self, "_koala_recorder", None)  # None too on an engine whose __init__ failed
+        if recorder is not None:
+            recorder.close()
+
+    def destroy(self):
+        self.close_trace()
+        return super().destroy()
 
     def eval_batch(self, *args, **kwargs):
         with self._bounded_collectives():

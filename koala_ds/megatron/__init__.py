@@ -18,12 +18,13 @@ __all__ = ["get_forward_backward_func", "add_arguments", "install", "schedule_fr
 
 
 def get_forward_backward_func(schedule="1f1b", profile=None, *, timeout_s=None, per_direction_groups=None,
-                              timeout_name="get_forward_backward_func(timeout_s=...)"):
+                              timeout_name="get_forward_backward_func(timeout_s=...)", trace=None,
+                              trace_name="get_forward_backward_func(trace=...)"):
     """See `koala_ds.megatron.runtime.get_forward_backward_func`."""
     from .runtime import get_forward_backward_func as _get
 
     return _get(schedule, profile, timeout_s=timeout_s, per_direction_groups=per_direction_groups,
-                timeout_name=timeout_name)
+                timeout_name=timeout_name, trace=trace, trace_name=trace_name)
 
 
 def chunk_stages(schedule, pp_rank: int) -> tuple[int, ...]:

@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 
 from ..errors import rank_zero_argument_errors
 from ..timeout import TimeoutSettingError, check_timeout
+from ..trace_record import check_trace_path
 from .. import library
-from ..ir import Placement
+from ..ir import KoalaError, Placement
 from ..resolve import (FIXED_SUFFIXES, MEGATRON, MEGATRON_LM, Setting, check_fit, check_profile_stages, load,
                        load_profile)
 from .layout import tied_embeddings_conflict
@@ -53,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--koala-p2p-timeout", type=float, default=None, metavar="SECONDS",
                        help="deadline of every pipeline send/receive (default $KOALA_TIMEOUT_S, or its older "
                             "name $KOALA_P2P_TIMEOUT, or 600)")
+    group.add_argument("--koala-trace", default=None, metavar="FILE",
+                       help="record the measured timeline of every training step: each process writes "
+                            "FILE.rank<global rank>.json (a Chrome trace; docs/megatron.md)")
     return parser
 
 
@@ -66,8 +70,9 @@ def schedule_from_args(args, chunks: str = "megatron") -> str | None:
     if chunks not in CHUNKS:
         raise ValueError(f"chunks must be one of {CHUNKS}, got {chunks!r}")
     if getattr(args, "pipeline_schedule", "default") != "koala":
-        if getattr(args, "koala_schedule", None):
-            raise MegatronScheduleError("--koala-schedule is set but --pipeline-schedule is not 'koala'")
+        for attr, flag in (("koala_schedule", "--koala-schedule"), ("koala_trace", "--koala-trace")):
+            if getattr(args, attr, None):
+                raise MegatronScheduleError(f"{flag} is set but --pipeline-schedule is not 'koala'")
         return None
     spec = getattr(args, "koala_schedule", None)
     if not spec:
@@ -88,6 +93,12 @@ def schedule_from_args(args, chunks: str = "megatron") -> str | None:
         try:
             check_timeout(timeout, "--koala-p2p-timeout")
         except TimeoutSettingError as exc:
+            raise MegatronScheduleError(str(exc)) from None
+    trace = getattr(args, "koala_trace", None)
+    if trace is not None:  # checked now: an unwritable FILE is found before training, not at its first step
+        try:
+            check_trace_path(trace, "--koala-trace")
+        except KoalaError as exc:
             raise MegatronScheduleError(str(exc)) from None
     return spec
 
@@ -244,7 +255,8 @@ def install(args, chunks: str = "megatron") -> InstallReport:
 
     func = get_forward_backward_func(spec, getattr(args, "koala_profile", None),
                                      timeout_s=getattr(args, "koala_p2p_timeout", None),
-                                     timeout_name="--koala-p2p-timeout")
+                                     timeout_name="--koala-p2p-timeout", trace=getattr(args, "koala_trace", None),
+                                     trace_name="--koala-trace")
 
     def koala_get_forward_backward_func(pp_size=None, vp_size=None):
         del pp_size, vp_size  # megatron-core's signature; the schedule was fitted by install()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List, Optional, Union
 
@@ -17,9 +18,10 @@ import torch
 import torch.distributed as dist
 
 from ..bounded_collectives import bounded_collectives
-from ..ir import Op, Schedule
+from ..ir import KoalaError, Op, Schedule
 from ..lowering import ACT, COMPUTE, GRAD, RECV, Message, lower
 from ..timeout import timeout_setting
+from ..trace_record import TraceRecorder, check_trace_path, timed_wait
 from . import resolve as _resolve
 from .layout import tied_embeddings_conflict
 from .p2p import ChannelGroups, CollectiveWaiter, P2P, schedule_channels
@@ -27,6 +29,7 @@ from .resolve import MegatronScheduleError
 from .. import wgrad
 
 log = logging.getLogger(__name__)
+_perf_ns = time.perf_counter_ns
 
 
 class _ReorderingIterator:
@@ -67,13 +70,17 @@ class _Prepared:
     chunks_reading_data: tuple
     stages: dict  # local stage -> _StageInfo
     program: tuple  # (function of _StepRunner, its arguments) per step: see _program
+    spans: tuple  # (first, end) positions in program of each compute action (see _program)
+    traced_program: tuple | None = None  # program with the trace recorder's marks (_traced), when asked
 
 
-def _program(schedule: Schedule, rank: int, forward_only: bool, stages: dict) -> tuple:
+def _program(schedule: Schedule, rank: int, forward_only: bool, stages: dict) -> tuple[tuple, tuple]:
     """This rank's lowered stream (koala_ds.lowering) as (function, arguments) pairs, so that the
     interpreter's work per step is the call: RECV posts a receive, a compute action runs with its
     messages and stage facts at hand, SEND sends the tensor the compute before it produced. With
-    backward, the grad sync of a chunk brackets its last action producing weight gradients."""
+    backward, the grad sync of a chunk brackets its last action producing weight gradients.
+    Also each compute action's span in it, (first, end) positions: from the end of the
+    action before (its receives posted ahead included) through its SEND (`_traced`)."""
     steps = lower(schedule, forward_only).ranks[rank]
     pl = schedule.placement
     last_w = {}
@@ -83,15 +90,17 @@ def _program(schedule: Schedule, rank: int, forward_only: bool, stages: dict) ->
                 last_w[pl.chunk_of(st.action.stage)] = i
     sync_at = {i: c for c, i in last_w.items()}
     R = _StepRunner
-    out = []
+    out, spans, first = [], [], 0
     for i, st in enumerate(steps):
         if st.kind == RECV:
             out.append((R._post, (st.message, st.peer)))
             continue
         if st.kind != COMPUTE:  # SEND: right after the compute that produced its tensor
             out.append((R._send, (st.message, st.peer)))
+            spans.append((first, len(out)))
             if i - 1 in sync_at:
                 out.append((R._sync_after, (sync_at[i - 1],)))
+            first = len(out)
             continue
         a = st.action
         s, mb, info = a.stage, a.microbatch, stages[a.stage]
@@ -107,8 +116,26 @@ def _program(schedule: Schedule, rank: int, forward_only: bool, stages: dict) ->
             grad_msg = Message(GRAD, s, mb) if remote_out else None
             out.append((R._backward_full if a.op is Op.B else R._backward_input, (s, mb, info, grad_msg)))
         sends_next = i + 1 < len(steps) and steps[i + 1].kind not in (COMPUTE, RECV)
-        if i in sync_at and not sends_next:  # else after that SEND
-            out.append((R._sync_after, (sync_at[i],)))
+        if not sends_next:  # else after that SEND
+            spans.append((first, len(out)))
+            if i in sync_at:
+                out.append((R._sync_after, (sync_at[i],)))
+            first = len(out)
+    return tuple(out), tuple(spans)
+
+
+def _traced(program: tuple, spans: tuple) -> tuple:
+    """`program` with the recorder's marks around each compute action's span (action k: the
+    k-th of the rank's order), for a step that records a trace (koala_ds.trace_record)."""
+    begins = {first: k for k, (first, _end) in enumerate(spans)}
+    ends = {end for _first, end in spans}
+    out = []
+    for pos, entry in enumerate(program):
+        if pos in begins:
+            out.append((_StepRunner._trace_begin, (begins[pos],)))
+        out.append(entry)
+        if pos + 1 in ends:
+            out.append((_StepRunner._trace_end, ()))
     return tuple(out)
 
 
@@ -217,6 +244,15 @@ def _check_tied_embeddings(models: list, schedule: Schedule, rank: int) -> None:
                 f"or choose a schedule with the interleaved placement")
 
 
+def _replica_index(pg_collection) -> int:
+    """This rank's data-parallel replica (its pipeline's index), for the trace's header."""
+    for name in ("dp", "dp_cp"):
+        group = getattr(pg_collection, name, None)
+        if group is not None:
+            return group.rank()
+    return 0
+
+
 def _losses_to_last_rank(schedule: Schedule, comm, losses: list, num_tokens, rank: int, p: int, model_device
                          ) -> tuple[list, Any]:
     """(losses, token count) where megatron-core reads them: Megatron-LM the losses, and
@@ -239,8 +275,17 @@ class KoalaForwardBackward:
     """Callable with megatron-core's forward_backward_func keyword signature."""
 
     def __init__(self, schedule, profile=None, timeout_s: float | None = None, per_direction_groups: bool | None = None,
-                 timeout_name: str = "get_forward_backward_func(timeout_s=...)"):
+                 timeout_name: str = "get_forward_backward_func(timeout_s=...)", trace: str | None = None,
+                 trace_name: str = "get_forward_backward_func(trace=...)"):
         _resolve.check_spec(schedule)
+        # a measured timeline of the training steps (koala_ds.trace_record); None: no recording at all
+        self.recorder: TraceRecorder | None = None
+        if trace is not None:
+            try:
+                check_trace_path(trace, trace_name)
+            except KoalaError as exc:
+                raise MegatronScheduleError(str(exc)) from None
+            self.recorder = TraceRecorder(str(trace), "megatron", trace_name)
         self.schedule_spec = schedule
         self.profile = profile
         # KOALA_TIMEOUT_S (or its alias KOALA_P2P_TIMEOUT) when timeout_s is None; checked here
@@ -287,6 +332,8 @@ class KoalaForwardBackward:
         from megatron.core.utils import get_model_config, get_model_type
 
         del p2p_communicator  # megatron-core's signature; this runtime does its own p2p
+        recorder = self.recorder
+        step_start = _perf_ns() if recorder is not None else 0
 
         models = list(model) if isinstance(model, (list, tuple)) else [model]
         v = len(models)
@@ -310,6 +357,8 @@ class KoalaForwardBackward:
         shape = _message_shape(config, decoder_seq_length or seq_length, micro_batch_size, cp_group.size(),
                                tp_group.size(), adjust_tensor_shapes_fn)
         dtype, gloo, model_device, comm_device = _comm_setting(config, pp_group, models[0])
+        if recorder is not None:  # training steps only; the trace's rows are the schedule's actions
+            recorder = self._begin_step(recorder, prep, forward_only, rank, pg_collection, step_start, model_device)
         with bounded_collectives(waiter):
             channels = self._channel_groups(schedule, pp_group, gloo)
             comm = P2P(rank, channels, shape, dtype, self.timeout_s, comm_device, gloo,
@@ -320,7 +369,7 @@ class KoalaForwardBackward:
                 config=config, model_type=model_type, forward_step_func=forward_step_func,
                 num_microbatches=num_microbatches, forward_only=forward_only,
                 collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
-                cp_size=cp_group.size(), model_device=model_device, rank=rank)
+                cp_size=cp_group.size(), model_device=model_device, rank=rank, recorder=recorder)
 
             if config.timers is not None:
                 config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
@@ -342,7 +391,30 @@ class KoalaForwardBackward:
                                                  force_all_reduce=force_all_reduce)
             if config.timers is not None:
                 config.timers("forward-backward").stop()
+            if recorder is not None:
+                recorder.end_step()
             return losses
+
+    def _begin_step(self, recorder: TraceRecorder, prep: _Prepared, forward_only: bool, rank: int, pg_collection,
+                    start_ns: int, device: torch.device) -> TraceRecorder | None:
+        """The recorder for this step (the file opened at the first), or None: a forward-only
+        call, or a step of another schedule than the traced one, is not recorded."""
+        if forward_only:
+            return None
+        if recorder.schedule is None:  # the first step: the file is named by the rank now known
+            recorder.global_rank = dist.get_rank()
+        # on a GPU an action ends when its kernels have run, not when they were queued
+        recorder.sync = torch.cuda.synchronize if device.type == "cuda" else None
+        if not recorder.begin_step(prep.schedule, rank, _replica_index(pg_collection), start_ns):
+            return None
+        if prep.traced_program is None:
+            prep.traced_program = _traced(prep.program, prep.spans)
+        return recorder
+
+    def close_trace(self) -> None:
+        """End the trace file (also done at interpreter exit); a no-op without a trace."""
+        if self.recorder is not None:
+            self.recorder.close()
 
     def _check_setup(self, schedule: Schedule, models: list, config, forward_only: bool, pp_group, waiter) -> None:
         """The config and the chunks' roles, checked on this rank; the first time this schedule
@@ -401,7 +473,7 @@ class KoalaForwardBackward:
             prev, nxt = pl.prev_stage(stage), pl.next_stage(stage)
             stages[stage] = _StageInfo(chunk, prev, None if prev is None else pl.rank_of(prev),
                                        nxt, None if nxt is None else pl.rank_of(nxt), nxt is None)
-        prep = _Prepared(schedule, tuple(reading), stages, _program(schedule, rank, forward_only, stages))
+        prep = _Prepared(schedule, tuple(reading), stages, *_program(schedule, rank, forward_only, stages))
         self._prepared[key] = prep
         return prep
 
@@ -434,9 +506,13 @@ class _StepRunner:
     cp_size: int
     model_device: torch.device
     rank: int
+    recorder: TraceRecorder | None = None  # records this step's timeline (koala_ds.trace_record)
 
     def __post_init__(self) -> None:
         models, forward_only, config = self.models, self.forward_only, self.config
+        # what the interpreter runs, and how an action waits for its input: bound once per step
+        self.program = self.prep.program if self.recorder is None else self.prep.traced_program
+        self._recv = self.comm.recv if self.recorder is None else timed_wait(self.recorder, self.comm.recv)
         self.pl = self.schedule.placement
         self.v = len(models)
         # deferred weight gradients (koala_ds.wgrad) for the chunks of a split-backward schedule
@@ -496,7 +572,7 @@ class _StepRunner:
     def run(self) -> None:
         if not self.forward_only:
             self._disable_sync()
-        for fn, args in self.prep.program:
+        for fn, args in self.program:
             fn(self, *args)
         if not self.forward_only:
             self._enable_sync()
@@ -526,6 +602,12 @@ class _StepRunner:
         tensor, self.last_out = self.last_out, None
         comm.send(msg, peer, tensor)
 
+    def _trace_begin(self, index: int) -> None:
+        self.recorder.begin(index)
+
+    def _trace_end(self) -> None:
+        self.recorder.end()
+
     def _sync_before(self, chunk: int) -> None:
         """Before the chunk's last action producing weight gradients: DDP may reduce in it."""
         if self.grad_sync_funcs is None:
@@ -544,7 +626,7 @@ class _StepRunner:
         neighbour stage is local (no message), else the received message, on the model's device."""
         if msg is None:
             return local.pop(key)
-        tensor = self.comm.recv(msg)
+        tensor = self._recv(msg)
         return tensor.to(self.model_device) if self.move_received else tensor
 
     def _forward(self, s: int, mb: int, info: _StageInfo, in_msg: Message | None) -> None:
@@ -659,7 +741,9 @@ class _StepRunner:
 
 def get_forward_backward_func(schedule="1f1b", profile=None, *, timeout_s: float | None = None,
                               per_direction_groups: bool | None = None,
-                              timeout_name: str = "get_forward_backward_func(timeout_s=...)") -> KoalaForwardBackward:
+                              timeout_name: str = "get_forward_backward_func(timeout_s=...)",
+                              trace: str | None = None,
+                              trace_name: str = "get_forward_backward_func(trace=...)") -> KoalaForwardBackward:
     """A drop-in for megatron-core's `get_forward_backward_func()` that runs a Koala schedule.
 
     `schedule`: a `koala_ds.Schedule`, a library name (compiled for the pipeline size, the
@@ -668,5 +752,7 @@ def get_forward_backward_func(schedule="1f1b", profile=None, *, timeout_s: float
     deadline of every p2p wait (default $KOALA_TIMEOUT_S, or its older name $KOALA_P2P_TIMEOUT,
     or 600 s; see koala_ds.timeout). `per_direction_groups`: one communicator per direction of
     each pipeline link (default: on for NCCL, off for gloo). `timeout_name`: how error messages
-    name the setting timeout_s came from (a launcher passes its flag)."""
-    return KoalaForwardBackward(schedule, profile, timeout_s, per_direction_groups, timeout_name)
+    name the setting timeout_s came from (a launcher passes its flag). `trace`: FILE: each
+    process records the measured timeline of every training call in FILE.rank{global rank}.json
+    (koala_ds.trace_record; its folder is checked here); `trace_name`: how messages name it."""
+    return KoalaForwardBackward(schedule, profile, timeout_s, per_direction_groups, timeout_name, trace, trace_name)
