@@ -19,6 +19,7 @@ COMMAND_MODULES = [
     "koala_ds.commands.model",       # simulate, compare
     "koala_ds.commands.search",      # search
     "koala_ds.commands.profile",     # profile
+    "koala_ds.commands.calibrate",   # calibrate
 ]
 
 

@@ -20,6 +20,13 @@ DOCS = ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").
 SKIP = {
     "koala search --profile P.json -p 8 -m 32 [-v 2] [--backward auto|split|full] [--memory-limit MB]":
         "docs/search.md: the first line of a synopsis of the options, not a command",
+    "koala calibrate trace.json --profile prof.json -o calibrated.json":
+        "README.md: needs the trace of a training run (--koala-trace), which this test does not launch; "
+        "tests/test_calibrate.py runs koala calibrate on traces",
+    "koala calibrate runs/1f1b.json runs/zb-h1.json --profile prof.json -o calibrated.json --timeline merged.json":
+        "docs/profiling.md: needs the traces of training runs (the torchrun lines before it)",
+    "koala search --profile calibrated.json -m 8 --min-gain 3 -o best.koala":
+        "docs/profiling.md: needs the calibrated profile of the line before",
 }
 
 #: Added to every `koala search` that gives no budget of its own, and to --exact.

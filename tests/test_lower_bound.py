@@ -35,7 +35,8 @@ def _profiles(draw, n: int):
         if b is not None:
             b = b[0] if b[1] is None else round(b[1] * (i + w), 3)
         stages.append(StageCost(draw(time_), i, w, act, act * draw(_fraction), b))
-    return CostProfile(tuple(stages), draw(time_) / 4)
+    # step_overhead (ms per step, after every rank's pipeline work): 0 or a time
+    return CostProfile(tuple(stages), draw(time_) / 4, step_overhead=draw(st.one_of(st.just(0.0), time_)))
 
 
 profiles = functools.lru_cache(maxsize=None)(_profiles)  # one strategy object per n

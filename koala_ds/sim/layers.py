@@ -37,7 +37,7 @@ LAYER_FIELDS = ("forward", "backward_input", "backward_weight", "activation_mb",
 OPTIONAL_LAYER_FIELDS = ("name", "kind", "backward", "param_mb")
 LAYER_KINDS = ("embedding", "transformer", "output", "other")
 TOP_FIELDS = ("version", "layers", "p2p_latency", "memory_limit_mb", "optimizer_bytes_per_param_byte",
-              "action_overhead")
+              "action_overhead", "step_overhead")
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,7 @@ class LayerProfile:
     optimizer_bytes_per_param_byte: float = 0.0
     source: str = "<layer profile>"
     action_overhead: float = 0.0  # ms per action, added once to each stage's F, I, W and B (see sim.profile)
+    step_overhead: float = 0.0  # ms per step, beside the pipeline (see sim.profile)
 
     @property
     def num_layers(self) -> int:
@@ -147,7 +148,8 @@ class LayerProfile:
                         f"optimizer_bytes_per_param_byte)), not less than its limit {whole:.6g} MB")
                 limits.append(whole - static[r])
             limits = tuple(limits)
-        return CostProfile(stages, self.p2p_latency, limits, f"{self.source} split {partition_text(partition)}")
+        return CostProfile(stages, self.p2p_latency, limits, f"{self.source} split {partition_text(partition)}",
+                           self.step_overhead)
 
     def uniform_partition(self, stages: int) -> list[int]:
         """The engines' default split: the transformer layers evenly, the leading embedding
@@ -172,7 +174,7 @@ class LayerProfile:
             limit = float(limit)
         return cls(layers, float(data["p2p_latency"]), limit,
                    float(data.get("optimizer_bytes_per_param_byte", 0.0)), source,
-                   float(data.get("action_overhead", 0.0)))
+                   float(data.get("action_overhead", 0.0)), float(data.get("step_overhead", 0.0)))
 
     def to_dict(self) -> dict:
         out: dict[str, Any] = {"version": PROFILE_VERSION, "layers": [_layer_dict(x) for x in self.layers],
@@ -184,6 +186,8 @@ class LayerProfile:
             out["optimizer_bytes_per_param_byte"] = self.optimizer_bytes_per_param_byte
         if self.action_overhead:
             out["action_overhead"] = self.action_overhead
+        if self.step_overhead:
+            out["step_overhead"] = self.step_overhead
         return out
 
 

@@ -19,6 +19,10 @@ communication mode) the makespan T satisfies each of:
 - memory:     with a memory limit M_r, the activations that rank r holds at once are capped; each
               stays held at least a round trip R(s), which forces waiting (an area bound and an
               interval-packing bound).
+
+Each component bounds the pipeline's span (the end of the last action); the profile's
+`step_overhead` comes after it on every rank (koala_ds.sim.simulator), so the bound's value is
+the largest component plus `step_overhead`. (`action_overhead` is in the stage times already.)
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ from .simulator import MEMORY_RTOL
 
 @dataclass(frozen=True)
 class LowerBound:
-    """The bound and its components (ms). `value` = max of all components."""
+    """The bound and its components (ms). `value` = max of all components + `step_overhead`."""
 
     value: float
     work: tuple[float, ...]        # per rank: total compute time
@@ -43,12 +47,13 @@ class LowerBound:
     binding: str                   # which component gives `value`: work | fill_drain | chain | memory
     feasible: bool = True          # False when some activation cannot fit the memory limit at all
     reason: str | None = None      # why it is infeasible
+    step_overhead: float = 0.0     # the profile's per-step overhead, after the pipeline's span
 
     def to_dict(self) -> dict:
         return {"value": self.value, "binding": self.binding, "work": list(self.work),
                 "fill_drain": list(self.fill_drain), "chain": self.chain,
                 "memory": None if self.memory is None else list(self.memory),
-                "feasible": self.feasible, "reason": self.reason}
+                "feasible": self.feasible, "reason": self.reason, "step_overhead": self.step_overhead}
 
 
 def backward_durations(costs: Sequence[StageCost], backward: str) -> tuple[list[float], list[float]]:
@@ -124,8 +129,9 @@ def lower_bound(profile: CostProfile, p: int, m: int, v: int = 1, placement: Pla
     if memory_limit is not None:
         parts["memory"] = max(memory)
     binding = max(parts, key=lambda k: parts[k])
-    return LowerBound(parts[binding], tuple(work), tuple(fill), chain,
-                      tuple(memory) if memory_limit is not None else None, binding, feasible, reason)
+    return LowerBound(parts[binding] + profile.step_overhead, tuple(work), tuple(fill), chain,
+                      tuple(memory) if memory_limit is not None else None, binding, feasible, reason,
+                      profile.step_overhead)
 
 
 @dataclass(frozen=True)

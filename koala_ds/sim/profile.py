@@ -17,11 +17,19 @@ on every dependency between stages on different ranks. `memory_limit_mb` (a numb
 rank) is optional. `action_overhead` (optional, ms, default 0) is what the runtime costs per
 action on top of the compute the stage times measure (its Python, the launch, the CPU side of
 messages): loading adds it to every F, I, W and B (B is one action: it gets it once, so a
-profile without `backward` gets B = I + W + action_overhead). Loading validates everything;
-every error names the file and the field.
+profile without `backward` gets B = I + W + action_overhead). `step_overhead` (optional, ms,
+default 0) is what a training step costs beside the pipeline (the optimizer step, gradient
+reduction, the runtime's set-up and tear-down): the simulator adds it to every rank's finish,
+so to every makespan (= predicted step time). `koala calibrate` fits both from a measured run.
+A stage's optional `spread` (written by `koala profile`) gives, per time field, how much its
+measurements varied: their interquartile range over their median (`{"forward": 0.03, ...}`);
+`koala search` treats a predicted gain within the spread it makes on a makespan as no gain
+(`CostProfile.quartile_profiles`, docs/search.md). Without it everything is as before the field.
+Loading validates everything; every error names the file and the field.
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import logging
@@ -41,7 +49,10 @@ PROFILE_VERSION = 1
 STAGE_FIELDS = ("forward", "backward_input", "backward_weight", "activation_mb", "w_hold_mb")
 #: Optional per-stage fields: `backward`, the full backward's time (default I + W).
 OPTIONAL_STAGE_FIELDS = ("backward",)
-TOP_FIELDS = ("version", "stages", "p2p_latency", "memory_limit_mb", "action_overhead")
+#: The time fields a stage's optional `spread` may give (its measurements' interquartile range over
+#: their median, a fraction); `backward` only where the stage gives `backward`.
+SPREAD_FIELDS = ("forward", "backward_input", "backward_weight", "backward")
+TOP_FIELDS = ("version", "stages", "p2p_latency", "memory_limit_mb", "action_overhead", "step_overhead")
 #: Free-form top-level fields that are kept out of validation (the profiler writes its notes there).
 FREE_FIELDS = ("name", "description", "meta")
 
@@ -80,6 +91,26 @@ class StageCost:
         return out
 
 
+@dataclass(frozen=True)
+class StageSpread:
+    """How much a stage's measured times varied, in ms: each field's interquartile range (the
+    profile's relative `spread` times the field's value as written, before any action_overhead);
+    0 where the profile gives none."""
+
+    forward: float = 0.0
+    backward_input: float = 0.0
+    backward_weight: float = 0.0
+    backward: float = 0.0
+
+
+def _stage_spreads(entries: Sequence[dict]) -> tuple[StageSpread, ...] | None:
+    """The stages' spreads in ms (validated entries); None when no stage gives one."""
+    if not any("spread" in entry for entry in entries):
+        return None
+    return tuple(StageSpread(**{name: float(entry.get("spread", {}).get(name, 0.0)) * float(entry.get(name, 0.0))
+                                for name in SPREAD_FIELDS}) for entry in entries)
+
+
 def with_action_overhead(cost: StageCost, overhead: float) -> StageCost:
     """`cost` with `overhead` ms added to each action: F, I, W and B (once: B is one action)."""
     return StageCost(cost.forward + overhead, cost.backward_input + overhead, cost.backward_weight + overhead,
@@ -108,15 +139,23 @@ def _number(value: Any, where: str, *, allow_inf: bool = False) -> float:
 
 @dataclass(frozen=True)
 class CostProfile:
-    """Per-stage costs, the p2p latency and the optional memory limit (MB, per rank)."""
+    """Per-stage costs, the p2p latency, the optional memory limit (MB, per rank) and the
+    per-step overhead (ms, added to every makespan)."""
 
     stages: tuple[StageCost, ...]
     p2p_latency: float = 0.0
     memory_limit_mb: float | tuple[float, ...] | None = None
     source: str = "<profile>"
+    step_overhead: float = 0.0
+    #: per stage, how much its measured times varied (ms; None: the profile gives no spread)
+    spread: tuple[StageSpread, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))
+        if self.spread is not None:
+            object.__setattr__(self, "spread", tuple(self.spread))
+            if len(self.spread) != len(self.stages):
+                raise ProfileError(f"{self.source}: {len(self.spread)} stage spreads for {len(self.stages)} stages")
         if isinstance(self.memory_limit_mb, (list, tuple)):
             object.__setattr__(self, "memory_limit_mb", tuple(float(x) for x in self.memory_limit_mb))
         elif self.memory_limit_mb is not None:
@@ -157,7 +196,8 @@ class CostProfile:
             limit = tuple(float(x) for x in limit)
         elif limit is not None:
             limit = float(limit)
-        return cls(stages, float(data["p2p_latency"]), limit, source)
+        return cls(stages, float(data["p2p_latency"]), limit, source, float(data.get("step_overhead", 0.0)),
+                   spread=_stage_spreads(data["stages"]))
 
     @classmethod
     def from_json(cls, text: str, source: str = "<profile>") -> "CostProfile":
@@ -169,12 +209,44 @@ class CostProfile:
         return cls.from_dict(data, source)
 
     def to_dict(self) -> dict:
-        out: dict[str, Any] = {"version": PROFILE_VERSION, "stages": [s.to_dict() for s in self.stages],
+        out: dict[str, Any] = {"version": PROFILE_VERSION, "stages": self._stage_dicts(),
                                "p2p_latency": self.p2p_latency}
         if self.memory_limit_mb is not None:
             limit = self.memory_limit_mb
             out["memory_limit_mb"] = list(limit) if isinstance(limit, tuple) else limit
+        if self.step_overhead:
+            out["step_overhead"] = self.step_overhead
         return out
+
+    def _stage_dicts(self) -> list[dict]:
+        """The stages as written, each with its `spread` (relative again) where the profile has one."""
+        out = [s.to_dict() for s in self.stages]
+        for entry, cost, spread in zip(out, self.stages, self.spread or ()):
+            values = {"forward": cost.forward, "backward_input": cost.backward_input,
+                      "backward_weight": cost.backward_weight, "backward": cost.backward_full}
+            entry["spread"] = {name: (getattr(spread, name) / value if value else 0.0)
+                               for name, value in values.items() if value is not None}
+        return out
+
+    def quartile_profiles(self) -> tuple["CostProfile", "CostProfile"] | None:
+        """This profile with every stage time moved down, and up, by half its interquartile range
+        (`spread`; never below 0): about the measurements' lower and upper quartiles. None when the
+        profile gives no spread."""
+        if self.spread is None:
+            return None
+
+        def moved(sign: int, which: str) -> "CostProfile":
+            def at(value: float, iqr: float) -> float:
+                return max(0.0, value + sign * iqr / 2)
+
+            stages = tuple(dataclasses.replace(
+                c, forward=at(c.forward, sp.forward), backward_input=at(c.backward_input, sp.backward_input),
+                backward_weight=at(c.backward_weight, sp.backward_weight),
+                backward_full=None if c.backward_full is None else at(c.backward_full, sp.backward))
+                for c, sp in zip(self.stages, self.spread))
+            return dataclasses.replace(self, stages=stages, spread=None, source=f"{self.source} ({which} quartiles)")
+
+        return moved(-1, "lower"), moved(1, "upper")
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
@@ -251,7 +323,8 @@ def _check(data: Any, source: str) -> None:
         for name in OPTIONAL_STAGE_FIELDS:
             if name in entry:
                 _number(entry[name], f"{where}.{name}")
-        known = STAGE_FIELDS + OPTIONAL_STAGE_FIELDS
+        _check_spread(entry, where)
+        known = STAGE_FIELDS + OPTIONAL_STAGE_FIELDS + ("spread",)
         extra = [k for k in entry if k not in known]
         if extra:
             raise ProfileError(f"{where}: unknown field {extra[0]!r}; known fields: {', '.join(known)}")
@@ -261,11 +334,30 @@ def _check(data: Any, source: str) -> None:
     check_latency_and_limit(data, source)
 
 
+def _check_spread(entry: dict, where: str) -> None:
+    """A stage's optional `spread`: an object giving, for some of its time fields, a finite
+    fraction >= 0 (`backward` only where the stage gives `backward`)."""
+    if "spread" not in entry:
+        return
+    spread = entry["spread"]
+    if not isinstance(spread, dict):
+        raise ProfileError(f"{where}.spread: expected an object such as {{\"forward\": 0.03}} (per time field, its "
+                           f"measurements' interquartile range over their median), got {type(spread).__name__}")
+    for name, value in spread.items():
+        if name not in SPREAD_FIELDS:
+            raise ProfileError(f"{where}.spread: unknown field {name!r}; known fields: {', '.join(SPREAD_FIELDS)}")
+        if name == "backward" and "backward" not in entry:
+            raise ProfileError(f"{where}.spread.backward: the stage gives no 'backward' (B = I + W, whose spread "
+                               f"is theirs): drop it, or give the stage's 'backward'")
+        _number(value, f"{where}.spread.{name}")
+
+
 def check_latency_and_limit(data: dict, source: str) -> None:
     """`p2p_latency` a number; `memory_limit_mb` (optional) a number or one per rank."""
     _number(data["p2p_latency"], f"{source}: p2p_latency")
-    if "action_overhead" in data:
-        _number(data["action_overhead"], f"{source}: action_overhead")
+    for name in ("action_overhead", "step_overhead"):
+        if name in data:
+            _number(data[name], f"{source}: {name}")
     limit = data.get("memory_limit_mb")
     if isinstance(limit, (list, tuple)):
         if not limit:

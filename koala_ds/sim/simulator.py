@@ -11,6 +11,10 @@ Model (see also docs/lower_bound.md):
 - Memory per rank: F allocates `activation_mb`, I frees `activation_mb - w_hold_mb`, W frees
   `w_hold_mb`, B frees `activation_mb`. The peak is the maximum over the rank's order (it does
   not depend on timing, because a rank runs one action at a time).
+- The profile's `action_overhead` is already in every action's time (sim.profile). Its
+  `step_overhead` (the optimizer step and the runtime's other work of a step beside the
+  pipeline) is added to every rank's finish, so to the makespan: a predicted step time. It
+  counts as busy time (the rank works), not as bubble.
 
 Two communication modes:
 - "async" (default): sends never block (isend + blocking recv, as the adapters do).
@@ -72,7 +76,7 @@ class SimResult:
     makespan: float
     busy: tuple[float, ...]
     idle: tuple[float, ...]
-    finish: tuple[float, ...]  # when each rank's last action (and its send) completes
+    finish: tuple[float, ...]  # when each rank's last action (and its send) completes, + step_overhead
     bubble_ratio: float  # total idle / (p * makespan)
     peak_memory_mb: tuple[float, ...]
     memory_limit_mb: tuple[float | None, ...]
@@ -116,6 +120,7 @@ class Simulator:
         self.num_stages = placement.num_stages
         self.p = placement.p
         self.latency = self.lowered.latency
+        self.step_overhead = float(profile.step_overhead)
         self.memory_limits = profile.memory_limits(self.p)
 
     # -- codes --------------------------------------------------------------------------
@@ -206,7 +211,8 @@ class Simulator:
         free, starts = self._times(codes, mode, record=timeline)
         makespan = max(free)
         dur = self.lowered.dur_np
-        busy = tuple(float(dur[np.asarray(o, dtype=np.int64)].sum()) if o else 0.0 for o in codes)
+        busy = tuple((float(dur[np.asarray(o, dtype=np.int64)].sum()) if o else 0.0) + self.step_overhead
+                     for o in codes)
         idle = tuple(max(0.0, makespan - b) for b in busy)  # no -5e-12 where a rank is never idle
         bubble = (sum(idle) / (self.p * makespan)) if makespan > 0 else 0.0
         peaks = self.lowered.peaks(codes)
@@ -230,12 +236,12 @@ class Simulator:
             free, starts, pos, _ = self.lowered.run_async(codes, record)
             if any(pos[r] < len(codes[r]) for r in range(self.p)):
                 self._deadlock(codes, pos, [-1] * self.p, "async")
-            return free, starts
+            return self._with_step(free), starts
         if mode == "rendezvous":  # the same loop, with a post and a send step per message between ranks
             free, starts, pos, sending = self.lowered.run_rendezvous(codes, record)
             if any(pos[r] < len(codes[r]) or sending[r] >= 0 for r in range(self.p)):
                 self._deadlock(codes, pos, sending, "rendezvous")
-            return free, starts
+            return self._with_step(free), starts
         raise ScheduleError(f"unknown simulation mode {mode!r}; use one of {', '.join(MODES)}")
 
     def try_times(self, codes: Sequence[Sequence[int]], record: bool = True
@@ -243,7 +249,15 @@ class Simulator:
         """(finish time of each rank, start time of each action per rank) for integer-coded
         orders, unchecked (the search's inner loop); on a deadlock, where it stalled instead of an
         error (a search meets thousands of deadlocks; the error message decodes every action)."""
-        return self.lowered.try_times(codes, record)
+        res = self.lowered.try_times(codes, record)
+        if self.step_overhead and not isinstance(res, Stall):
+            return self._with_step(res[0]), res[1]
+        return res
+
+    def _with_step(self, free: list[float]) -> list[float]:
+        """Each rank's finish with the profile's `step_overhead` after its pipeline work."""
+        k = self.step_overhead
+        return [t + k for t in free] if k else free
 
     @property
     def inputs(self) -> list[int]:

@@ -1,0 +1,129 @@
+"""`koala calibrate`: fit a cost profile to what a training run measured.
+
+    koala calibrate trace.json --profile prof.json -o calibrated.json [--skip-steps 1] [--timeline merged.json]
+
+The fit is koala_ds.sim.calibrate's (the traces: koala_ds.sim.measured); this module loads the
+inputs, prints the table (measured step time, predicted with the input and the calibrated
+profile, per traced schedule; then the fitted values beside the profile's) and writes the files.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from ..json_input import NotJson, parse_json
+from ..outputs import OutputError, atomic_write, check_output
+from ..sim import MODES, CostProfile, bundled_profiles, resolve_profile
+from ..sim.calibrate import (ERROR_WARN, Fit, RunCheck, calibrated_profile, check_fits, check_runs, fit,
+                             merged_timeline)
+from ..sim.measured import load_runs
+from ..sim.profile import ProfileError
+from .table import format_table
+
+
+def skip_count(text: str) -> int:
+    """An argparse `type`: a whole number >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return value
+
+
+def read_profile(name: str) -> tuple[dict, CostProfile]:
+    """A stage profile's parsed JSON (kept whole in the output) and the profile it is."""
+    path = resolve_profile(name)
+    source = str(path) if Path(name).is_file() else path.stem
+    try:
+        data = parse_json(path.read_text(encoding="utf-8-sig"))
+    except UnicodeDecodeError:
+        raise ProfileError(f"{path}: not a JSON file (not UTF-8 text)") from None
+    except NotJson as exc:
+        raise ProfileError(f"{source}{exc.where}: not a JSON file ({exc.reason})") from None
+    if isinstance(data, dict) and "layers" in data and "stages" not in data:
+        raise ProfileError(f"{source}: a per-layer profile (field 'layers'); koala calibrate fits a stage profile "
+                           f"(field 'stages', one entry per virtual stage of the traced run)")
+    return data, CostProfile.from_dict(data, source)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    check_output(args.output, "-o")
+    if args.timeline:
+        check_output(args.timeline, "--timeline")
+        if os.path.realpath(args.timeline) == os.path.realpath(args.output):
+            raise OutputError(f"-o and --timeline both name {args.output}: give each its own file")
+    raw, profile = read_profile(args.profile)
+    runs = load_runs(args.traces, args.skip_steps)
+    check_fits(runs, profile, raw.get("meta") if isinstance(raw.get("meta"), dict) else None)
+    fitted = fit(runs, profile.num_stages)
+    data, notes = calibrated_profile(raw, fitted, runs, args.skip_steps, profile.source)
+    calibrated = CostProfile.from_dict(data, source=str(args.output))
+    checks = check_runs(runs, profile, calibrated, args.mode)
+    print(_runs_table(checks, profile))
+    print()
+    print(_fit_table(raw, data, fitted))
+    for line in [n for r in runs for n in r.notes] + notes:
+        print(f"note: {line}")
+    for c in checks:
+        if abs(c.calibrated_error) > ERROR_WARN:
+            print(f"warning: {c.run.name}: the calibrated profile predicts {c.calibrated_ms:.4g} ms, "
+                  f"{c.calibrated_error:+.1%} off the measured {c.measured:.4g} ms: the model lacks a term this run "
+                  f"pays (see docs/profiling.md, \"Calibrating from a measured run\")")
+    atomic_write(args.output, json.dumps(data, indent=1) + "\n", "-o")
+    print(f"wrote calibrated profile {args.output}")
+    if args.timeline:
+        atomic_write(args.timeline, json.dumps(merged_timeline(runs, calibrated, args.mode)), "--timeline")
+        print(f"wrote {args.timeline}: measured and predicted side by side (open it in https://ui.perfetto.dev)")
+    return 0
+
+
+def _runs_table(checks: list[RunCheck], profile: CostProfile) -> str:
+    rows = [(c.run.name, c.run.schedule.name, c.run.schedule.p, c.run.schedule.m, c.run.schedule.v,
+             len(c.run.steps), f"{c.measured:.4g}", f"{c.input_ms:.4g}", f"{c.input_error:+.1%}",
+             f"{c.calibrated_ms:.4g}", f"{c.calibrated_error:+.1%}") for c in checks]
+    return format_table(rows, ("traced run", "schedule", "p", "m", "v", "steps", "measured ms", "input ms", "error",
+                               "calibrated ms", "error"), "<<>>>>>>>>>") + \
+        f"\n(measured: the median over the complete steps of the step time, from a step's first compute to the " \
+        f"next step's;\n predicted with the input profile {profile.source} and the calibrated one; error = " \
+        f"predicted / measured - 1)"
+
+
+def _fit_table(raw: dict, data: dict, fitted: Fit) -> str:
+    def cell(i: int, before: dict, after: dict, name: str) -> str:
+        was = before.get(name, before["backward_input"] + before["backward_weight"] if name == "backward" else None)
+        now = after.get(name, after["backward_input"] + after["backward_weight"] if name == "backward" else None)
+        mark = "" if (i, name) in fitted.stages else "*"
+        return f"{was:.4g} -> {now:.4g}{mark}"
+
+    rows = [(i, *(cell(i, b, a, n) for n in ("forward", "backward_input", "backward_weight", "backward")))
+            for i, (b, a) in enumerate(zip(raw["stages"], data["stages"]))]
+    table = format_table(rows, ("stage", "F ms", "I ms", "W ms", "B ms"), "<>>>>")
+    lines = [table, "(profile -> calibrated; * not measured: scaled from the profile)"]
+    for name, what in (("p2p_latency", "waits"), ("action_overhead", "gaps"), ("step_overhead", "steps")):
+        est = getattr(fitted, name)
+        lines.append(f"{name:<16} {raw.get(name, 0.0):.4g} -> {data.get(name, 0.0):.4g} ms"
+                     + (f" ({est.samples} {what})" if est.value is not None else " (not measured)"))
+    return "\n".join(lines)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("calibrate", help="fit a cost profile to a measured run's traces (step, action and "
+                                         "p2p overheads, stage times)")
+    p.add_argument("traces", nargs="+", metavar="TRACE",
+                   help="a traced run's FILE (its FILE.rank*.json files are read) or trace files; several runs "
+                        "(other schedules) may be given")
+    p.add_argument("--profile", required=True, metavar="P.json",
+                   help=f"the stage profile to calibrate: a JSON file or a bundled name ({', '.join(bundled_profiles())})")
+    p.add_argument("-o", "--output", required=True, metavar="OUT.json", help="write the calibrated profile here")
+    p.add_argument("--skip-steps", type=skip_count, default=1, metavar="N",
+                   help="leave out each run's first N steps (default 1: step 0 is the warm-up)")
+    p.add_argument("--timeline", metavar="MERGED.json",
+                   help="write a Chrome trace of the measured step beside the calibrated prediction (Perfetto)")
+    p.add_argument("--mode", choices=MODES, default="async",
+                   help="simulation mode of the predictions (default async, as `koala simulate`)")
+    p.set_defaults(func=cmd_calibrate)
+

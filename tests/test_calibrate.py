@@ -1,0 +1,447 @@
+"""`koala calibrate`: a measured run fitted back into a cost profile (koala_ds.sim.calibrate).
+
+The traces here are synthetic: a schedule simulated with a known profile (its stage times, a
+per-action overhead, a p2p latency and a per-step overhead) and its timeline written in the
+measured-trace format the runtimes write (docs/profiling.md), each action's wait computed from
+when its input arrived. Calibrating from them must give that profile back, and predict the
+traced step times."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from koala_ds.cli import main
+from koala_ds.library import load_schedule
+from koala_ds.search import SearchProblem
+from koala_ds.search.bound import jackson_bound
+from koala_ds.sim import CostProfile, StageCost, lower_bound_for, random_schedule, simulate
+from koala_ds.sim.calibrate import check_runs, fit
+from koala_ds.sim.measured import TraceError, load_runs
+from koala_ds.sim.profile import with_action_overhead
+from koala_ds.viz.trace import OP_COLOURS, OP_NAMES
+
+C, LAT, K = 0.2, 0.3, 2.5   # the truth's action overhead, p2p latency and step overhead (ms)
+
+
+def run(capsys, *argv):
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as exc:  # argparse's errors
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def one_line_error(code, err, *needles):
+    assert code == 2, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    for needle in needles:
+        assert needle in err, err
+
+
+def truth_stages(p: int) -> list[StageCost]:
+    """Stage compute times (no overhead) that differ per stage; B less than I + W."""
+    return [StageCost(1.0 + 0.1 * s, 1.1 + 0.05 * s, 0.8, 10.0, 3.0, 1.7 + 0.05 * s) for s in range(p)]
+
+
+def model_of(stages, c=C, lat=LAT, k=K) -> CostProfile:
+    """What the simulator runs: each action's compute + c, the latency, the step overhead."""
+    return CostProfile(tuple(with_action_overhead(s, c) for s in stages), lat, step_overhead=k)
+
+
+# -- the synthetic measured trace --------------------------------------------------------
+def _header(schedule, rank: int, pipeline: int, g: int) -> list[dict]:
+    meta = {"version": 1, "engine": "synthetic", "schedule": schedule.name, "p": schedule.p, "m": schedule.m,
+            "v": schedule.v, "rank": rank, "global_rank": g, "pipeline": pipeline,
+            "schedule_json": schedule.to_dict(), "wall_time_at_ts0": 0.0}
+    return [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": f"pipeline {schedule.name} (measured)"}},
+            {"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}},
+            {"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": rank, "args": {"sort_index": rank}},
+            {"name": "koala_trace", "ph": "M", "pid": 0, "tid": rank, "args": meta}]
+
+
+def _step_events(schedule, res, c: float, pre: float, post: float, t0: float, n: int) -> list[list[dict]]:
+    """Per rank, one step's events: the simulated action [s, s + compute + c] is measured as the
+    span from the rank's previous action's end (compute + c) to the end of its compute, waiting
+    until s; the step starts `pre` before the first action and ends `post` after the rank's work."""
+    out = []
+    for r in range(schedule.p):
+        events, prev = [], 0.0
+        for t in res.rank_timeline(r):
+            a, end = t.action, t.end - c
+            events.append({"name": str(a), "cat": OP_NAMES[a.op], "ph": "X", "pid": 0, "tid": r,
+                           "ts": (t0 + prev) * 1e3, "dur": (end - prev) * 1e3, "cname": OP_COLOURS[a.op],
+                           "args": {"stage": a.stage, "microbatch": a.microbatch, "op": OP_NAMES[a.op],
+                                    "chunk": schedule.placement.chunk_of(a.stage), "index": t.index, "step": n,
+                                    "wait_ms": t.start - prev}})
+            prev = t.end
+        finish = t0 + prev + post
+        events.append({"name": "step", "cat": "step", "ph": "X", "pid": 0, "tid": r, "ts": (t0 - pre) * 1e3,
+                       "dur": (finish - t0 + pre) * 1e3, "args": {"step": n}})
+        events.append({"name": "after-pipeline", "cat": "step", "ph": "X", "pid": 0, "tid": r,
+                       "ts": (t0 + prev - c) * 1e3, "dur": (post + c) * 1e3, "args": {"step": n}})
+        out.append(events)
+    return out
+
+
+def write_trace(base: Path, schedule, stages, c=C, lat=LAT, k=K, steps=5, pipelines=1, jitter=0.0,
+                seed=0, closed=True) -> list[Path]:
+    """The files a run of `schedule` writes for FILE `base` (`base.rank{g}.json`), `steps` steps
+    back to back (k between one step's pipeline work and the next one's), each simulated with
+    the stage times scaled by 1 +- `jitter` (one factor per step and stage)."""
+    rng = random.Random(seed)
+    lines = {(k_, r): [json.dumps(e) for e in _header(schedule, r, k_, k_ * schedule.p + r)]
+             for k_ in range(pipelines) for r in range(schedule.p)}
+    t0 = [1000.0 + 7.0 * k_ for k_ in range(pipelines)]
+    for n in range(steps):
+        for k_ in range(pipelines):
+            scaled = [dataclasses.replace(s, forward=s.forward * f, backward_input=s.backward_input * f,
+                                          backward_weight=s.backward_weight * f, backward_full=s.backward_full * f)
+                      for s in stages for f in [1 + jitter * rng.uniform(-1, 1)]]
+            res = simulate(schedule, model_of(scaled, c, lat, 0.0), timeline=True)
+            for r, events in enumerate(_step_events(schedule, res, c, 0.3 * k, 0.7 * k, t0[k_], n)):
+                lines[(k_, r)] += [json.dumps(e) for e in events]
+            t0[k_] += res.makespan + k
+    paths = []
+    for (k_, r), text in lines.items():
+        path = base.with_name(f"{base.stem}.rank{k_ * schedule.p + r}{base.suffix}")
+        end = json.dumps({"name": "koala_trace_end", "ph": "M", "pid": 0, "tid": r, "args": {"steps": steps}})
+        path.write_text("[\n" + "".join(f"{line},\n" for line in text) + (f"{end}\n]\n" if closed else ""))
+        paths.append(path)
+    return paths
+
+
+def input_profile(tmp_path: Path, stages, factor=0.7, **top) -> Path:
+    """A profile as a profiler might have given it: each time x `factor`, no overheads."""
+    data = CostProfile(tuple(dataclasses.replace(s, forward=s.forward * factor,
+                                                 backward_input=s.backward_input * factor,
+                                                 backward_weight=s.backward_weight * factor,
+                                                 backward_full=s.backward_full * factor) for s in stages),
+                       0.05).to_dict()
+    data.update(memory_limit_mb=500.0, meta={"tool": "test"}, **top)
+    path = tmp_path / "input.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.fixture
+def two_runs(tmp_path):
+    """1f1b (full backward: F and B) and zb-h1 (split: F, I and W) traced on p = 4, m = 8."""
+    stages = truth_stages(4)
+    runs = []
+    for name in ("1f1b", "zb-h1"):
+        write_trace(tmp_path / f"{name}.json", load_schedule(name, 4, 8, 1), stages)
+        runs.append(tmp_path / f"{name}.json")
+    return stages, runs
+
+
+# -- round trips ---------------------------------------------------------------------------
+def test_calibrate_recovers_the_profile_and_overheads_that_made_the_trace(capsys, tmp_path, two_runs):
+    stages, runs = two_runs
+    out = tmp_path / "cal.json"
+    code, text, err = run(capsys, "calibrate", *runs, "--profile", input_profile(tmp_path, stages), "-o", out)
+    assert code == 0, err
+    data = json.loads(out.read_text())
+    for s, (got, want) in enumerate(zip(data["stages"], stages)):
+        for name, value in (("forward", want.forward), ("backward_input", want.backward_input),
+                            ("backward_weight", want.backward_weight), ("backward", want.backward_full)):
+            assert got[name] == pytest.approx(value, abs=1e-5), (s, name)
+        assert (got["activation_mb"], got["w_hold_mb"]) == (10.0, 3.0)  # memory: the input profile's
+    assert data["action_overhead"] == pytest.approx(C, abs=1e-5)
+    assert data["p2p_latency"] == pytest.approx(LAT, abs=1e-5)
+    assert data["step_overhead"] == pytest.approx(K, abs=1e-5)
+    assert data["memory_limit_mb"] == 500.0 and data["meta"]["tool"] == "test"
+    cal = data["meta"]["calibration"]
+    assert [r["schedule"] for r in cal["runs"]] == ["1f1b", "zb-h1"] and [r["steps"] for r in cal["runs"]] == [4, 4]
+    assert cal["not_measured"] == [] and "warning" not in text
+    # the table: each run measured, predicted before (off) and after (on it)
+    rows = {line.split()[1]: line.split() for line in text.splitlines() if line.startswith(str(tmp_path))}
+    assert set(rows) == {"1f1b", "zb-h1"}
+    for cells in rows.values():
+        assert cells[-1] in ("+0.0%", "-0.0%") and cells[-3] not in ("+0.0%", "-0.0%")
+
+
+def test_calibrated_predictions_match_a_noisy_trace_within_ten_percent(tmp_path):
+    """Stage times that vary by +-20% from step to step: the medians still predict each traced
+    schedule's median step time within 10%, the input profile (30% fast, no overheads) does not."""
+    stages = truth_stages(4)
+    for name in ("1f1b", "zb-h1", "gpipe"):
+        write_trace(tmp_path / f"{name}.json", load_schedule(name, 4, 8, 1), stages, steps=9, jitter=0.2, seed=3)
+    runs = load_runs([str(tmp_path / f"{n}.json") for n in ("1f1b", "zb-h1", "gpipe")])
+    from koala_ds.commands.calibrate import read_profile
+    from koala_ds.sim.calibrate import calibrated_profile
+
+    raw, before = read_profile(str(input_profile(tmp_path, stages)))
+    fitted = fit(runs, 4)
+    data, _ = calibrated_profile(raw, fitted, runs, 1, "input")
+    after = CostProfile.from_dict(data)
+    assert all(0 < s["spread"]["forward"] < 1 for s in data["stages"])  # the samples' IQR / median
+    for check in check_runs(runs, before, after):
+        assert abs(check.calibrated_error) < 0.10, check
+        assert abs(check.input_error) > 0.10, check
+    assert fitted.step_overhead.value == pytest.approx(K, rel=0.05)
+    assert fitted.action_overhead.value == pytest.approx(C, rel=0.05)
+
+
+def test_interleaved_and_two_pipelines(capsys, tmp_path):
+    """v = 2 (8 virtual stages on 4 ranks), two data-parallel replicas: both pipelines' steps count."""
+    stages = [StageCost(0.5 + 0.05 * s, 0.6, 0.4, 5.0, 1.0, 0.9) for s in range(8)]
+    sched = load_schedule("interleaved-1f1b", 4, 8, 2)
+    write_trace(tmp_path / "t.json", sched, stages, steps=4, pipelines=2)
+    out = tmp_path / "cal.json"
+    code, _, err = run(capsys, "calibrate", tmp_path / "t.json", "--profile", input_profile(tmp_path, stages), "-o", out)
+    assert code == 0, err
+    data = json.loads(out.read_text())
+    assert data["meta"]["calibration"]["runs"][0]["steps"] == 6  # steps 1-3 of each pipeline
+    assert data["meta"]["calibration"]["runs"][0]["pipelines"] == 2
+    assert [s["forward"] for s in data["stages"]] == pytest.approx([s.forward for s in stages], abs=1e-5)
+    assert data["step_overhead"] == pytest.approx(K, abs=1e-5)
+
+
+def test_fields_no_trace_measured_keep_the_profile_scaled_by_the_stage_forward(capsys, tmp_path):
+    """1f1b alone runs no I or W: those keep the input's values times the stage's measured /
+    profiled forward, and the output says so."""
+    stages = truth_stages(4)
+    write_trace(tmp_path / "t.json", load_schedule("1f1b", 4, 8, 1), stages)
+    prof = input_profile(tmp_path, stages, factor=0.5)
+    out = tmp_path / "cal.json"
+    code, text, err = run(capsys, "calibrate", tmp_path / "t.json", "--profile", prof, "-o", out)
+    assert code == 0, err
+    data = json.loads(out.read_text())
+    raw = json.loads(prof.read_text())
+    for got, before, want in zip(data["stages"], raw["stages"], stages):
+        ratio = want.forward / before["forward"]
+        assert got["backward_input"] == pytest.approx(before["backward_input"] * ratio, abs=1e-5)
+        assert got["backward_weight"] == pytest.approx(before["backward_weight"] * ratio, abs=1e-5)
+        assert got["backward"] == pytest.approx(want.backward_full, abs=1e-5)
+    said = data["meta"]["calibration"]["not_measured"]
+    assert len(said) == 1 and "backward_input, backward_weight of stages 0, 1, 2, 3 not measured" in said[0]
+    assert "note: backward_input, backward_weight of stages" in text and "*" in text
+
+
+def test_a_rank_killed_mid_run_calibrates_from_the_complete_steps(capsys, tmp_path):
+    stages = truth_stages(4)
+    paths = write_trace(tmp_path / "t.json", load_schedule("1f1b", 4, 8, 1), stages, steps=6, closed=False)
+    killed = paths[1]
+    lines = killed.read_text().split("\n")
+    cut = next(i for i, line in enumerate(lines) if '"step": 4' in line)  # rank 1 dies in step 4 ...
+    killed.write_text("\n".join(lines[:cut + 3]) + "\n" + lines[cut + 3][:25])  # ... mid-line
+    out = tmp_path / "cal.json"
+    code, text, err = run(capsys, "calibrate", tmp_path / "t.json", "--profile", input_profile(tmp_path, stages),
+                          "-o", out)
+    assert code == 0, err
+    assert f"{killed} ends in step 4 (a killed rank?): steps 1-3 of pipeline 0 are complete and used" in text
+    data = json.loads(out.read_text())
+    assert data["meta"]["calibration"]["runs"][0]["steps"] == 3
+    assert data["step_overhead"] == pytest.approx(K, abs=1e-5)
+
+
+def test_timeline_puts_the_measured_step_beside_the_prediction(capsys, tmp_path, two_runs):
+    stages, runs = two_runs
+    merged = tmp_path / "merged.json"
+    code, _, err = run(capsys, "calibrate", runs[0], "--profile", input_profile(tmp_path, stages),
+                       "-o", tmp_path / "cal.json", "--timeline", merged)
+    assert code == 0, err
+    events = json.loads(merged.read_text())["traceEvents"]
+    actions = {pid: sorted((e["tid"], e["name"]) for e in events if e.get("ph") == "X" and e["pid"] == pid
+                           and e.get("cat") != "step") for pid in (0, 1)}
+    assert actions[0] == actions[1] and len(actions[0]) == 4 * 16  # the same rows and names
+    start = {pid: {(e["tid"], e["name"]): e["ts"] for e in events if e.get("ph") == "X" and e["pid"] == pid}
+             for pid in (0, 1)}
+    for key, ts in start[1].items():  # exact data: every action starts (its wait ends) alike
+        if key in start[0]:
+            wait = next(e["args"]["wait_ms"] for e in events if e["pid"] == 0 and (e.get("tid"), e["name"]) == key)
+            assert ts == pytest.approx(start[0][key] + wait * 1e3, abs=1e-3)
+    names = {e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert any("measured" in n for n in names) and any("calibrated prediction" in n for n in names)
+
+
+# -- bad input: one line naming the file ---------------------------------------------------
+def test_a_file_of_another_schedule_in_one_run_is_refused(capsys, tmp_path):
+    stages = truth_stages(4)
+    write_trace(tmp_path / "t.json", load_schedule("1f1b", 4, 8, 1), stages)
+    other = write_trace(tmp_path / "o.json", load_schedule("zb-h1", 4, 8, 1), stages)
+    (tmp_path / "t.rank2.json").write_text(other[2].read_text())
+    code, _, err = run(capsys, "calibrate", tmp_path / "t.json", "--profile", input_profile(tmp_path, stages),
+                       "-o", tmp_path / "cal.json")
+    one_line_error(code, err, "t.rank2.json: a trace of schedule 'zb-h1'", "of the same run", "'1f1b'")
+    assert not (tmp_path / "cal.json").exists()
+
+
+@pytest.mark.parametrize("change, needle", [
+    (lambda d: d.update(stages=d["stages"] * 2), "has 8 stages: give --profile the profile of the traced run's 4"),
+    (lambda d: d.update(meta={"p": 2}), "was profiled for p=2 (its meta.p)"),
+    (lambda d: d.update(meta={"p": 4, "v": 2}), "was profiled for v=2 (its meta.v)"),
+])
+def test_a_trace_of_another_configuration_than_the_profile_is_refused(capsys, tmp_path, change, needle):
+    stages = truth_stages(4)
+    write_trace(tmp_path / "t.json", load_schedule("1f1b", 4, 8, 1), stages)
+    prof = input_profile(tmp_path, stages)
+    data = json.loads(prof.read_text())
+    change(data)
+    prof.write_text(json.dumps(data))
+    code, _, err = run(capsys, "calibrate", tmp_path / "t.json", "--profile", prof, "-o", tmp_path / "cal.json")
+    one_line_error(code, err, str(tmp_path / "t.json"), needle)
+
+
+def test_what_is_not_a_trace_is_refused(capsys, tmp_path):
+    stages = truth_stages(4)
+    prof = input_profile(tmp_path, stages)
+    simulated = tmp_path / "sim.json"
+    assert run(capsys, "simulate", "1f1b", "-p", "4", "-m", "4", "--trace", simulated)[0] == 0
+    for path, needle in ((prof, "not a measured koala trace: no koala_trace header event;"),
+                         (simulated, "a simulated trace, as koala simulate --trace writes, has none"),
+                         (tmp_path / "nothing.json", "no such file, and no nothing.rank*.json beside it"),
+                         (tmp_path, "a directory")):
+        code, _, err = run(capsys, "calibrate", path, "--profile", prof, "-o", tmp_path / "cal.json")
+        one_line_error(code, err, str(path), needle)
+    bad = tmp_path / "bad.rank0.json"
+    bad.write_bytes(b"\xff\xfe garbage\n\x00\x01\n")
+    code, _, err = run(capsys, "calibrate", bad, "--profile", prof, "-o", tmp_path / "cal.json")
+    one_line_error(code, err, str(bad), "not a measured koala trace")
+
+
+def test_no_complete_step_says_why(capsys, tmp_path):
+    stages = truth_stages(4)
+    sched = load_schedule("1f1b", 4, 8, 1)
+    prof = input_profile(tmp_path, stages)
+
+    def calibrate(*extra):
+        return run(capsys, "calibrate", tmp_path / "t.json", "--profile", prof, "-o", tmp_path / "cal.json", *extra)
+
+    paths = write_trace(tmp_path / "t.json", sched, stages, steps=1)   # only the warm-up step
+    one_line_error(*calibrate()[::2], "step 0 is complete, and --skip-steps 1 leaves it out",
+                   "give --skip-steps 0")
+    assert calibrate("--skip-steps", "0")[0] == 0
+    paths = write_trace(tmp_path / "t.json", sched, stages, steps=3)
+    one_line_error(*calibrate("--skip-steps", "3")[::2], "steps 0-2 are complete, and --skip-steps 3")
+    text = paths[3].read_text()
+    paths[3].write_text(text[:text.index('"step": 0')])    # rank 3 killed in step 0
+    one_line_error(*calibrate()[::2], f"{paths[3]} ends in step 0 (a killed rank?): it has no complete step")
+    paths[3].unlink()
+    one_line_error(*calibrate()[::2], "has no file of pipeline rank 3 (of p=4)")
+
+
+def test_bad_options_are_one_line(capsys, tmp_path, two_runs):
+    stages, runs = two_runs
+    prof = input_profile(tmp_path, stages)
+    for argv, needle in (
+            (["--skip-steps", "-1"], "--skip-steps: must be >= 0"),
+            (["-o", tmp_path / "no" / "c.json"], "directory"),
+            (["--timeline", tmp_path / "cal.json"], "-o and --timeline both name"),
+    ):
+        argv = ["-o", tmp_path / "cal.json", *argv] if argv[0] != "-o" else argv
+        code, _, err = run(capsys, "calibrate", runs[0], "--profile", prof, *argv)
+        one_line_error(code, err, needle)
+
+
+# -- the model's new term: step_overhead -------------------------------------------------------
+def test_step_overhead_is_in_every_makespan_and_round_trips(capsys, tmp_path):
+    plain = CostProfile.uniform(4, p2p_latency=0.1)
+    with_k = dataclasses.replace(plain, step_overhead=3.0)
+    assert CostProfile.from_dict(with_k.to_dict()).step_overhead == 3.0
+    sched = load_schedule("1f1b", 4, 8, 1)
+    a, b = simulate(sched, plain), simulate(sched, with_k)
+    assert b.makespan == pytest.approx(a.makespan + 3.0) and b.idle == pytest.approx(a.idle)
+    path = tmp_path / "k.json"
+    path.write_text(json.dumps(with_k.to_dict()))
+    code, text, _ = run(capsys, "simulate", "1f1b", "-m", "8", "--profile", path)
+    assert code == 0 and f"makespan {b.makespan:.6g} ms" in text
+    path.write_text(json.dumps(dict(with_k.to_dict(), step_overhead=-1)))
+    code, _, err = run(capsys, "simulate", "1f1b", "-m", "8", "--profile", path)
+    one_line_error(code, err, "step_overhead", "must not be negative")
+
+
+@pytest.mark.parametrize("style, p, v, backward", [("linear", 4, 1, "full"), ("linear", 3, 1, "split"),
+                                                   ("interleaved", 2, 2, "full"), ("vshape", 3, 2, "split")])
+def test_bounds_stay_below_every_makespan_with_the_overhead_terms(style, p, v, backward):
+    """Both bounds (koala_ds.sim.lower_bound, koala_ds.search.bound) with action_overhead and
+    step_overhead: below every random schedule's makespan, and the search's evaluation of a
+    schedule is the simulator's (step_overhead included in both)."""
+    from koala_ds.ir import Placement
+
+    rng = random.Random(f"{style}{p}{v}")
+    stages = [StageCost(rng.uniform(0.2, 2), rng.uniform(0.2, 2), rng.uniform(0.1, 1.5), 10.0, rng.uniform(0, 5),
+                        rng.choice([None, rng.uniform(0.3, 3)])) for _ in range(p * v)]
+    profile = model_of(stages, c=rng.uniform(0, 0.5), lat=rng.uniform(0, 0.4), k=rng.uniform(0.5, 4))
+    m = 2 * p
+    problem = SearchProblem(profile, p, m, v, backward, None, placement=style)
+    part = problem.parts[0]
+    jb = jackson_bound(profile, part.placement, m, backward, problem.limits).value
+    placement = Placement.named(style, p, v)
+    for seed in range(12):
+        sched = random_schedule(placement, m, backward, seed=seed, split_probability=0.7)
+        res = simulate(sched, profile, timeline=False)
+        lb = lower_bound_for(sched, profile)
+        assert lb.value <= res.makespan + 1e-9 and jb <= res.makespan + 1e-9
+        assert lb.value == pytest.approx(lower_bound_for(sched, dataclasses.replace(profile, step_overhead=0)).value
+                                         + profile.step_overhead)
+        if sched.backward == part.backward:  # the search's timing (Simulator.try_times) is the simulator's
+            assert max(part.sim.try_times(part.sim.encode(sched.ranks))[0]) == pytest.approx(res.makespan)
+
+
+def test_loading_refuses_a_trace_whose_actions_are_not_its_schedules(tmp_path):
+    stages = truth_stages(2)
+    paths = write_trace(tmp_path / "t.json", load_schedule("1f1b", 2, 2, 1), stages, steps=2)
+    paths[0].write_text(paths[0].read_text().replace('"name": "0F1"', '"name": "0F7"', 1))
+    with pytest.raises(TraceError, match=r"t.rank0.json:\d+: action '0F7' at index 1, but rank 0's order"):
+        load_runs([str(tmp_path / "t.json")])
+
+
+def test_the_search_reports_step_times_with_the_step_overhead():
+    """A per-step constant changes no choice of the search: the same schedule, its makespan and
+    bound both `step_overhead` more, and the makespan is the simulator's."""
+    from koala_ds.search import search
+
+    stages = truth_stages(4)
+    results = []
+    for k in (0.0, 4.0):
+        problem = SearchProblem(model_of(stages, k=k), 4, 8, 1, "split", None)
+        results.append(search(problem, time_budget=None, generations=3, seed=1, workers=1))
+    plain, with_k = results
+    assert with_k.schedule.same_order(plain.schedule)
+    assert with_k.makespan == pytest.approx(plain.makespan + 4.0)
+    assert with_k.lower_bound == pytest.approx(plain.lower_bound + 4.0)
+    assert with_k.makespan == pytest.approx(simulate(with_k.schedule, model_of(stages, k=4.0)).makespan)
+
+
+def test_the_runtimes_recorder_writes_what_calibrate_reads(tmp_path, monkeypatch):
+    """The same simulated run written through the runtimes' own recorder (koala_ds.trace_record,
+    its clock scripted with the simulated times) calibrates back to the same profile."""
+    from koala_ds import trace_record
+
+    stages = truth_stages(2)
+    schedule = load_schedule("zb-h1", 2, 4, 1)
+    res = simulate(schedule, model_of(stages, k=0.0), timeline=True)
+    for r in range(schedule.p):
+        clock: list[int] = []
+        rec = trace_record.TraceRecorder(str(tmp_path / "t.json"), "megatron", "--koala-trace", global_rank=r)
+        monkeypatch.setattr(trace_record, "_perf_ns", lambda: clock.pop(0))
+        t0 = 1000.0
+        for _ in range(4):
+            prev, times = 0.0, []
+            timeline = res.rank_timeline(r)
+            for t in timeline:
+                times += [(t0 + prev) * 1e6, (t0 + t.end - C) * 1e6]
+                prev = t.end
+            clock[:] = [int(x) for x in times] + [int((t0 + res.makespan + 0.7 * K) * 1e6)]
+            assert rec.begin_step(schedule, r, 0, start_ns=int((t0 - 0.3 * K) * 1e6))
+            before = 0.0
+            for t in timeline:
+                rec.begin(t.index)
+                rec.wait_ns = int((t.start - before) * 1e6)
+                rec.end()
+                before = t.end
+            rec.end_step()
+            t0 += res.makespan + K
+        rec.close()
+    run_ = load_runs([str(tmp_path / "t.json")])[0]
+    fitted = fit([run_], 2)
+    assert fitted.step_overhead.value == pytest.approx(K, abs=1e-3)
+    assert fitted.action_overhead.value == pytest.approx(C, abs=1e-3)
+    assert fitted.p2p_latency.value == pytest.approx(LAT, abs=1e-3)
+    assert fitted.stages[(1, "backward_input")].value == pytest.approx(stages[1].backward_input, abs=1e-3)
