@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -260,6 +261,70 @@ def test_timeline_puts_the_measured_step_beside_the_prediction(capsys, tmp_path,
     assert any("measured" in n for n in names) and any("calibrated prediction" in n for n in names)
 
 
+# -- --gantt: the measured median step above the calibrated prediction ------------------------
+def test_gantt_writes_a_png_of_the_measured_and_predicted_steps(capsys, tmp_path, two_runs):
+    stages, runs = two_runs
+    png = tmp_path / "steps.png"
+    code, text, err = run(capsys, "calibrate", *runs, "--profile", input_profile(tmp_path, stages),
+                          "-o", tmp_path / "cal.json", "--gantt", png)
+    assert code == 0, err
+    assert f"wrote {png}" in text
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert height > width > 500  # two runs, each a measured and a predicted panel, stacked
+    assert not list(tmp_path.glob(".steps.png.*"))  # written atomically: no temporary file left
+
+
+def test_gantt_boxes_are_the_median_steps_actions_and_the_prediction_lines_up(tmp_path):
+    """The measured boxes are the trace's actions of the median step (rank, name, span, wait, in
+    ms from the step's start); with a trace made by the simulator, the calibrated prediction's
+    boxes start where the measured ones' waits end (one time axis)."""
+    from koala_ds.commands.calibrate import read_profile
+    from koala_ds.sim.calibrate import calibrated_profile
+    from koala_ds.viz.gantt import calibration_panels, measured_boxes
+
+    stages = truth_stages(4)
+    write_trace(tmp_path / "t.json", load_schedule("zb-h1", 4, 8, 1), stages, steps=6)
+    the_run = load_runs([str(tmp_path / "t.json")])[0]
+    step = the_run.median_step()
+    boxes = measured_boxes(the_run, step)
+    events = [e for e in the_run.events_of(step) if e.get("cat") != "step"]
+    origin = min(e["ts"] for e in the_run.events_of(step) if e["name"] == "step") / 1e3
+    drawn = {(b.rank, str(b.action)): (b.start, b.end, b.wait) for b in boxes}
+    traced = {(e["tid"], e["name"]): (e["ts"] / 1e3 - origin, (e["ts"] + e["dur"]) / 1e3 - origin,
+                                      e["args"]["wait_ms"]) for e in events}
+    assert len(drawn) == len(boxes) == len(events) and drawn.keys() == traced.keys()
+    for key, times in drawn.items():
+        assert times == pytest.approx(traced[key], abs=1e-9), key
+    for r in range(4):
+        assert sum(b.rank == r for b in boxes) == len(the_run.schedule.ranks[r])
+    assert all(0 <= b.wait <= b.end - b.start for b in boxes) and any(b.wait > 0 for b in boxes)
+    raw, _ = read_profile(str(input_profile(tmp_path, stages)))
+    data, _ = calibrated_profile(raw, fit([the_run], 4), [the_run], 1, "input")
+    panels = calibration_panels(the_run, CostProfile.from_dict(data))
+    assert panels.step == step and panels.measured == boxes
+    arrival = {(b.rank, str(b.action)): b.start + b.wait for b in boxes}
+    assert {(b.rank, str(b.action)): b.start for b in panels.predicted} == pytest.approx(arrival, abs=1e-6)
+    assert all(b.wait == 0 for b in panels.predicted)
+    assert panels.extent[1] >= max(b.end for b in panels.predicted + boxes)
+
+
+def test_gantt_titles_give_the_measured_and_predicted_step_times(capsys, tmp_path, two_runs):
+    stages, runs = two_runs
+    svg = tmp_path / "steps.svg"
+    code, text, err = run(capsys, "calibrate", runs[1], "--profile", input_profile(tmp_path, stages),
+                          "-o", tmp_path / "cal.json", "--gantt", svg)
+    assert code == 0, err
+    row = next(line.split() for line in text.splitlines() if line.startswith(str(runs[1])))
+    measured, predicted = row[6], row[9]
+    comments = re.findall(r"<!-- (.*?) -->", svg.read_text())  # matplotlib keeps each text in a comment
+    assert any(c.startswith("zb-h1 measured (p=4, m=8, v=1") and f"step time {measured} ms" in c for c in comments)
+    assert any(c.startswith(f"zb-h1 calibrated prediction: step time {predicted} ms") for c in comments)
+    for legend in ("F forward", "I backward (input)", "W backward (weight)", "waiting for input", "rank 3"):
+        assert legend in comments
+
+
 # -- bad input: one line naming the file ---------------------------------------------------
 def test_a_file_of_another_schedule_in_one_run_is_refused(capsys, tmp_path):
     stages = truth_stages(4)
@@ -333,10 +398,14 @@ def test_bad_options_are_one_line(capsys, tmp_path, two_runs):
             (["--skip-steps", "-1"], "--skip-steps: must be >= 0"),
             (["-o", tmp_path / "no" / "c.json"], "directory"),
             (["--timeline", tmp_path / "cal.json"], "-o and --timeline both name"),
+            (["--gantt", tmp_path / "g.gif"], f"--gantt {tmp_path / 'g.gif'}: use a file name ending in .png"),
+            (["--gantt", tmp_path / "no" / "g.png"], "--gantt " + str(tmp_path / "no" / "g.png") + ": directory"),
+            (["--timeline", tmp_path / "g.svg", "--gantt", tmp_path / "g.svg"], "--timeline and --gantt both name"),
     ):
         argv = ["-o", tmp_path / "cal.json", *argv] if argv[0] != "-o" else argv
         code, _, err = run(capsys, "calibrate", runs[0], "--profile", prof, *argv)
         one_line_error(code, err, needle)
+    assert not (tmp_path / "cal.json").exists()  # every output checked before the work
 
 
 # -- the model's new term: step_overhead -------------------------------------------------------

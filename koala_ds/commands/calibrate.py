@@ -1,10 +1,12 @@
 """`koala calibrate`: fit a cost profile to what a training run measured.
 
     koala calibrate trace.json --profile prof.json -o calibrated.json [--skip-steps 1] [--timeline merged.json]
+        [--gantt steps.png]
 
 The fit is koala_ds.sim.calibrate's (the traces: koala_ds.sim.measured); this module loads the
 inputs, prints the table (measured step time, predicted with the input and the calibrated
-profile, per traced schedule; then the fitted values beside the profile's) and writes the files.
+profile, per traced schedule; then the fitted values beside the profile's) and writes the files
+(--gantt: koala_ds.viz.gantt.write_calibration_gantt).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from ..sim.calibrate import (ERROR_WARN, Fit, RunCheck, calibrated_profile, chec
                              merged_timeline)
 from ..sim.measured import load_runs
 from ..sim.profile import ProfileError
+from .model import GANTT_SUFFIXES
 from .table import format_table
 
 
@@ -51,11 +54,7 @@ def read_profile(name: str) -> tuple[dict, CostProfile]:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    check_output(args.output, "-o")
-    if args.timeline:
-        check_output(args.timeline, "--timeline")
-        if os.path.realpath(args.timeline) == os.path.realpath(args.output):
-            raise OutputError(f"-o and --timeline both name {args.output}: give each its own file")
+    _check_outputs(args)
     raw, profile = read_profile(args.profile)
     runs = load_runs(args.traces, args.skip_steps)
     check_fits(runs, profile, raw.get("meta") if isinstance(raw.get("meta"), dict) else None)
@@ -78,7 +77,28 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.timeline:
         atomic_write(args.timeline, json.dumps(merged_timeline(runs, calibrated, args.mode)), "--timeline")
         print(f"wrote {args.timeline}: measured and predicted side by side (open it in https://ui.perfetto.dev)")
+    if args.gantt:
+        from ..viz.gantt import write_calibration_gantt
+
+        write_calibration_gantt(runs, calibrated, args.gantt, args.mode, str(args.output))
+        print(f"wrote {args.gantt}: each run's measured median step above the calibrated prediction")
     return 0
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """-o, --timeline and --gantt can be written, each its own file (before any work)."""
+    check_output(args.output, "-o")
+    named = [("-o", args.output)]
+    if args.timeline:
+        check_output(args.timeline, "--timeline")
+        named.append(("--timeline", args.timeline))
+    if args.gantt:
+        check_output(args.gantt, "--gantt", GANTT_SUFFIXES)
+        named.append(("--gantt", args.gantt))
+    for i, (flag, path) in enumerate(named):
+        for other, same in named[i + 1:]:
+            if os.path.realpath(path) == os.path.realpath(same):
+                raise OutputError(f"{flag} and {other} both name {path}: give each its own file")
 
 
 def _runs_table(checks: list[RunCheck], profile: CostProfile) -> str:
@@ -123,6 +143,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="leave out each run's first N steps (default 1: step 0 is the warm-up)")
     p.add_argument("--timeline", metavar="MERGED.json",
                    help="write a Chrome trace of the measured step beside the calibrated prediction (Perfetto)")
+    p.add_argument("--gantt", metavar="OUT.png|OUT.svg",
+                   help="draw each run's measured median step (rows = pipeline ranks, waits hatched) above the "
+                        "calibrated prediction, on one time axis (needs matplotlib)")
     p.add_argument("--mode", choices=MODES, default="async",
                    help="simulation mode of the predictions (default async, as `koala simulate`)")
     p.set_defaults(func=cmd_calibrate)
