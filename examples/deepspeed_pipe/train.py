@@ -179,10 +179,9 @@ def main() -> None:
         print(f"eval loss {float(eval_loss):.5f}", flush=True)
         if args.loss_log is not None:
             name = getattr(getattr(engine, "koala_schedule", None), "name", "stock")
-            atomic_write(args.loss_log, json.dumps({"schedule": name, "pp": pp, "dp": world // pp, "chunks": args.chunks,
-                                               "placement": args.placement, "dim": args.dim,
-                                               "microbatches": args.microbatches, "losses": losses,
-                                               "iteration_ms": times}) + "\n", "--loss-log")
+            record = {"schedule": name, "pp": pp, "dp": world // pp, "chunks": args.chunks, "placement": args.placement,
+                      "dim": args.dim, "microbatches": args.microbatches, "losses": losses, "iteration_ms": times}
+            atomic_write(args.loss_log, json.dumps(record) + "\n", "--loss-log")
     if hasattr(engine, "close_trace"):  # --trace: end the trace file (else done at exit)
         engine.close_trace()
     # Tear the process group down before the interpreter does: left to interpreter exit, gloo's

@@ -1,0 +1,483 @@
+"""Predicted vs measured step time on real compute, through the user's own path.
+
+    python benchmarks/fidelity.py                 # both examples, two sizes each, p = 2 (~15 min on 2 cores)
+    python benchmarks/fidelity.py --quick         # the examples' default sizes, v = 1, one round (~3 min)
+    python benchmarks/fidelity.py --out benchmarks/results/fidelity.txt   # also write the report
+    python benchmarks/fidelity.py --dry-run       # the plan and the commands, nothing run
+
+For each engine's example (examples/megatron_gpt/pretrain_gpt.py: its README's GPT, 4 layers,
+hidden 64, seq 32, micro-batch 2, and 8 layers, hidden 256, seq 64; examples/deepspeed_pipe/train.py:
+--dim 64 and --dim 1024), at p = 2 pipeline ranks (p = 4 too where os.cpu_count() >= 8), and
+v = 1 and 2 chunks per rank where the model has the layers, it runs what a user runs:
+
+1. `koala profile megatron-gpt ...` / `koala profile deepspeed --layers ... --input ...` (the
+   example's own layer list, `train:layers`, or a two-line module returning `build_layers(dim)`
+   for another --dim), one profile per v (DeepSpeed cuts p x v parts anew);
+2. `calibrate()`: the step where `koala calibrate` will fit the runtime's overheads from measured
+   traces into the profile; today it returns the profiles unchanged (the report says so);
+3. `koala compare --json` per v: 1f1b and the best predefined schedule (the fastest that fits
+   the memory limit and that the engines run: one pipeline), and `koala search --min-gain 0`
+   per v: the searched schedule (the faster v's); predictions by `koala simulate --json`;
+4. the example with each distinct schedule (a searched schedule equal to a library one runs
+   once), ALTERNATING: `--rounds` rounds, each a fresh torchrun of every schedule in a rotated
+   order, `--iterations` iterations each, the first `--warmup` dropped; the examples' own
+   per-iteration times (Megatron `--loss-log FILE`: iteration_ms of the last pipeline rank;
+   DeepSpeed `--loss-log FILE`: rank 0's train_batch), median over every kept iteration of every round.
+
+The report: the exact command, the machine (cores, CPU model, load average before and after), the
+calibration used, one row per (example, schedule): predicted and measured step time, speedup over
+1f1b (predicted, measured) and the error (measured / predicted - 1), the per-round medians' range.
+Printed; written (atomically) only with `--out FILE`. A failing step is one line naming the
+command and its log file; the work folder (`--work`, default a temporary one) keeps every
+profile, schedule and log.
+
+THE MACHINE IS SHARED: ranks that sleep or wait give their core to other processes, and a busy
+machine changes a step's time by tens of percent within minutes; the alternation makes such
+drifts hit every schedule alike, and the per-round range shows what is left.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MEGATRON_EXAMPLE = ROOT / "examples" / "megatron_gpt" / "pretrain_gpt.py"
+DEEPSPEED_EXAMPLE = ROOT / "examples" / "deepspeed_pipe" / "train.py"
+MICROBATCHES = 8  # both examples' default step: Megatron --global-batch-size 16 / --micro-batch-size 2
+#: Megatron sizes: the README's, and a larger GPT (flags of pretrain_gpt.py and `koala profile megatron-gpt`)
+MEGATRON_SIZES = {"gpt-4L-h64-s32": {"num-layers": 4, "hidden-size": 64, "num-attention-heads": 4, "seq-length": 32,
+                                     "micro-batch-size": 2},
+                  "gpt-8L-h256-s64": {"num-layers": 8, "hidden-size": 256, "num-attention-heads": 4, "seq-length": 64,
+                                      "micro-batch-size": 2}}
+DEEPSPEED_DIMS = (64, 1024)  # train.py --dim: its default and a size whose layers cost more than the runtime
+DEEPSPEED_LAYERS = 9  # train.py's build_layers: 8 blocks and a head
+STEP_TIMEOUT_S = 600  # every subprocess (a profile, a search, one torchrun)
+
+
+class BenchError(RuntimeError):
+    """A step failed: the message is one line naming the command and its log."""
+
+
+def venv_bin() -> Path:
+    """The folder of `koala` and `torchrun`: the checkout's .venv, else this interpreter's."""
+    own = ROOT / ".venv" / "bin"
+    return own if (own / "koala").exists() else Path(sys.executable).parent
+
+
+# -- what runs -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Example:
+    """One example at one size and p: how to profile it and how to run it."""
+
+    engine: str  # "megatron" | "deepspeed"
+    label: str
+    p: int
+    size: dict = field(default_factory=dict)  # Megatron flags, or {"dim": N}
+
+    @property
+    def num_layers(self) -> int:
+        return self.size["num-layers"] if self.engine == "megatron" else DEEPSPEED_LAYERS
+
+    def chunks(self, wanted: tuple[int, ...]) -> tuple[int, ...]:
+        """The v of `wanted` this model can be cut into (Megatron: layers divisible by p x v)."""
+        if self.engine == "megatron":
+            return tuple(v for v in wanted if self.num_layers % (self.p * v) == 0)
+        return tuple(v for v in wanted if self.num_layers >= self.p * v)
+
+    def env(self, work: Path) -> dict:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if self.engine == "deepspeed":
+            env["DS_ACCELERATOR"] = "cpu"
+            paths = [str(work), str(DEEPSPEED_EXAMPLE.parent)]
+            env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [os.environ.get("PYTHONPATH")] if p])
+        return env
+
+    def profile_cmd(self, v: int, out: Path, work: Path, quick: bool) -> list[str]:
+        koala = str(venv_bin() / "koala")
+        rounds = ["--warmup", "3", "--iters", "10"] if quick else []
+        if self.engine == "megatron":
+            flags = [x for k, val in self.size.items() for x in (f"--{k}", str(val))]
+            return [koala, "profile", "megatron-gpt", *flags, "-p", str(self.p), "-v", str(v), "-o", str(out), *rounds]
+        module = self.layers_module(work)
+        return [koala, "profile", "deepspeed", "--layers", f"{module}:layers", "--input", f"{module}:sample",
+                "--partition-method", "uniform", "-p", str(self.p), "-v", str(v), "-o", str(out), *rounds]
+
+    def layers_module(self, work: Path) -> str:
+        """The module `koala profile deepspeed` imports: the example itself at its default --dim,
+        else a module of two functions returning `build_layers(dim)` / `sample_input(dim)`."""
+        dim = self.size["dim"]
+        if dim == 64:
+            return "train"
+        name = f"fidelity_ds_dim{dim}"
+        if not work.is_dir():  # --dry-run
+            return name
+        (work / f"{name}.py").write_text(
+            f'"""examples/deepspeed_pipe/train.py at --dim {dim}, for koala profile deepspeed."""\n'
+            f"from train import build_layers, sample_input\n\n\n"
+            f"def layers():\n    return build_layers({dim})\n\n\n"
+            f"def sample():\n    return sample_input({dim})\n", encoding="utf-8")
+        return name
+
+    def run_cmd(self, sched: "Candidate", iterations: int, log: Path) -> list[str]:
+        torchrun = [str(venv_bin() / "torchrun"), "--standalone", "--nproc-per-node", str(self.p)]
+        if self.engine == "megatron":
+            flags = [x for k, val in self.size.items() for x in (f"--{k}", str(val))]
+            chunks = ["--virtual-pipeline-model-parallel-size", str(sched.v)] if sched.v > 1 else []
+            gbs = self.size["micro-batch-size"] * MICROBATCHES
+            return [*torchrun, str(MEGATRON_EXAMPLE), "--pipeline-model-parallel-size", str(self.p), *chunks, *flags,
+                    "--global-batch-size", str(gbs), "--train-iters", str(iterations), "--log-interval",
+                    str(iterations), "--pipeline-schedule", "koala", "--koala-schedule", sched.schedule,
+                    "--loss-log", str(log)]
+        chunks = ["--chunks", str(sched.v), "--placement", sched.placement] if sched.v > 1 else []
+        return [*torchrun, str(DEEPSPEED_EXAMPLE), "--dim", str(self.size["dim"]), "--microbatches",
+                str(MICROBATCHES), "--steps", str(iterations), "--schedule", sched.schedule, *chunks,
+                "--loss-log", str(log)]
+
+
+def plan(args) -> list[Example]:
+    """The examples to run, in order (Megatron first)."""
+    ps = [2] + ([4] if (os.cpu_count() or 1) >= 8 else [])
+    out = []
+    for p in ps:
+        if "megatron" in args.engines:
+            sizes = list(MEGATRON_SIZES.items())[:1 if args.quick else None]
+            out += [Example("megatron", label, p, dict(size)) for label, size in sizes]
+        if "deepspeed" in args.engines:
+            dims = DEEPSPEED_DIMS[:1 if args.quick else None]
+            out += [Example("deepspeed", f"dim{dim}", p, {"dim": dim}) for dim in dims]
+    return out
+
+
+# -- subprocesses --------------------------------------------------------------------------------
+def run(cmd: list[str], log: Path, env: dict | None = None, cwd: Path | None = None, dry: bool = False,
+        say=print) -> str:
+    """`cmd` with stdout and stderr into `log`, within STEP_TIMEOUT_S (its process group killed
+    after); its stdout text. BenchError (one line) when it fails."""
+    say("  $ " + shlex.join(cmd))
+    if dry:
+        return ""
+    with open(log, "w", encoding="utf-8") as fh:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=fh, env=env, cwd=cwd, text=True,
+                                start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=STEP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise BenchError(f"{Path(cmd[0]).name} ran past {STEP_TIMEOUT_S} s: {shlex.join(cmd[:6])} ... "
+                             f"(log {log})") from None
+        fh.write(out)
+    if proc.returncode != 0:
+        raise BenchError(f"exit {proc.returncode}: {shlex.join(cmd[:6])} ... ({last_line(log)}; log {log})")
+    return out
+
+
+def last_line(log: Path) -> str:
+    """The last error-looking line of a log, else its last line."""
+    lines = [x.strip() for x in log.read_text(encoding="utf-8", errors="replace").splitlines() if x.strip()]
+    errors = [x for x in lines if "Error" in x or "error:" in x]
+    return (errors or lines or ["no output"])[-1][:300]
+
+
+def koala_json(args: list[str], log: Path, ex: Example, work: Path, dry: bool, say) -> dict:
+    out = run([str(venv_bin() / "koala"), *args, "--json"], log, ex.env(work), work, dry, say)
+    return json.loads(out) if not dry else {}
+
+
+# -- choosing the schedules -----------------------------------------------------------------------
+@dataclass
+class Candidate:
+    """A schedule to run: `schedule` is a library name or a file; `same_as` the label of an
+    identical candidate run in its place (a searched schedule equal to a library one)."""
+
+    label: str
+    schedule: str
+    v: int
+    placement: str = "linear"
+    predicted_ms: float = float("nan")
+    same_as: str | None = None
+
+
+def calibrate(ex: Example, profiles: dict[int, Path], work: Path, dry: bool, say) -> tuple[dict[int, Path], str]:
+    """The profiles the choice and the predictions use, and a line saying how they were made.
+
+    The place for `koala calibrate` (fitting the runtime's overhead per action and per step from
+    measured traces of the example) once it exists: run it here, per v, and return the calibrated
+    profiles. Today: the profiles as measured."""
+    return profiles, "none (the profiles as `koala profile` wrote them; `koala calibrate` is not in this checkout yet)"
+
+
+def choose(ex: Example, profiles: dict[int, Path], budget: float, work: Path, dry: bool, say) -> list[Candidate]:
+    """1f1b, the best predefined schedule (koala compare) and the searched one (koala search
+    --min-gain 0), each with its predicted step time (koala simulate)."""
+    base = ["-p", str(ex.p), "-m", str(MICROBATCHES)]
+    best = None
+    searched = []
+    for v, prof in profiles.items():
+        table = koala_json(["compare", "--profile", str(prof), *base, "-v", str(v)], work / f"compare_v{v}.log",
+                           ex, work, dry, say)
+        for row in table.get("schedules", []):
+            if row["schedule"] != "1f1b" and row["fits_memory"] and row["placement"] != "bidirectional" and \
+                    (best is None or row["makespan"] < best.predicted_ms):
+                best = Candidate(f"best predefined ({row['schedule']})", row["schedule"], v, row["placement"],
+                                 row["makespan"])
+        out = work / f"searched_v{v}.koala"
+        run([str(venv_bin() / "koala"), "search", "--profile", str(prof), *base, "-v", str(v), "--min-gain", "0",
+             "--quiet", "--time-budget", str(budget), "-o", str(out)], work / f"search_v{v}.log", ex.env(work), work,
+            dry, say)
+        searched.append(Candidate(f"searched (v={v})", str(out), v))
+    one = Candidate("1f1b", "1f1b", 1)
+    for cand in [one, *searched]:
+        cand.predicted_ms, cand.placement = predict(ex, cand, profiles[cand.v], work, dry, say)
+    search = min(searched, key=lambda c: c.predicted_ms) if not dry else searched[0]
+    search.label = f"searched ({search.placement}, v={search.v})"
+    if dry:  # what koala compare would name
+        best = Candidate("best predefined (from koala compare)", "<best predefined>", 1)
+    chosen = [one] + ([best] if best is not None else []) + [search]
+    mark_duplicates(ex, chosen, work, dry, say)
+    return chosen
+
+
+def predict(ex: Example, cand: Candidate, profile: Path, work: Path, dry: bool, say) -> tuple[float, str]:
+    """(simulated step time in ms, placement style) of `cand` under `profile` (koala simulate)."""
+    res = koala_json(["simulate", cand.schedule, "-p", str(ex.p), "-m", str(MICROBATCHES), "-v", str(cand.v),
+                      "--profile", str(profile)], work / f"simulate_{Path(cand.schedule).stem}_v{cand.v}.log",
+                     ex, work, dry, say)
+    if dry:
+        return float("nan"), cand.placement
+    return float(res["makespan"]), schedule_json(ex, cand, work, dry, say).get("placement", {}).get("style", "linear")
+
+
+def schedule_json(ex: Example, cand: Candidate, work: Path, dry: bool, say) -> dict:
+    """`cand` as koala export writes it (JSON), cached in the work folder."""
+    out = work / f"export_{Path(cand.schedule).stem}_v{cand.v}.json"
+    if not out.exists():
+        run([str(venv_bin() / "koala"), "export", cand.schedule, "-p", str(ex.p), "-m", str(MICROBATCHES), "-v",
+             str(cand.v), "-o", str(out)], out.with_suffix(".log"), ex.env(work), work, dry, say)
+    return {} if dry else json.loads(out.read_text(encoding="utf-8"))
+
+
+def mark_duplicates(ex: Example, chosen: list[Candidate], work: Path, dry: bool, say) -> None:
+    """A candidate whose schedule (ranks, placement, backward) equals an earlier one's runs as that one."""
+    if dry:
+        return
+
+    def key(c):
+        d = schedule_json(ex, c, work, dry, say)
+        return json.dumps([d.get("ranks"), d.get("placement", {}).get("stage_ranks"), d.get("backward")])
+
+    seen = {}
+    for c in chosen:
+        k = key(c)
+        if k in seen:
+            c.same_as = seen[k].label
+            c.label += f" = {seen[k].schedule}"
+        else:
+            seen[k] = c
+
+
+# -- measuring -----------------------------------------------------------------------------------
+def read_times(ex: Example, log: Path) -> list[float]:
+    """The per-iteration times (ms) the example wrote (`iteration_ms` of their --loss-log)."""
+    try:
+        return [float(x) for x in json.loads(log.read_text(encoding="utf-8"))["iteration_ms"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise BenchError(f"{log}: no iteration times ({exc})") from None
+
+
+def measure(ex: Example, chosen: list[Candidate], args, work: Path, say) -> dict[str, list[list[float]]]:
+    """Per distinct candidate label, the kept iteration times of each round: `args.rounds` rounds,
+    each a fresh torchrun of every distinct schedule, the order rotated by one every round."""
+    runs = [c for c in chosen if c.same_as is None]
+    times: dict[str, list[list[float]]] = {c.label: [] for c in runs}
+    for r in range(args.rounds):
+        for c in runs[r % len(runs):] + runs[:r % len(runs)]:
+            log = work / f"times_round{r}_{runs.index(c)}.json"
+            run(ex.run_cmd(c, args.iterations, log), log.with_suffix(".log"), ex.env(work), ROOT, args.dry_run, say)
+            if not args.dry_run:
+                times[c.label].append(read_times(ex, log)[args.warmup:])
+    return times
+
+
+# -- the report ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Row:
+    example: str
+    schedule: str
+    v: int
+    predicted_ms: float
+    measured_ms: float
+    round_medians: tuple[float, ...]
+    speedup_predicted: float
+    speedup_measured: float
+
+    @property
+    def error(self) -> float:
+        return self.measured_ms / self.predicted_ms - 1
+
+
+def rows_of(ex: Example, chosen: list[Candidate], times: dict[str, list[list[float]]]) -> list[Row]:
+    """One row per candidate; speedups over the 1f1b row (the first)."""
+    out = []
+    for c in chosen:
+        rounds = times[c.same_as or c.label]
+        kept = [x for r in rounds for x in r]
+        out.append(Row(f"{ex.engine} {ex.label} p={ex.p}", c.label, c.v, c.predicted_ms,
+                       statistics.median(kept) if kept else float("nan"),
+                       tuple(statistics.median(r) for r in rounds if r), 1.0, 1.0))
+    one = out[0]
+    return [Row(r.example, r.schedule, r.v, r.predicted_ms, r.measured_ms, r.round_medians,
+                one.predicted_ms / r.predicted_ms, one.measured_ms / r.measured_ms) for r in out]
+
+
+COLUMNS = ("example", "schedule", "v", "predicted ms", "measured ms", "rounds' medians", "speedup predicted",
+           "speedup measured", "error")
+
+
+def format_table(rows: list[Row]) -> str:
+    """The rows as a Markdown table (COLUMNS), one line per row."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in rows:
+        spread = f"{min(r.round_medians):.1f}-{max(r.round_medians):.1f}" if r.round_medians else "-"
+        lines.append(f"| {r.example} | {r.schedule} | {r.v} | {r.predicted_ms:.1f} | {r.measured_ms:.1f} | {spread} "
+                     f"| {r.speedup_predicted:.3f}x | {r.speedup_measured:.3f}x | {r.error:+.1%} |")
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    """Cores, CPU model and the load average now."""
+    model = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{os.cpu_count()} cores, {model}"
+
+
+def load_average() -> str:
+    try:
+        return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg()) + " (1, 5, 15 min)"
+    except OSError:
+        return "load average unknown"
+
+
+def header(argv: list[str], args) -> list[str]:
+    return [f"$ {shlex.join(['python', 'benchmarks/fidelity.py', *argv])}",
+            f"machine: {machine()}; {load_average()} before",
+            f"started {time.strftime('%Y-%m-%d %H:%M:%S')}; {args.rounds} round(s), each a fresh torchrun per "
+            f"schedule, "
+            f"{args.iterations} iterations of {MICROBATCHES} microbatches, the first {args.warmup} dropped; "
+            f"measured = median of the kept iterations (Megatron: --loss-log iteration_ms, last pipeline rank; "
+            f"DeepSpeed: --loss-log iteration_ms, rank 0's train_batch); predicted = koala simulate on the profile"]
+
+
+# -- main ----------------------------------------------------------------------------------------
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engines", nargs="+", choices=("megatron", "deepspeed"), default=["megatron", "deepspeed"])
+    ap.add_argument("--chunks", default=None, help="v values to profile and search, comma-separated (default 1,2; "
+                                                   "--quick: 1)")
+    ap.add_argument("--rounds", type=int, default=None, help="fresh torchruns per schedule (default 3; --quick: 1)")
+    ap.add_argument("--iterations", type=int, default=None, help="iterations per torchrun (default 12; --quick: 8)")
+    ap.add_argument("--warmup", type=int, default=None, help="first iterations dropped (default 4; --quick: 3)")
+    ap.add_argument("--search-budget", type=float, default=None, help="koala search --time-budget S (default 5; "
+                                                                      "--quick: 2)")
+    ap.add_argument("--quick", action="store_true", help="the examples' default sizes, v = 1, one round")
+    ap.add_argument("--work", default=None,
+                    help="folder for profiles, schedules and logs (default: a new temporary one)")
+    ap.add_argument("--out", default=None, help="also write the report to this file (atomically)")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan and the commands; run nothing")
+    args = ap.parse_args(argv)
+    q = args.quick
+    for name, full, quick in (("rounds", 3, 1), ("iterations", 12, 8), ("warmup", 4, 3), ("search_budget", 5.0, 2.0)):
+        if getattr(args, name) is None:
+            setattr(args, name, quick if q else full)
+    text = args.chunks or ("1" if q else "1,2")
+    try:
+        args.chunks = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        ap.error(f"--chunks {text!r}: expected comma-separated integers, e.g. 1,2")
+    if any(v < 1 for v in args.chunks) or 1 not in args.chunks:
+        ap.error(f"--chunks {text}: each v >= 1, and 1 among them (1f1b is the baseline)")
+    for name in ("rounds", "iterations"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if not 0 <= args.warmup < args.iterations:
+        ap.error(f"--warmup {args.warmup} must be >= 0 and below --iterations {args.iterations}")
+    if not args.search_budget > 0:
+        ap.error(f"--search-budget must be > 0 seconds, got {args.search_budget}")
+    return args
+
+
+def bench_one(ex: Example, args, work: Path, say) -> tuple[list[Row], str]:
+    """Profile, calibrate, choose and measure one example; its rows and calibration line."""
+    say(f"[{ex.engine} {ex.label} p={ex.p}]")
+    profiles = {}
+    for v in ex.chunks(args.chunks):
+        profiles[v] = work / f"profile_v{v}.json"
+        run(ex.profile_cmd(v, profiles[v], work, args.quick), work / f"profile_v{v}.log", ex.env(work), work,
+            args.dry_run, say)
+    profiles, how = calibrate(ex, profiles, work, args.dry_run, say)
+    chosen = choose(ex, profiles, args.search_budget, work, args.dry_run, say)
+    times = measure(ex, chosen, args, work, say)
+    return ([] if args.dry_run else rows_of(ex, chosen, times)), how
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    if args.out:
+        sys.path.insert(0, str(ROOT))
+        from koala_ds.outputs import OutputError, check_output
+
+        try:
+            check_output(args.out, "--out")
+        except OutputError as exc:
+            print(f"fidelity.py: {exc}", file=sys.stderr)
+            return 2
+    lines = header(argv, args)
+    print("\n".join(lines), flush=True)
+    if args.dry_run:  # nothing is written: the plan names a folder that is not made
+        work_root = Path(args.work or Path(tempfile.gettempdir()) / "koala-fidelity-DRYRUN")
+    else:
+        work_root = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="koala-fidelity-"))
+    rows, calibrations = [], []
+    try:
+        for ex in plan(args):
+            work = work_root / f"{ex.engine}-{ex.label}-p{ex.p}"
+            if not args.dry_run:
+                work.mkdir(parents=True, exist_ok=True)
+            got, how = bench_one(ex, args, work, lambda s: print(s, file=sys.stderr, flush=True))
+            rows += got
+            calibrations.append(f"{ex.engine} {ex.label} p={ex.p}: {how}")
+    except BenchError as exc:
+        print(f"fidelity.py: {exc}", file=sys.stderr)
+        return 1
+    lines += [f"calibration: {c}" for c in calibrations]
+    lines += ["", format_table(rows), "", f"finished {time.strftime('%H:%M:%S')}; {load_average()} after; "
+              f"work folder {work_root}"]
+    report = "\n".join(lines[len(header(argv, args)):])
+    print(report, flush=True)
+    if args.out and not args.dry_run:
+        from koala_ds.outputs import atomic_write
+
+        atomic_write(args.out, "\n".join(lines) + "\n", "--out")
+        print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

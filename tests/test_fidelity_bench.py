@@ -1,0 +1,182 @@
+"""benchmarks/fidelity.py: its argument handling, its plan (--dry-run: the user's commands, nothing
+run) and the form of its table; and the DeepSpeed example's hooks it uses (`train:layers` for
+`koala profile deepspeed`, `--loss-log`)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "fidelity.py"
+
+
+def _load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def fidelity():
+    return _load(SCRIPT, "fidelity_bench")
+
+
+def _run(*args, timeout=60):
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT)
+
+
+def test_dry_run_prints_the_users_commands_and_writes_nothing(tmp_path):
+    work = tmp_path / "work"
+    res = _run("--dry-run", "--quick", "--work", str(work), "--out", str(tmp_path / "report.txt"))
+    assert res.returncode == 0, res.stderr
+    out, err = res.stdout, res.stderr
+    assert out.splitlines()[0].startswith("$ python benchmarks/fidelity.py --dry-run --quick")
+    assert "machine: " in out and "load average" in out and "calibration: megatron" in out
+    commands = [line.strip()[2:] for line in err.splitlines() if line.strip().startswith("$ ")]
+    koala = [c for c in commands if c.split()[0].endswith("koala")]
+    runs = [c for c in commands if c.split()[0].endswith("torchrun")]
+    assert any(" profile megatron-gpt " in c and "--num-layers 4 --hidden-size 64" in c for c in koala)
+    assert any(" profile deepspeed --layers train:layers --input train:sample" in c for c in koala)
+    assert all("--min-gain 0" in c for c in koala if " search " in c)
+    assert any("pretrain_gpt.py" in c and "--loss-log" in c for c in runs)
+    assert any("deepspeed_pipe/train.py" in c and "--loss-log" in c for c in runs)
+    assert all("--standalone" in c for c in runs)  # no fixed port shared with other jobs
+    assert not work.exists() and not (tmp_path / "report.txt").exists()
+
+
+def test_full_plan_alternates_fresh_runs_and_profiles_each_v(tmp_path, fidelity):
+    res = _run("--dry-run", "--engines", "deepspeed", "--rounds", "2", "--work", str(tmp_path / "w"))
+    assert res.returncode == 0, res.stderr
+    cmds = [line.strip()[2:] for line in res.stderr.splitlines() if line.strip().startswith("$ ")]
+    profiles = [c for c in cmds if " profile deepspeed " in c]
+    assert any("-v 2" in c for c in profiles) and any("-v 1" in c for c in profiles)
+    assert any("fidelity_ds_dim1024:layers" in c for c in profiles)  # the other --dim: a module of its own
+    runs = [c.split("--schedule ")[1].split()[0] for c in cmds if "torchrun" in c and "--dim 64 " in c]
+    assert len(runs) == 2 * 3  # two rounds of three schedules, a fresh torchrun each
+    assert runs[:3] != runs[3:] and sorted(runs[:3]) == sorted(runs[3:])  # the order rotates
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--warmup", "8", "--iterations", "8"], "--warmup 8 must be >= 0 and below --iterations 8"),
+    (["--chunks", "2"], "--chunks 2: each v >= 1, and 1 among them"),
+    (["--chunks", "one"], "--chunks 'one': expected comma-separated integers"),
+    (["--rounds", "0"], "--rounds must be >= 1"),
+    (["--search-budget", "0"], "--search-budget must be > 0"),
+    (["--engines", "torch"], "invalid choice: 'torch'"),
+])
+def test_bad_arguments_are_one_line(args, says):
+    res = _run("--dry-run", *args)
+    assert res.returncode == 2
+    errors = [line for line in res.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and says in errors[0], res.stderr
+
+
+def test_an_unwritable_out_is_refused_before_anything_runs(tmp_path):
+    res = _run("--quick", "--out", str(tmp_path / "missing" / "report.txt"))
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [f"fidelity.py: --out {tmp_path / 'missing' / 'report.txt'}: directory "
+                                               f"{tmp_path / 'missing'} does not exist"]
+    assert res.stdout == ""
+
+
+def test_rows_give_speedups_over_1f1b_and_the_error(fidelity):
+    ex = fidelity.Example("deepspeed", "dim64", 2, {"dim": 64})
+    chosen = [fidelity.Candidate("1f1b", "1f1b", 1, predicted_ms=100.0),
+              fidelity.Candidate("best predefined (zb-h1)", "zb-h1", 1, predicted_ms=80.0),
+              fidelity.Candidate("searched (linear, v=1) = zb-h1", "s.koala", 1, predicted_ms=80.0,
+                                 same_as="best predefined (zb-h1)")]
+    times = {"1f1b": [[110.0, 130.0, 120.0], [140.0]], "best predefined (zb-h1)": [[90.0, 100.0], [95.0, 500.0]]}
+    rows = fidelity.rows_of(ex, chosen, times)
+    assert [r.speedup_predicted for r in rows] == [1.0, 1.25, 1.25]
+    assert rows[0].measured_ms == 125.0 and rows[1].measured_ms == 97.5  # median of every kept iteration
+    assert rows[1].speedup_measured == pytest.approx(125.0 / 97.5)
+    assert rows[2].measured_ms == rows[1].measured_ms  # a duplicate is run once and reported for both
+    assert rows[0].error == pytest.approx(0.25) and rows[1].error == pytest.approx(97.5 / 80.0 - 1)
+    assert rows[0].round_medians == (120.0, 140.0)
+    table = fidelity.format_table(rows).splitlines()
+    assert table[0] == "| " + " | ".join(fidelity.COLUMNS) + " |"
+    assert len(table) == 2 + len(rows) and all(line.count("|") == len(fidelity.COLUMNS) + 1 for line in table)
+    assert table[3].startswith("| deepspeed dim64 p=2 | best predefined (zb-h1) | 1 | 80.0 | 97.5 | 95.0-297.5 | "
+                               "1.250x | 1.282x | +21.9% |")
+
+
+def test_each_example_runs_the_v_its_layers_allow(fidelity, monkeypatch):
+    mg = fidelity.Example("megatron", "gpt-4L", 2, dict(fidelity.MEGATRON_SIZES["gpt-4L-h64-s32"]))
+    assert mg.chunks((1, 2)) == (1, 2)
+    assert fidelity.Example("megatron", "gpt-4L", 4, mg.size).chunks((1, 2)) == (1,)  # 4 layers, 8 stages: no
+    assert fidelity.Example("deepspeed", "dim64", 4, {"dim": 64}).chunks((1, 2)) == (1, 2)  # 9 layers >= 8
+    args = fidelity.parse_args(["--quick"])
+    monkeypatch.setattr(fidelity.os, "cpu_count", lambda: 2)
+    assert [(e.engine, e.p) for e in fidelity.plan(args)] == [("megatron", 2), ("deepspeed", 2)]
+    monkeypatch.setattr(fidelity.os, "cpu_count", lambda: 8)
+    assert [e.p for e in fidelity.plan(args)] == [2, 2, 4, 4]
+
+
+def test_a_failing_step_is_one_line_naming_its_log(fidelity, tmp_path):
+    log = tmp_path / "step.log"
+    with pytest.raises(fidelity.BenchError) as info:
+        fidelity.run([sys.executable, "-c", "import sys; print('x'); sys.exit('ValueError: bad size')"], log,
+                     say=lambda s: None)
+    assert "\n" not in str(info.value) and "ValueError: bad size" in str(info.value) and str(log) in str(info.value)
+
+
+# -- the DeepSpeed example's parts the benchmark uses ---------------------------------------------
+@pytest.fixture(scope="module")
+def example():
+    pytest.importorskip("deepspeed")
+    return _load(ROOT / "examples" / "deepspeed_pipe" / "train.py", "ds_example_train_fidelity")
+
+
+def test_the_example_builds_its_layer_list_for_any_dim(example):
+    import torch
+
+    specs = example.build_layers(32)
+    assert len(specs) == 9 and [s.typename for s in specs] == [example.Block] * 8 + [torch.nn.Linear]
+    assert specs[-1].module_args == (32, 1) and example.sample_input(32).shape == (example.MICRO_BATCH, 32)
+    assert len(example.layers()) == 9 and example.sample().shape == (example.MICRO_BATCH, 64)
+
+
+def test_the_examples_loss_log_is_checked_before_deepspeed_starts(example, monkeypatch, capsys, tmp_path):
+    from koala_ds.errors import run_main
+
+    monkeypatch.setattr(example.deepspeed, "init_distributed", lambda **_: pytest.fail("DeepSpeed was started"))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(sys, "argv", ["train.py", "--loss-log", str(tmp_path / "no" / "times.json")])
+    with pytest.raises(SystemExit) as info:
+        run_main(example.main, "train.py")
+    assert info.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [f"train.py: error: --loss-log {tmp_path / 'no' / 'times.json'}: directory {tmp_path / 'no'} "
+                     f"does not exist"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_koala_profile_deepspeed_profiles_the_examples_layer_list(tmp_path):
+    """What the benchmark runs first, as a user would: the example's own `train:layers` (one
+    process; the p2p latency given, so no ping-pong)."""
+    pytest.importorskip("deepspeed")
+    import os
+
+    from deepspeed_jobs import extensions_dir
+
+    out = tmp_path / "prof.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "examples" / "deepspeed_pipe"), DS_ACCELERATOR="cpu",
+               TORCH_EXTENSIONS_DIR=str(extensions_dir()))
+    koala = str(Path(sys.executable).parent / "koala")
+    res = subprocess.run([koala, "profile", "deepspeed", "--layers", "train:layers", "--input", "train:sample",
+                          "--partition-method", "uniform", "-p", "2", "-v", "2", "--p2p-latency", "0.1", "--warmup",
+                          "1", "--iters", "2", "-o", str(out)],
+                         capture_output=True, text=True, timeout=280, cwd=tmp_path, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    stages = json.loads(out.read_text())["stages"]
+    assert len(stages) == 4 and all(s["forward"] > 0 and s["backward_input"] > 0 for s in stages)
