@@ -13,11 +13,15 @@ v = 1 and 2 chunks per rank where the model has the layers, it runs what a user 
 1. `koala profile megatron-gpt ...` / `koala profile deepspeed --layers ... --input ...` (the
    example's own layer list, `train:layers`, or a two-line module returning `build_layers(dim)`
    for another --dim), one profile per v (DeepSpeed cuts p x v parts anew);
-2. `calibrate()`: the step where `koala calibrate` will fit the runtime's overheads from measured
-   traces into the profile; today it returns the profiles unchanged (the report says so);
-3. `koala compare --json` per v: 1f1b and the best predefined schedule (the fastest that fits
-   the memory limit and that the engines run: one pipeline), and `koala search --min-gain 0`
-   per v: the searched schedule (the faster v's); predictions by `koala simulate --json`;
+2. `calibrate()`: per v, short traced runs of library schedules on the real engine (v = 1: 1f1b
+   and zb-h1; v = 2: interleaved-1f1b and zb-v; `--calib-iterations` each, Megatron --koala-trace FILE,
+   DeepSpeed --trace FILE), then `koala calibrate TRACE... --profile profile_v{v}.json -o
+   calibrated_v{v}.json`: the stage times as they ran in the engine, the per-action, per-step
+   and p2p costs; what it printed goes into the report;
+3. on the CALIBRATED profiles, `koala compare --json` per v: 1f1b and the best predefined
+   schedule (the fastest that fits the memory limit and that the engines run: one pipeline),
+   and `koala search --min-gain 0` per v: the searched schedule (the faster v's); predictions
+   by `koala simulate --json`;
 4. the example with each distinct schedule (a searched schedule equal to a library one runs
    once), ALTERNATING: `--rounds` rounds, each a fresh torchrun of every schedule in a rotated
    order, `--iterations` iterations each, the first `--warmup` dropped; the examples' own
@@ -128,8 +132,12 @@ class Example:
             f"def sample():\n    return sample_input({dim})\n", encoding="utf-8")
         return name
 
-    def run_cmd(self, sched: "Candidate", iterations: int, log: Path) -> list[str]:
+    def run_cmd(self, sched: "Candidate", iterations: int, log: Path, trace: Path | None = None) -> list[str]:
+        """The example's torchrun for `sched`; `trace`: also record the measured trace there
+        (Megatron --koala-trace FILE, the DeepSpeed example's --trace FILE)."""
         torchrun = [str(venv_bin() / "torchrun"), "--standalone", "--nproc-per-node", str(self.p)]
+        flag = "--koala-trace" if self.engine == "megatron" else "--trace"
+        traced = [flag, str(trace)] if trace is not None else []
         if self.engine == "megatron":
             flags = [x for k, val in self.size.items() for x in (f"--{k}", str(val))]
             chunks = ["--virtual-pipeline-model-parallel-size", str(sched.v)] if sched.v > 1 else []
@@ -137,11 +145,11 @@ class Example:
             return [*torchrun, str(MEGATRON_EXAMPLE), "--pipeline-model-parallel-size", str(self.p), *chunks, *flags,
                     "--global-batch-size", str(gbs), "--train-iters", str(iterations), "--log-interval",
                     str(iterations), "--pipeline-schedule", "koala", "--koala-schedule", sched.schedule,
-                    "--loss-log", str(log)]
+                    "--loss-log", str(log), *traced]
         chunks = ["--chunks", str(sched.v), "--placement", sched.placement] if sched.v > 1 else []
         return [*torchrun, str(DEEPSPEED_EXAMPLE), "--dim", str(self.size["dim"]), "--microbatches",
                 str(MICROBATCHES), "--steps", str(iterations), "--schedule", sched.schedule, *chunks,
-                "--loss-log", str(log)]
+                "--loss-log", str(log), *traced]
 
 
 def plan(args) -> list[Example]:
@@ -208,13 +216,42 @@ class Candidate:
     same_as: str | None = None
 
 
-def calibrate(ex: Example, profiles: dict[int, Path], work: Path, dry: bool, say) -> tuple[dict[int, Path], str]:
-    """The profiles the choice and the predictions use, and a line saying how they were made.
+#: The library schedules a user traces to calibrate each v (koala calibrate fits every traced
+#: run of that v at once): per v one with a full and one with a split backward, so that B and I / W
+#: are all measured. v = 2 needs zb-v beside interleaved-1f1b: calibrated on interleaved-1f1b
+#: alone, DeepSpeed dim64's I / W were the profile's times the F ratio (x20-76: F's span holds the
+#: runtime's per-action work) and zb-v was predicted at 244 ms where it ran 130 (+88%); fitted on
+#: both, -3.4% / -9.6% (2026-12-05, /work/notes/fidelity_findings.md).
+CALIBRATION_SCHEDULES = {1: (("1f1b", "linear"), ("zb-h1", "linear")),
+                         2: (("interleaved-1f1b", "interleaved"), ("zb-v", "vshape"))}
 
-    The place for `koala calibrate` (fitting the runtime's overhead per action and per step from
-    measured traces of the example) once it exists: run it here, per v, and return the calibrated
-    profiles. Today: the profiles as measured."""
-    return profiles, "none (the profiles as `koala profile` wrote them; `koala calibrate` is not in this checkout yet)"
+
+def calibrate(ex: Example, profiles: dict[int, Path], args, work: Path, say) -> tuple[dict[int, Path], str]:
+    """The user's calibration: per v, trace short runs of the library schedules of that v
+    (CALIBRATION_SCHEDULES) on the real engine, then `koala calibrate TRACE... --profile
+    profile_v{v}.json -o calibrated_v{v}.json`. The calibrated profiles, and what koala calibrate
+    printed (its table: measured vs predicted per traced run, the fitted values)."""
+    out, printed = {}, []
+    for v, prof in profiles.items():
+        traces = []
+        for name, placement in CALIBRATION_SCHEDULES.get(v, ()):
+            trace = work / f"trace_{name}_v{v}.json"
+            log = work / f"calib_{name}_v{v}"
+            run(ex.run_cmd(Candidate(name, name, v, placement), args.calib_iterations, log.with_suffix(".json"),
+                           trace), log.with_suffix(".log"), ex.env(work), ROOT, args.dry_run, say)
+            traces.append(trace)
+        if not traces:
+            out[v] = prof
+            printed.append(f"v={v}: no library schedule to trace; the profile as measured")
+            continue
+        out[v] = work / f"calibrated_v{v}.json"
+        text = run([str(venv_bin() / "koala"), "calibrate", *map(str, traces), "--profile", str(prof),
+                    "--skip-steps", str(args.calib_skip), "-o", str(out[v])], work / f"calibrate_v{v}.log",
+                   ex.env(work), work, args.dry_run, say)
+        printed.append(f"v={v}: koala calibrate {' '.join(t.stem for t in traces)} "
+                       f"({args.calib_iterations} iterations each, the first {args.calib_skip} skipped):\n"
+                       + "\n".join("    " + line for line in text.splitlines() if not line.startswith("wrote ")))
+    return out, "\n  ".join(["koala calibrate per v, on traced runs of library schedules", *printed])
 
 
 def choose(ex: Example, profiles: dict[int, Path], budget: float, work: Path, dry: bool, say) -> list[Candidate]:
@@ -381,7 +418,8 @@ def header(argv: list[str], args) -> list[str]:
             f"schedule, "
             f"{args.iterations} iterations of {MICROBATCHES} microbatches, the first {args.warmup} dropped; "
             f"measured = median of the kept iterations (Megatron: --loss-log iteration_ms, last pipeline rank; "
-            f"DeepSpeed: --loss-log iteration_ms, rank 0's train_batch); predicted = koala simulate on the profile"]
+            f"DeepSpeed: --loss-log iteration_ms, rank 0's train_batch); predicted = koala simulate on the "
+            f"calibrated profile"]
 
 
 # -- main ----------------------------------------------------------------------------------------
@@ -393,6 +431,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=None, help="fresh torchruns per schedule (default 3; --quick: 1)")
     ap.add_argument("--iterations", type=int, default=None, help="iterations per torchrun (default 12; --quick: 8)")
     ap.add_argument("--warmup", type=int, default=None, help="first iterations dropped (default 4; --quick: 3)")
+    ap.add_argument("--calib-iterations", type=int, default=None,
+                    help="iterations per traced calibration run (default 8; --quick: 6; cheap beside a "
+                         "torchrun's start)")
+    ap.add_argument("--calib-skip", type=int, default=None,
+                    help="first iterations of a calibration run that koala calibrate leaves out (--skip-steps; "
+                         "default 2)")
     ap.add_argument("--search-budget", type=float, default=None, help="koala search --time-budget S (default 5; "
                                                                       "--quick: 2)")
     ap.add_argument("--quick", action="store_true", help="the examples' default sizes, v = 1, one round")
@@ -402,7 +446,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--dry-run", action="store_true", help="print the plan and the commands; run nothing")
     args = ap.parse_args(argv)
     q = args.quick
-    for name, full, quick in (("rounds", 3, 1), ("iterations", 12, 8), ("warmup", 4, 3), ("search_budget", 5.0, 2.0)):
+    for name, full, quick in (("rounds", 3, 1), ("iterations", 12, 8), ("warmup", 4, 3), ("search_budget", 5.0, 2.0),
+                              ("calib_iterations", 8, 6), ("calib_skip", 2, 2)):
         if getattr(args, name) is None:
             setattr(args, name, quick if q else full)
     text = args.chunks or ("1" if q else "1,2")
@@ -415,6 +460,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for name in ("rounds", "iterations"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if not 0 <= args.calib_skip < args.calib_iterations - 1:
+        ap.error(f"--calib-skip {args.calib_skip} must be >= 0 and leave at least 2 of --calib-iterations "
+                 f"{args.calib_iterations} (koala calibrate times a step up to the next one's start)")
     if not 0 <= args.warmup < args.iterations:
         ap.error(f"--warmup {args.warmup} must be >= 0 and below --iterations {args.iterations}")
     if not args.search_budget > 0:
@@ -430,7 +478,7 @@ def bench_one(ex: Example, args, work: Path, say) -> tuple[list[Row], str]:
         profiles[v] = work / f"profile_v{v}.json"
         run(ex.profile_cmd(v, profiles[v], work, args.quick), work / f"profile_v{v}.log", ex.env(work), work,
             args.dry_run, say)
-    profiles, how = calibrate(ex, profiles, work, args.dry_run, say)
+    profiles, how = calibrate(ex, profiles, args, work, say)
     chosen = choose(ex, profiles, args.search_budget, work, args.dry_run, say)
     times = measure(ex, chosen, args, work, say)
     return ([] if args.dry_run else rows_of(ex, chosen, times)), how

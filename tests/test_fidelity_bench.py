@@ -52,6 +52,33 @@ def test_dry_run_prints_the_users_commands_and_writes_nothing(tmp_path):
     assert not work.exists() and not (tmp_path / "report.txt").exists()
 
 
+def _commands(stderr: str) -> list[str]:
+    return [line.strip()[2:] for line in stderr.splitlines() if line.strip().startswith("$ ")]
+
+
+def test_dry_run_calibrates_on_traced_library_runs_before_choosing(tmp_path):
+    """The user's path: profile -> traced short runs of 1f1b and zb-h1 -> koala calibrate on
+    those traces and the profile -> compare / search / simulate on the calibrated profile."""
+    res = _run("--dry-run", "--quick", "--work", str(tmp_path / "w"))
+    assert res.returncode == 0, res.stderr
+    for engine, flag in (("megatron", "--koala-trace"), ("deepspeed", "--trace")):
+        work = tmp_path / "w" / ("megatron-gpt-4L-h64-s32-p2" if engine == "megatron" else "deepspeed-dim64-p2")
+        cmds = [c for c in _commands(res.stderr) if str(work) in c]
+        traced = [c for c in cmds if f" {flag} " in c]
+        assert [c.split("--koala-schedule " if engine == "megatron" else "--schedule ")[1].split()[0]
+                for c in traced] == ["1f1b", "zb-h1"]
+        assert all("torchrun" in c and ("--train-iters 6 " in c or "--steps 6 " in c) for c in traced)
+        cal = [c for c in cmds if " calibrate " in c]
+        assert cal == [f"{Path(cal[0].split()[0])} calibrate {work}/trace_1f1b_v1.json {work}/trace_zb-h1_v1.json "
+                       f"--profile {work}/profile_v1.json --skip-steps 2 -o {work}/calibrated_v1.json"]
+        order = [cmds.index(c) for c in (traced[0], traced[1], cal[0])]
+        assert order == sorted(order) and all(" profile " not in c for c in cmds[order[-1]:])
+        chose = [c for c in cmds[order[-1]:] if " compare " in c or " search " in c or " simulate " in c]
+        assert chose and all(f"--profile {work}/calibrated_v1.json" in c for c in chose)
+        assert not any(flag in c for c in cmds[order[-1]:])  # the measured runs are not traced
+    assert "calibration: megatron gpt-4L-h64-s32 p=2: koala calibrate per v" in res.stdout
+
+
 def test_full_plan_alternates_fresh_runs_and_profiles_each_v(tmp_path, fidelity):
     res = _run("--dry-run", "--engines", "deepspeed", "--rounds", "2", "--work", str(tmp_path / "w"))
     assert res.returncode == 0, res.stderr
@@ -59,9 +86,19 @@ def test_full_plan_alternates_fresh_runs_and_profiles_each_v(tmp_path, fidelity)
     profiles = [c for c in cmds if " profile deepspeed " in c]
     assert any("-v 2" in c for c in profiles) and any("-v 1" in c for c in profiles)
     assert any("fidelity_ds_dim1024:layers" in c for c in profiles)  # the other --dim: a module of its own
-    runs = [c.split("--schedule ")[1].split()[0] for c in cmds if "torchrun" in c and "--dim 64 " in c]
+    dim64 = [c for c in cmds if "torchrun" in c and "--dim 64 " in c]
+    runs = [c.split("--schedule ")[1].split()[0] for c in dim64 if " --trace " not in c]
     assert len(runs) == 2 * 3  # two rounds of three schedules, a fresh torchrun each
     assert runs[:3] != runs[3:] and sorted(runs[:3]) == sorted(runs[3:])  # the order rotates
+    traced = [c for c in dim64 if " --trace " in c]  # calibration: per v a full and a split backward
+    assert [c.split("--schedule ")[1].split()[0] for c in traced] == ["1f1b", "zb-h1", "interleaved-1f1b", "zb-v"]
+    assert "--chunks 2 --placement interleaved" in traced[2] and "--chunks 2 --placement vshape" in traced[3]
+    assert all("--steps 8 " in c for c in traced)
+    cal = [c for c in cmds if " calibrate " in c and "dim64" in c]
+    assert len(cal) == 2 and "profile_v1.json" in cal[0] and "trace_interleaved-1f1b_v2.json" in cal[1] \
+        and "trace_zb-v_v2.json --profile" in cal[1] \
+        and f"--profile {tmp_path / 'w' / 'deepspeed-dim64-p2' / 'profile_v2.json'}" in cal[1] \
+        and "calibrated_v2.json" in cal[1] and "--skip-steps 2" in cal[1]
 
 
 @pytest.mark.parametrize("args, says", [
@@ -70,6 +107,7 @@ def test_full_plan_alternates_fresh_runs_and_profiles_each_v(tmp_path, fidelity)
     (["--chunks", "one"], "--chunks 'one': expected comma-separated integers"),
     (["--rounds", "0"], "--rounds must be >= 1"),
     (["--search-budget", "0"], "--search-budget must be > 0"),
+    (["--calib-iterations", "3", "--calib-skip", "2"], "--calib-skip 2 must be >= 0 and leave at least 2"),
     (["--engines", "torch"], "invalid choice: 'torch'"),
 ])
 def test_bad_arguments_are_one_line(args, says):
