@@ -184,11 +184,15 @@ def main() -> None:
             atomic_write(args.loss_log, json.dumps(record) + "\n", "--loss-log")
     if hasattr(engine, "close_trace"):  # --trace: end the trace file (else done at exit)
         engine.close_trace()
-    # Tear the process group down before the interpreter does: left to interpreter exit, gloo's
-    # worker threads may still hold work objects whose tensors need the (finalising)
-    # interpreter, and the rank aborts ("terminate called without an active exception").
     # Only on success: after an error the other ranks may still be inside a collective.
     deepspeed.comm.destroy_process_group()
+    # Let gloo's worker threads drop the last collectives' tensors (which takes the GIL) before
+    # the interpreter finalizes, or a rank may abort at exit: "terminate called without an active
+    # exception" (docs/deepspeed.md, "Ending a run"). Importing koala_ds.deepspeed also does it at
+    # exit; DeepSpeed's own engine needs the call.
+    from koala_ds.deepspeed import wait_for_gloo_workers
+
+    wait_for_gloo_workers()
 
 
 if __name__ == "__main__":

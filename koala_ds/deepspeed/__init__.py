@@ -10,10 +10,12 @@ from .engine import (KoalaConfigError, KoalaPipelineConfig, KoalaPipelineEngine,
 from .install import EngineSelector, install, installed, select_engine_class, uninstall
 from .module import KoalaPipelineModule
 from .schedule import (BackwardInputPass, BackwardWeightPass, KoalaInferenceSchedule, KoalaPipeSchedule, WaitSends)
+from .teardown import install_exit_wait, wait_for_gloo_workers
 
 __all__ = ["KoalaPipelineEngine", "KoalaPipelineModule", "KoalaPipeSchedule", "KoalaInferenceSchedule",
            "KoalaPipelineConfig", "KoalaConfigError", "PipelineTimeoutError", "BackwardInputPass",
            "BackwardWeightPass", "WaitSends", "EngineSelector", "install", "uninstall", "installed",
-           "select_engine_class", "check_schedule", "resolve_schedule"]
+           "select_engine_class", "check_schedule", "resolve_schedule", "wait_for_gloo_workers"]
 
 install()
+install_exit_wait()  # no abort at exit after the last collective: see teardown.py
