@@ -3,7 +3,8 @@ from setuptools import find_packages, setup
 setup(
     name="koala-ds",
     version="0.1.0",
-    description="Pipeline schedules as data: a DSL, a search, and adapters for DeepSpeed and Megatron-core",
+    description=("Pipeline schedules as data: a DSL, a search, and adapters for DeepSpeed, Megatron-core and "
+                 "torch.distributed.pipelining"),
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
@@ -13,6 +14,8 @@ setup(
     extras_require={
         "deepspeed": ["torch==2.13.0", "deepspeed==0.19.8"],
         "megatron": ["torch==2.13.0", "megatron-core==0.16.1"],
+        "torch": ["torch==2.13.0"],  # koala_ds.torch: torch.distributed.pipelining's runtime
+        "torchtitan": ["torch==2.13.0", "torchtitan==0.3.0"],  # brings ~50 packages (docs/torch.md)
         "exact": ["ortools>=9.10"],
         "viz": ["matplotlib>=3.7"],
         "search": ["tqdm>=4.60"],

@@ -5,7 +5,7 @@ The CLI (`koala show|validate|export|simulate`), the library's `load_schedule`, 
 engine and the Megatron launcher and runtime all call `resolve`. What differs between them is
 how the user *spells* p, m and v (and the schedule and profile settings): `Settings` holds
 that, and every message this module raises names the user's own setting and the value to set
-it to. `CLI`, `DEEPSPEED` and `MEGATRON` are the three vocabularies (`MEGATRON_LM`: Megatron's,
+it to. `CLI`, `DEEPSPEED`, `MEGATRON` and `TORCH` are the vocabularies (`MEGATRON_LM`: Megatron's,
 where Megatron-LM builds the model chunks; `DEEPSPEED_LAUNCHER`: the patched `deepspeed` launcher's
 flags, which `check_launch` checks before any rank starts).
 
@@ -92,6 +92,18 @@ MEGATRON = Settings(
 
 #: DeepSpeed's launcher, patched (patches/deepspeed): `deepspeed --koala_schedule ... --koala_profile ...`
 DEEPSPEED_LAUNCHER = replace(DEEPSPEED, schedule="--koala_schedule", profile="--koala_profile")
+
+#: torch.distributed.pipelining (`koala_ds.torch.schedule(stages, n_microbatches, loss_fn, spec)`): p and v
+#: come from the user's PipelineStage objects (group size; num_stages / group size), m is n_microbatches.
+TORCH = Settings(
+    "koala_ds.torch.schedule's spec",
+    Setting("the PipelineStage's group size", "the PipelineStage's process group has {value} ranks",
+            "run the pipeline on {value} ranks (the PipelineStage's group)"),
+    Setting("n_microbatches", "n_microbatches is {value}", "pass n_microbatches={value}"),
+    Setting("the number of PipelineStage objects per rank",
+            "each rank holds {value} PipelineStage(s) (num_stages / group size)",
+            "build {value} PipelineStage(s) per rank (num_stages = {value} x the group size)"),
+    engine="torch.distributed.pipelining")
 
 #: Megatron-LM's own model builder (`install(args)`, chunks="megatron"): chunk c of rank r holds
 #: stage c x p + r, so only the interleaved placement fits.

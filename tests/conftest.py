@@ -38,7 +38,8 @@ def pytest_configure(config: pytest.Config) -> None:
 # runs, on any worker.
 COMPILER_STACK_FILES = frozenset({
     "test_megatron_layout.py", "test_megatron_unit.py", "test_one_line_errors.py", "test_profile_layers.py",
-    "test_profiler.py", "test_timeout.py", "test_wgrad.py", "test_wgrad_policy.py", "test_library_torch.py"})
+    "test_profiler.py", "test_timeout.py", "test_wgrad.py", "test_wgrad_policy.py", "test_library_torch.py",
+    "test_torch_adapter.py"})
 
 
 def _scope(nodeid: str) -> str:
