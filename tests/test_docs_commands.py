@@ -23,7 +23,8 @@ SKIP = {
     "koala calibrate trace.json --profile prof.json -o calibrated.json":
         "README.md: needs the trace of a training run (--koala-trace), which this test does not launch; "
         "tests/test_calibrate.py runs koala calibrate on traces",
-    "koala calibrate runs/1f1b.json runs/zb-h1.json --profile prof.json -o calibrated.json --timeline merged.json":
+    "koala calibrate runs/1f1b.json runs/zb-h1.json --profile prof.json -o calibrated.json --timeline merged.json "
+    "--gantt steps.png":
         "docs/profiling.md: needs the traces of training runs (the torchrun lines before it)",
     "koala search --profile calibrated.json -m 8 --min-gain 3 -o best.koala":
         "docs/profiling.md: needs the calibrated profile of the line before",

@@ -70,29 +70,31 @@ def test_w_hold_under_the_default_bound_keeps_a_layer_that_would_hold_too_much_i
     assert meas.w_hold_bytes == 0 and meas.w_flops_deferred == 0.0
 
 
-def _near(got: float, want: float) -> bool:
-    """A sleep never ends early; Python around it (and a loaded 2-core machine) adds a little."""
-    return want - 0.05 <= got <= want * 1.15 + 1.5
+def _near(got: float, want: float, slack: float) -> bool:
+    """A sleep never ends early; what comes on top of it (Python, a loaded machine) stays below
+    `slack`, the stage's smallest sleep: less than a sleep in the wrong step would add."""
+    return want - 0.05 <= got < want + slack
 
 
 def test_emulated_stage_measures_its_sleep_times():
     """What makes the benchmark faithful: F, I and W each take their own sleep, no more.
     (The values are far enough apart that a sleep in the wrong step would be caught.)"""
-    f, i, w = 2.0, 5.0, 10.0
+    f, i, w = 4.0, 9.0, 16.0
     stage = EmulatedStage(f, i, w)
-    meas = measure_stage(stage, lambda: torch.randn(2, 1, 8, requires_grad=True), is_last=False, warmup=2, iters=7)
+    meas = measure_stage(stage, lambda: torch.randn(2, 1, 8, requires_grad=True), is_last=False, warmup=2, iters=7,
+                         clock="wall")  # a sleep takes no CPU time
     for name, want in (("forward", f), ("backward_input", i), ("backward_weight", w), ("backward_full", i + w)):
         got = min(getattr(meas, name))  # a sleep never ends early: the fastest sample is the least disturbed
-        assert _near(got, want), f"{name}: measured {got:.3f} ms for a {want} ms sleep"
+        assert _near(got, want, f), f"{name}: measured {got:.3f} ms for a {want} ms sleep"
     # through the profiler: an emulated model profiles back to its own costs, stage 0 (input = data,
     # no input gradient) too: its I still backpropagates to its weights, as on the runtimes
-    costs = [(1.0, 3.0, 6.0), (3.0, 4.0, 8.0)]
+    costs = [(2.0, 6.0, 12.0), (6.0, 8.0, 16.0)]
     result = profile_stages([EmulatedStage(*c) for c in costs], torch.randn(2, 1, 8), warmup=2, iters=5,
-                            full_backward=False)
+                            full_backward=False, clock="wall")
     st = result.stages  # the fastest sample again: the profile's medians move with the machine's load
-    assert _near(min(st[0].backward_input), 3.0) and _near(min(st[0].backward_weight), 6.0), st[0]
+    assert _near(min(st[0].backward_input), 6.0, 2.0) and _near(min(st[0].backward_weight), 12.0, 2.0), st[0]
     for name, want in zip(("forward", "backward_input", "backward_weight"), costs[1]):
-        assert _near(min(getattr(st[1], name)), want), (name, st[1])
+        assert _near(min(getattr(st[1], name)), want, 6.0), (name, st[1])
 
 
 def test_pipeline_module_layers_are_partitioned_like_deepspeed():
@@ -378,4 +380,4 @@ def test_a_stage_with_nothing_to_backpropagate_costs_no_backward():
                                      warmup=0, iters=1)
     first = result.stages[0]
     assert first.activation_bytes == 0 and first.w_hold_bytes == 0 and not first.input_grad
-    assert max(first.backward_input + first.backward_weight) < 1.0  # ms: only the step's bookkeeping
+    assert len(first.backward_input) == len(first.backward_weight) == len(first.backward_full) == 1  # timed, ran

@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator
 
 from ..ir import KoalaError
 from ..outputs import atomic_write, check_output
+from ..profiler.core import CLOCKS, DEFAULT_ITERS, DEFAULT_WARMUP, SPREAD_MIN_SAMPLES
 from ..spawn import MEGATRON_FALLBACK_WARNINGS, SpawnError
 from ..wgrad_policy import DEFAULT_MAX_HOLD, check_max_hold
 from . import dumps_json, nonnegative_float, positive_float, positive_int
@@ -54,8 +55,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("-p", type=int, required=True, help="pipeline ranks")
     p.add_argument("-v", type=int, default=1, help="model chunks per rank (the profile gets p * v stages; default 1)")
     p.add_argument("-o", "--output", required=True, metavar="prof.json", help="write the profile here")
-    p.add_argument("--warmup", type=int, default=2, help="microbatches run before measuring (default 2)")
-    p.add_argument("--iters", type=int, default=10, help="microbatches measured per stage; the median counts (default 10)")
+    p.add_argument("--warmup", type=int, default=DEFAULT_WARMUP,
+                   help=f"rounds run before measuring (default {DEFAULT_WARMUP}); a round runs every stage in turn, "
+                        f"each one microbatch split (F, I, W) and one whole (F, B)")
+    p.add_argument("--iters", type=int, default=DEFAULT_ITERS,
+                   help=f"rounds measured; the median counts, the interquartile range over it is the profile's "
+                        f"spread (written from {SPREAD_MIN_SAMPLES} rounds on; default {DEFAULT_ITERS})")
     p.add_argument("--p2p-latency", type=nonnegative_float, default=None, metavar="MS",
                    help="write this p2p latency instead of measuring it (2-process gloo ping-pong)")
     p.add_argument("--action-overhead", type=nonnegative_float, default=None, metavar="MS",
@@ -69,6 +74,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--threads", type=positive_int, default=1,
                    help="torch CPU threads, >= 1 (default 1: one pipeline rank per process and core)")
+    p.add_argument("--clock", choices=CLOCKS, default="auto",
+                   help="the CPU's timer: cpu = the thread's CPU time (time spent descheduled by a busy machine does "
+                        "not count; one --threads only), wall = the wall clock; auto (default): cpu with one thread, "
+                        "else wall. A GPU is timed with CUDA events")
     p.add_argument("--max-w-hold", type=max_w_hold, default=DEFAULT_MAX_HOLD, metavar="X",
                    help="what W may hold after I, as a fraction of a stage's activation; the layers beyond it "
                         f"compute their weight gradient in I (koala_ds.wgrad.prepare(max_hold=...); default "
@@ -88,6 +97,9 @@ def _check_args(args) -> None:
         raise KoalaError(f"-p and -v must be >= 1 (got p={args.p}, v={args.v})")
     if args.warmup < 0 or args.iters < 1:
         raise KoalaError("--warmup must be >= 0 and --iters >= 1")
+    if args.clock == "cpu" and args.threads > 1:
+        raise KoalaError(f"--clock cpu counts the calling thread's CPU time only, and --threads {args.threads} runs "
+                         f"more: use --clock wall (or auto), or --threads 1")
     if args.optimizer_bytes_per_param_byte is not None and not args.per_layer:
         raise KoalaError("--optimizer-bytes-per-param-byte goes into per-layer profiles only: add --per-layer, "
                          "or drop it")
@@ -123,9 +135,13 @@ def _setup(args):
     return device, p2p
 
 
-def _progress(device: str, what: str = "stage"):
+def _progress(device: str, args, what: str = "stage"):
+    """Prints a line as each stage is set up and, after the last, what the timing runs."""
     def say(stage: int, stages: int) -> None:
         print(f"profiling {what} {stage + 1}/{stages} on {device} ...", file=sys.stderr, flush=True)
+        if stage + 1 == stages:
+            print(f"profiling the {stages} {what}s in turn: {args.warmup} warm-up + {args.iters} measured rounds ...",
+                  file=sys.stderr, flush=True)
 
     return say
 
@@ -154,6 +170,27 @@ def _with_overhead(args, data: dict, stage_forward_ms: list[float]) -> dict:
     return data
 
 
+#: A spread (interquartile range over the median) above this, in any stage time, means the machine
+#: was busy while it was measured: `koala profile` says so.
+BUSY_SPREAD = 0.10
+
+
+def _warn_if_busy(stages: list[dict]) -> None:
+    """One warning line when some stage time's spread is above BUSY_SPREAD."""
+    spreads = [(value, s, name) for s, st in enumerate(stages) for name, value in st.get("spread", {}).items()]
+    if spreads and max(spreads)[0] > BUSY_SPREAD:
+        value, s, name = max(spreads)
+        log.warning("the measurements varied by up to %.0f%% (stage %d %s: interquartile range over the median): the "
+                    "machine was busy, and koala search will take predicted gains below the spread they make as none; "
+                    "profile on a quiet machine for a sharper profile (docs/profiling.md, 'Spread')", 100 * value, s, name)
+
+
+def _spread(stage: dict) -> str:
+    """The stage's largest spread (interquartile range over the median) of its times, in %."""
+    spread = stage.get("spread")
+    return f"{'-':>6}" if not spread else f"{100 * max(spread.values()):>5.1f}%"
+
+
 def _finish(args, result) -> int:
     from ..sim import CostProfile
 
@@ -161,14 +198,17 @@ def _finish(args, result) -> int:
     data = _with_overhead(args, data, [st["forward"] for st in data["stages"]])
     CostProfile.from_dict(data, source=args.output)  # what we write must load
     atomic_write(args.output, dumps_json(data, indent=1) + "\n", "-o")
+    _warn_if_busy(data["stages"])
     print(f"{'stage':>5}  {'F ms':>9}  {'I ms':>9}  {'W ms':>9}  {'B ms':>9}  {'(I+W)/B':>7}  {'act MiB':>9}  "
-          f"{'W-hold MiB':>10}  {'W FLOPs':>7}")
+          f"{'W-hold MiB':>10}  {'W FLOPs':>7}  {'spread':>6}")
     for s, (st, meta) in enumerate(zip(data["stages"], data["meta"]["stages"])):
         b = st.get("backward")
         ratio = f"{(st['backward_input'] + st['backward_weight']) / b:>7.3f}" if b else f"{'-':>7}"
         print(f"{s:>5}  {st['forward']:>9.4g}  {st['backward_input']:>9.4g}  {st['backward_weight']:>9.4g}  "
               f"{b if b is not None else float('nan'):>9.4g}  {ratio}  {st['activation_mb']:>9.4g}  {st['w_hold_mb']:>10.4g}"
-              f"  {_share(meta.get('w_flops_deferred'))}")
+              f"  {_share(meta.get('w_flops_deferred'))}  {_spread(st)}")
+    print("spread: the largest of the stage's times' interquartile range over their median (the profile's "
+          "'spread'; koala search treats gains within it as no gain)")
     print(f"p2p latency {data['p2p_latency']:.4g} ms ({data['meta']['p2p_latency']}); timer: {data['meta']['timer']}"
           + (f"; action overhead {data['action_overhead']:g} ms (given)" if "action_overhead" in data else ""))
     print(f"wrote {args.output}; next: koala search --profile {args.output} -m <microbatches> -o best.koala"
@@ -221,7 +261,7 @@ def _gpt_layers(args, device: str, p2p: bool | float) -> Any:
         seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, vocab_size=args.vocab_size, p=args.p,
         seed=args.seed, device=device, warmup=args.warmup, iters=args.iters, p2p=p2p,
         p2p_timeout_s=args.p2p_timeout, memory_limit_mb=args.memory_limit, optimizer_bytes_per_param_byte=opt,
-        progress=_progress(device, "layer"), max_hold=args.max_w_hold)
+        progress=_progress(device, args, "layer"), max_hold=args.max_w_hold, clock=args.clock)
 
 
 def _gpt_stages(args, device: str, p2p: bool | float) -> Any:
@@ -232,7 +272,7 @@ def _gpt_stages(args, device: str, p2p: bool | float) -> Any:
                                 micro_batch_size=args.micro_batch_size, vocab_size=args.vocab_size, p=args.p,
                                 v=args.v, seed=args.seed, device=device, warmup=args.warmup, iters=args.iters,
                                 p2p=p2p, p2p_timeout_s=args.p2p_timeout, memory_limit_mb=args.memory_limit,
-                                progress=_progress(device), max_hold=args.max_w_hold)
+                                progress=_progress(device, args), max_hold=args.max_w_hold, clock=args.clock)
 
 
 #: What to do, besides raising --p2p-timeout, when the profile's ping-pong ran past it.
@@ -406,7 +446,7 @@ def _deepspeed_layers(args, layers: Any, sample: Any, device: str, p2p: bool | f
         layers, sample, device=device, warmup=args.warmup, iters=args.iters, p2p=p2p,
         p2p_timeout_s=args.p2p_timeout, memory_limit_mb=args.memory_limit,
         optimizer_bytes_per_param_byte=args.optimizer_bytes_per_param_byte,
-        progress=_progress(device, "layer"), max_hold=args.max_w_hold)
+        progress=_progress(device, args, "layer"), max_hold=args.max_w_hold, clock=args.clock)
     result.extra_meta.update({"p": args.p})
     return result
 
@@ -417,7 +457,7 @@ def _deepspeed_stages(args, layers: Any, sample: Any, device: str, p2p: bool | f
     result = profile_pipeline_module(layers, sample, args.p * args.v, partition_method=args.partition_method,
                                      device=device, warmup=args.warmup, iters=args.iters, p2p=p2p,
                                      p2p_timeout_s=args.p2p_timeout, memory_limit_mb=args.memory_limit,
-                                     progress=_progress(device), max_hold=args.max_w_hold)
+                                     progress=_progress(device, args), max_hold=args.max_w_hold, clock=args.clock)
     result.extra_meta.update({"p": args.p, "v": args.v})
     return result
 

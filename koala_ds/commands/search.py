@@ -162,8 +162,8 @@ def _run_exact(args, problem, result, out: Path) -> str:
         (f", backward {part.backward}" if len(problem.kinds) > 1 else "")
     ex = solve_exact(problem, part, hint=schedule, time_limit=args.exact_time_limit,
                      workers=max(1, args.workers), seed=args.seed)
-    # a known schedule kept by --min-gain is replaced only by one faster by more than that
-    margin = 1 + args.min_gain / 100 if result.origin.startswith("library ") else 1
+    # a known schedule kept by --min-gain or the profile's spread is replaced only by one faster by more
+    margin = 1 + result.required_gain if result.origin.startswith("library ") else 1
     if ex.schedule is not None and ex.makespan is not None and ex.makespan * margin < result.makespan - 1e-9:
         schedule = ex.schedule.with_name("searched")
         _write(out, schedule, problem.profile.source)
@@ -182,6 +182,25 @@ def _run_exact(args, problem, result, out: Path) -> str:
             (f", best found {ex.makespan:.6g} ms" if ex.makespan is not None else "") +
             f" (relaxation with one action at a time on ranks {', '.join(map(str, rb.machines))}: "
             f"{rb.bound:.6g} ms{', optimal' if rb.optimal else ''}, {rb.wall_s:.1f} s more)")
+
+
+def gain_line(result, min_gain_pct: float) -> str | None:
+    """Why the answer is a known schedule though a faster one was found: --min-gain, or the
+    profile's spread on the makespans where that is larger. With a spread and no such case, how
+    large it was. None: nothing to say."""
+    spread = result.spread
+    found = min((ms for _, ms in result.per_placement), default=result.makespan)
+    if result.origin.startswith("library ") and found < result.makespan - 1e-9 and result.required_gain > 0:
+        why = f"--min-gain {min_gain_pct:g}" if not spread or spread * 100 <= min_gain_pct else \
+            f"the profile's spread on the makespans, {spread:.2%}"
+        return (f"kept {result.origin.removeprefix('library ')} ({why}): the fastest schedule found, {found:.6g} ms, "
+                f"is {result.makespan / found:.3f}x its speed" +
+                ("" if why.startswith("--") else "; a gain within the measurements' spread counts as none "
+                                                 "(docs/search.md)"))
+    if spread is None:
+        return None
+    return (f"profile spread on the makespans: {spread:.2%} (at the measurements' quartiles); a schedule replaces a "
+            f"simpler one only when faster by more than {result.required_gain:.2%}")
 
 
 def _report(args, problem, result, out: Path, exact_line: str | None) -> None:
@@ -214,11 +233,9 @@ def _report(args, problem, result, out: Path, exact_line: str | None) -> None:
         speed = f"{best.makespan / result.makespan:.3f}x" if result.makespan > 0 else "-"
         print(f"best predefined schedule that fits: {best.name} {best.makespan:.6g} ms; searched is "
               f"{speed} its speed")
-    if args.min_gain and result.origin.startswith("library ") and result.per_placement:
-        found = min(ms for _, ms in result.per_placement)
-        if found < result.makespan - 1e-9:
-            print(f"kept {result.origin.removeprefix('library ')} (--min-gain {args.min_gain:g}): the fastest "
-                  f"schedule found, {found:.6g} ms, is {result.makespan / found:.3f}x its speed")
+    line = gain_line(result, args.min_gain)
+    if line:
+        print(line)
     if exact_line:
         print(exact_line)
     print(f"wrote {out}")
@@ -258,7 +275,8 @@ def _search(args: argparse.Namespace) -> int:
                         for pl, r, need in problem.unfit)
               + f", budget {args.time_budget:g} s" + (f" / {args.generations} generations" if args.generations else ""))
     result = search(problem, time_budget=args.time_budget, generations=args.generations, seed=args.seed,
-                    workers=args.workers, progress=not args.quiet, started=started, min_gain=args.min_gain / 100)
+                    workers=args.workers, progress=not args.quiet, started=started, min_gain=args.min_gain / 100,
+                    use_spread=not args.ignore_spread)
     # write first: an interrupted search still leaves the best schedule so far on disk
     _write(out, result.schedule, profile.source)
     exact_line = _run_exact(args, problem, result, out) if args.exact and not result.interrupted else None
@@ -307,7 +325,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--min-gain", type=nonnegative_float, default=0.0, metavar="PCT",
                    help="keep the known schedule (1f1b when it fits, else the fastest fitting predefined one) "
                         "unless a schedule is predicted more than PCT%% faster (default 0; about the model's "
-                        "error on your hardware, e.g. 3)")
+                        "error on your hardware, e.g. 3). A profile with a measured spread (koala profile writes "
+                        "it) raises this to the spread it makes on the makespans compared (docs/search.md)")
+    p.add_argument("--ignore-spread", action="store_true",
+                   help="leave the profile's measured spread out of the rule above: --min-gain alone decides "
+                        "(the spread rule is conservative on a busy machine: docs/search.md)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("-o", "--output", required=True, metavar="best.koala", help="write the result here")
     p.add_argument("--gantt", metavar="best.png", help="also draw a Gantt chart of the result")

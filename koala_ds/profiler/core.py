@@ -1,15 +1,20 @@
 """Measure the cost of each pipeline stage of a real model and write a cost profile (v1).
 
-For each stage (in pipeline order) and each of `warmup + iters` microbatches:
-- F: the stage's forward (plus the loss on the last stage), with every tensor autograd saves for
-  backward recorded by `torch.autograd.graph.saved_tensors_hooks`;
+For each stage (in pipeline order) and each of `warmup + iters` rounds, one microbatch run split
+and one run whole:
+- F: the stage's forward (plus the loss on the last stage);
 - I: the backward with the layers' weight-gradient GEMMs queued (`koala_ds.wgrad`), exactly as
   the Koala runtimes run an I action;
 - W: that queue run (the weight gradients), as the runtimes run a W action;
 - B: a plain full backward, as the runtimes run a B action (the profile's `backward`).
-Times are the median over `iters` microbatches after `warmup`; CUDA events on CUDA, wall clock
-(`time.perf_counter`) on CPU. The timed microbatches run without hooks; the memory is measured on
-one more microbatch, with the hooks.
+The measurement is interleaved (`measurement_plan`): each round runs every stage in turn, split
+first in even rounds and whole first in odd ones, so that the machine's drift (other processes,
+its clock) hits every stage and both backward kinds alike. Times are the median over `iters`
+rounds after `warmup`; the profile's `spread` is their interquartile range over that median
+(`StageMeasurement.spread`). CUDA events on CUDA; on CPU the calling thread's CPU time
+(`time.thread_time`) when torch runs one thread, else the wall clock (`resolve_clock`). The
+timed microbatches run without hooks; the memory is measured on one more microbatch, with every
+tensor autograd saves for backward recorded by `torch.autograd.graph.saved_tensors_hooks`.
 
 Memory (MiB = 2**20 bytes, per microbatch; the profile's `_mb` fields):
 - `activation_mb`: bytes of the distinct storages autograd saved for backward during F,
@@ -34,6 +39,15 @@ from typing import Any, Callable, Sequence
 from ..wgrad_policy import DEFAULT
 
 MIB = float(1 << 20)
+#: Rounds run before measuring, and rounds measured (`koala profile --warmup / --iters`).
+DEFAULT_WARMUP, DEFAULT_ITERS = 10, 40
+#: The fewest measured rounds a spread is computed from (fewer: the profile has no `spread`).
+SPREAD_MIN_SAMPLES = 5
+#: The clocks a CPU profile can take (`clock=`, `koala profile --clock`); a GPU takes CUDA events.
+CLOCKS = ("auto", "cpu", "wall")
+#: How the profile's `meta.timer` names each timer.
+TIMERS = {"cuda": "cuda events", "cpu": "thread CPU time (time.thread_time)",
+          "wall": "wall clock (time.perf_counter)"}
 
 
 @dataclass
@@ -75,6 +89,33 @@ class StageMeasurement:
         """What the deferrable forward took over the plain one (medians; 0 without `forward_full`)."""
         return self.median("forward") - self.median("forward_full") if self.forward_full else 0.0
 
+    def samples(self) -> dict[str, list[float]]:
+        """The samples of each time field of the profile, one per measured round, as `costs()` takes
+        their medians: F the plain forward where there is one; I plus, round by round, what the
+        deferrable forward took over the plain one; W; B where measured."""
+        out = {"forward": list(self.forward_full or self.forward), "backward_input": list(self.backward_input)}
+        if self.forward_full:
+            out["backward_input"] = [i + f - ff for i, f, ff in zip(self.backward_input, self.forward,
+                                                                     self.forward_full)]
+        out["backward_weight"] = list(self.backward_weight)
+        if self.backward_full:
+            out["backward"] = list(self.backward_full)
+        return out
+
+    def spread(self) -> dict[str, float] | None:
+        """Per time field of the profile, the interquartile range of its samples over its value
+        ((Q3 - Q1) / value; quartiles by `statistics.quantiles(method="inclusive")`; 0 where the
+        value is 0). None with fewer than SPREAD_MIN_SAMPLES rounds: too few to tell."""
+        if len(self.forward) < SPREAD_MIN_SAMPLES:
+            return None
+        values = dict(zip(("forward", "backward_input", "backward_weight", "backward"), self.costs()))
+        out = {}
+        for name, xs in self.samples().items():
+            q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+            value = values[name]
+            out[name] = round((q3 - q1) / value, 4) if value else 0.0
+        return out
+
 
 class ProfileFile:
     """A profile as JSON (`to_dict()` given by the subclass), and its atomic write."""
@@ -104,6 +145,7 @@ class ProfileResult(ProfileFile):
     name: str = "profile"
     description: str = ""
     extra_meta: dict = field(default_factory=dict)
+    timer: str = ""  # a key of TIMERS (resolve_clock); "" : as the device implies (cuda events, else wall)
 
     def to_dict(self) -> dict:
         stages = []
@@ -115,9 +157,14 @@ class ProfileResult(ProfileFile):
                      "w_hold_mb": round(min(act, m.w_hold_bytes / MIB), 9)}
             if b is not None:
                 entry["backward"] = round(b, 6)
+            spread = m.spread()
+            if spread is not None:
+                entry["spread"] = spread
             stages.append(entry)
-        meta = {"tool": "koala profile", "device": self.device, "timer": "cuda events" if self.device.startswith("cuda")
-                else "wall clock (time.perf_counter)", "statistic": "median per microbatch after warm-up",
+        timer = self.timer or ("cuda" if self.device.startswith("cuda") else "wall")
+        meta = {"tool": "koala profile", "device": self.device, "timer": TIMERS[timer],
+                "statistic": "median per microbatch after warm-up, stages and backward kinds measured in turn; "
+                             "spread: interquartile range / median",
                 "memory_unit": "MiB (2**20 bytes) per microbatch, parameters excluded",
                 "p2p_latency": "measured (2-process ping-pong, one way)" if self.p2p_measured else "given / not measured",
                 "stages": [{"backward_full_ms": round(m.median("backward_full"), 6),
@@ -222,27 +269,49 @@ class SavedTensorTracker:
         return storage_bytes((ptr, nbytes) for ptr, nbytes, ref in self.records if not alive_only or ref() is not None)
 
 
+def resolve_clock(device, clock: str = "auto") -> str:
+    """The timer of the steps (a key of TIMERS): CUDA events on a GPU, whatever `clock`; on the
+    CPU `clock`, where "auto" is the calling thread's CPU time when torch runs one thread (all
+    of a step's work is then on that thread, forward and backward, and time the process spent
+    descheduled by a busy machine does not count), else the wall clock. "cpu" with more torch
+    threads is refused: it would count one thread's share."""
+    import torch
+
+    if clock not in CLOCKS:
+        raise ValueError(f"clock {clock!r}: use {', '.join(CLOCKS)}")
+    if device is not None and torch.device(device).type == "cuda":
+        return "cuda"
+    threads = torch.get_num_threads()
+    if clock == "auto":
+        return "cpu" if threads == 1 else "wall"
+    if clock == "cpu" and threads > 1:
+        raise ValueError(f"clock 'cpu' counts the calling thread only, and torch runs {threads} threads: use the "
+                         f"wall clock, or one thread")
+    return clock
+
+
 class _Timer:
-    def __init__(self, device):
+    def __init__(self, kind: str):
         import torch
 
-        self.cuda = device is not None and torch.device(device).type == "cuda"
+        self.kind = kind  # a key of TIMERS
         self.torch = torch
+        self.now = time.thread_time if kind == "cpu" else time.perf_counter
 
     def start(self):
-        if self.cuda:
+        if self.kind == "cuda":
             ev = self.torch.cuda.Event(enable_timing=True)
             ev.record()
             return ev
-        return time.perf_counter()
+        return self.now()
 
     def stop(self, start) -> float:
-        if self.cuda:
+        if self.kind == "cuda":
             ev = self.torch.cuda.Event(enable_timing=True)
             ev.record()
             ev.synchronize()
             return start.elapsed_time(ev)
-        return (time.perf_counter() - start) * 1000.0
+        return (self.now() - start) * 1000.0
 
 
 def _default_loss(output):
@@ -299,11 +368,31 @@ class _StageRun:
             elapsed = self.timer.stop(t)
         return result, elapsed
 
-    def time_one(self, meas: StageMeasurement | None, full_backward: bool) -> None:
-        """One microbatch split (F, I, W), then, with `full_backward`, whole (F, B); recorded
-        into `meas` (None: a warm-up). No hooks: Python callbacks would slow the steps down."""
+    @classmethod
+    def build(cls, module, make_input: Callable[[], Any], *, is_last: bool, loss_fn, timer: str, seed: int,
+              max_hold, direct_wgrad: bool) -> "_StageRun":
+        """The stage prepared for deferred weight gradients (`koala_ds.wgrad.prepare`); `timer` a
+        key of TIMERS (`resolve_clock`)."""
+        import torch
+
+        from .. import wgrad
+
+        return cls(module, make_input, is_last, loss_fn or _default_loss, _Timer(timer),
+                   wgrad.prepare(module, max_hold=max_hold), direct_wgrad,
+                   torch.Generator(device="cpu").manual_seed(seed),
+                   any(isinstance(mod, wgrad.DeferrableLinear) for mod in module.modules()))
+
+    def time_one(self, meas: StageMeasurement | None, kinds: Sequence[str] = ("split", "full")) -> None:
+        """One microbatch of each of `kinds`, in that order: "split" (F, I, W) and "full" (the
+        plain F, B), both backpropagating the same output gradient; recorded into `meas` (None: a
+        warm-up). No hooks: Python callbacks would slow the steps down."""
+        grad = None
+        for kind in kinds:
+            grad = self._full(meas, grad) if kind == "full" else self._split(meas, grad)
+
+    def _split(self, meas: StageMeasurement | None, grad):
         args, out, f_ms = self.forward()
-        grad = self.output_grad(out)
+        grad = self.output_grad(out) if grad is None else grad
         queue, i_ms = self.timed(lambda: self.backward_input(out, grad))
         del args, out
         _, w_ms = self.timed(queue.run)
@@ -311,13 +400,25 @@ class _StageRun:
             meas.forward.append(f_ms)
             meas.backward_input.append(i_ms)
             meas.backward_weight.append(w_ms)
-        if full_backward:
-            args, out, f_full = self.forward(plain=True)
-            _, b_ms = self.timed(lambda: _backward(out, grad))
-            if meas is not None:
-                meas.backward_full.append(b_ms)
-                if self.plain_linears:
-                    meas.forward_full.append(f_full)
+        return grad
+
+    def _full(self, meas: StageMeasurement | None, grad):
+        args, out, f_ms = self.forward(plain=True)
+        grad = self.output_grad(out) if grad is None else grad
+        _, b_ms = self.timed(lambda: _backward(out, grad))
+        if meas is not None:
+            meas.backward_full.append(b_ms)
+            if self.plain_linears:
+                meas.forward_full.append(f_ms)
+        return grad
+
+    def finish(self, meas: StageMeasurement) -> None:
+        """After the timing: the memory microbatch, the gradients dropped, the deferral recorded."""
+        self.memory(meas, [p for p in self.module.parameters() if p.requires_grad])
+        self.module.zero_grad(set_to_none=True)
+        fraction = self.deferral.deferred_fraction()
+        meas.w_flops_deferred = None if fraction is None else round(fraction, 6)
+        meas.max_w_hold = self.deferral.max_hold
 
     def memory(self, meas: StageMeasurement, params: list) -> None:
         """One more microbatch with saved_tensors_hooks: activation, W-hold, output, input gradient."""
@@ -367,84 +468,106 @@ def _collecting_new_objects_only():
         gc.unfreeze()
 
 
-def measure_stage(module, make_input: Callable[[], Any], *, is_last: bool, loss_fn=None, warmup: int = 2,
-                  iters: int = 10, device=None, full_backward: bool = True, seed: int = 0,
-                  max_hold=DEFAULT, direct_wgrad: bool = False) -> StageMeasurement:
+def measurement_plan(stages: int, warmup: int, iters: int, full_backward: bool = True
+                     ) -> list[tuple[int, int, tuple[str, ...]]]:
+    """The order of the timed microbatches: (round, stage, kinds) for each of `warmup + iters`
+    rounds (the first `warmup` are not recorded) and, within a round, each stage in pipeline
+    order; `kinds` is ("split", "full") in even rounds and ("full", "split") in odd ones (just
+    ("split",) without `full_backward`). A slow spell of the machine (another process, a lower
+    clock) then falls on every stage and on both backward kinds alike, instead of on whatever
+    was measured at the time: the stages' ratios and each stage's (I + W) / B stay put."""
+    kinds = ("split", "full") if full_backward else ("split",)
+    return [(k, s, kinds if k % 2 == 0 else kinds[::-1]) for k in range(warmup + iters) for s in range(stages)]
+
+
+def _time_stages(runs: Sequence[_StageRun], metas: Sequence[StageMeasurement], warmup: int, iters: int,
+                 full_backward: bool) -> None:
+    """Run `measurement_plan`; an error names its stage (`failed_step`). Older objects are frozen
+    meanwhile (`_collecting_new_objects_only`): a full garbage collection of a heap holding torch
+    and Megatron would land in some step's time."""
+    with _collecting_new_objects_only():
+        for k, s, kinds in measurement_plan(len(runs), warmup, iters, full_backward):
+            try:
+                with _step("measurement", s):
+                    runs[s].time_one(metas[s] if k >= warmup else None, kinds)
+            except NotOneTensor as exc:
+                raise ValueError(f"stage {s} returns {exc}: stages must pass one tensor on") from None
+
+
+def measure_stage(module, make_input: Callable[[], Any], *, is_last: bool, loss_fn=None, warmup: int = DEFAULT_WARMUP,
+                  iters: int = DEFAULT_ITERS, device=None, full_backward: bool = True, seed: int = 0,
+                  max_hold=DEFAULT, direct_wgrad: bool = False, clock: str = "auto") -> StageMeasurement:
     """Measure one stage. `make_input()` returns a fresh input (a tensor, or a tuple of
     arguments for the first stage); the stage's input gradient is computed when it requires grad.
     `max_hold`: the hold policy of `koala_ds.wgrad.prepare` (default: its default, as the runtimes).
     `direct_wgrad`: W adds weight gradients into `.grad` in their GEMMs, as the DeepSpeed runtime
-    runs it (`koala_ds.wgrad.Prepared.input_step`)."""
-    import torch
-
-    from .. import wgrad
-
-    deferral = wgrad.prepare(module, max_hold=max_hold)
-    run = _StageRun(module, make_input, is_last, loss_fn or _default_loss, _Timer(device), deferral, direct_wgrad,
-                    torch.Generator(device="cpu").manual_seed(seed),
-                    any(isinstance(mod, wgrad.DeferrableLinear) for mod in module.modules()))
+    runs it (`koala_ds.wgrad.Prepared.input_step`). `clock`: see `resolve_clock` ("wall" for
+    stages that sleep, as `koala_ds.profiler.emulate`'s)."""
+    run = _StageRun.build(module, make_input, is_last=is_last, loss_fn=loss_fn, timer=resolve_clock(device, clock),
+                          seed=seed, max_hold=max_hold, direct_wgrad=direct_wgrad)
     meas = StageMeasurement()
-    for k in range(warmup + iters):
-        run.time_one(meas if k >= warmup else None, full_backward)
-    run.memory(meas, [p for p in module.parameters() if p.requires_grad])
-    module.zero_grad(set_to_none=True)
-    fraction = deferral.deferred_fraction()
-    meas.w_flops_deferred = None if fraction is None else round(fraction, 6)
-    meas.max_w_hold = deferral.max_hold
+    _time_stages([run], [meas], warmup, iters, full_backward)
+    run.finish(meas)
     return meas
 
 
-def profile_stages(stage_modules: Sequence, sample_input, *, loss_fn: Callable | None = None, warmup: int = 2,
-                   iters: int = 10, device=None, p2p: bool | float = False, p2p_timeout_s: float = 120.0,
-                   memory_limit_mb: float | None = None, full_backward: bool = True, name: str = "profile",
-                   description: str = "", progress: Callable[[int, int], None] | None = None,
-                   max_hold=DEFAULT, direct_wgrad: bool = False) -> ProfileResult:
+def _input_maker(current, first: bool) -> Callable[[], Any]:
+    """A stage's input: the sample itself for the first stage; for a later one a fresh copy of
+    the previous stage's output, detached and requiring grad, as the runtimes hand it over."""
+    if first:
+        return lambda: current
+    base = current.detach()
+    return lambda: base.clone().requires_grad_(base.is_floating_point())
+
+
+def _stage_runs(stage_modules: Sequence, sample_input, progress, **build) -> list[_StageRun]:
+    """Each stage prepared with its input: the previous stages run once (no grad) to get a real
+    tensor. `progress(s, n)` before stage s; `build` goes to `_StageRun.build`."""
+    import torch
+
+    runs, current, n = [], sample_input, len(stage_modules)
+    for s, module in enumerate(stage_modules):
+        if progress is not None:
+            progress(s, n)
+        with _step("measurement", s):
+            runs.append(_StageRun.build(module, _input_maker(current, s == 0), is_last=s == n - 1, seed=s, **build))
+        if s < n - 1:
+            with torch.no_grad(), _step("forward", s):
+                current = module(*(current if isinstance(current, tuple) else (current,)))
+            if not isinstance(current, torch.Tensor):
+                raise ValueError(f"stage {s} returns {type(current).__name__}: stages must pass one tensor on")
+    return runs
+
+
+def profile_stages(stage_modules: Sequence, sample_input, *, loss_fn: Callable | None = None,
+                   warmup: int = DEFAULT_WARMUP, iters: int = DEFAULT_ITERS, device=None, p2p: bool | float = False,
+                   p2p_timeout_s: float = 120.0, memory_limit_mb: float | None = None, full_backward: bool = True,
+                   name: str = "profile", description: str = "", progress: Callable[[int, int], None] | None = None,
+                   max_hold=DEFAULT, direct_wgrad: bool = False, clock: str = "auto") -> ProfileResult:
     """Profile a model split into pipeline stages (one module per virtual stage, in order).
 
     `sample_input` is the first stage's input (a tensor, or a tuple of arguments); each later
     stage gets the previous stage's output (one tensor), detached and requiring grad, as the
     runtimes hand it over. The last stage's output goes through `loss_fn` (default: mean).
+    The stages are timed in turn, `warmup` rounds then `iters` measured ones (`measurement_plan`).
     `p2p`: False (p2p_latency 0), True (measure it with a 2-process gloo ping-pong for the
     largest stage-boundary tensor), or a number (ms) to write as is. `progress(s, n)` is called
-    before stage s of n is measured. `max_hold`: what W may hold, as a fraction of a stage's
-    activation (`koala_ds.wgrad.prepare`; default 0.75, as the runtimes). `direct_wgrad`: W as
-    the DeepSpeed runtime runs it (`measure_stage`). Returns a `ProfileResult`
-    (`.to_dict()` / `.write(path)` give a profile v1 JSON that `koala_ds.sim.load_profile` reads)."""
-    import torch
-
+    before stage s of n is set up (its input made; all are set up before the timing starts).
+    `max_hold`: what W may hold, as a fraction of a stage's activation (`koala_ds.wgrad.prepare`;
+    default 0.75, as the runtimes). `direct_wgrad`: W as the DeepSpeed runtime runs it
+    (`measure_stage`). `clock`: the CPU's timer, "auto", "cpu" or "wall" (`resolve_clock`).
+    Returns a `ProfileResult` (`.to_dict()` / `.write(path)` give a profile v1 JSON that
+    `koala_ds.sim.load_profile` reads)."""
     if not stage_modules:
         raise ValueError("profile_stages: no stage modules")
-    results: list[StageMeasurement] = []
-    # the input of each stage: run the previous stages once (no grad) to get a real tensor
-    current = sample_input
-    for s, module in enumerate(stage_modules):
-        if progress is not None:
-            progress(s, len(stage_modules))
-        is_last = s == len(stage_modules) - 1
-        if s == 0:
-            base = current
-
-            def make_input(base=base):
-                return base
-        else:
-            base = current.detach()
-
-            def make_input(base=base):
-                return base.clone().requires_grad_(base.is_floating_point())
-        try:
-            with _step("measurement", s):
-                meas = measure_stage(module, make_input, is_last=is_last, loss_fn=loss_fn, warmup=warmup,
-                                     iters=iters, device=device, full_backward=full_backward, seed=s,
-                                     max_hold=max_hold, direct_wgrad=direct_wgrad)
-        except NotOneTensor as exc:
-            raise ValueError(f"stage {s} returns {exc}: stages must pass one tensor on") from None
-        results.append(meas)
-        if not is_last:
-            with torch.no_grad(), _step("forward", s):
-                args = current if isinstance(current, tuple) else (current,)
-                current = module(*args)
-            if isinstance(current, (tuple, list)):
-                raise ValueError(f"stage {s} returns {type(current).__name__}: stages must pass one tensor on")
+    timer = resolve_clock(device, clock)
+    runs = _stage_runs(stage_modules, sample_input, progress, loss_fn=loss_fn, timer=timer, max_hold=max_hold,
+                       direct_wgrad=direct_wgrad)
+    results = [StageMeasurement() for _ in runs]
+    _time_stages(runs, results, warmup, iters, full_backward)
+    for s, (run, meas) in enumerate(zip(runs, results)):
+        with _step("measurement", s):
+            run.finish(meas)
     latency, measured = 0.0, False
     if p2p is True:
         from .p2p import measure_p2p_latency
@@ -457,4 +580,4 @@ def profile_stages(stage_modules: Sequence, sample_input, *, loss_fn: Callable |
     elif p2p is not False:
         latency = float(p2p)
     dev = str(device) if device is not None else "cpu"
-    return ProfileResult(results, latency, measured, memory_limit_mb, dev, name, description)
+    return ProfileResult(results, latency, measured, memory_limit_mb, dev, name, description, timer=timer)

@@ -49,11 +49,14 @@ class LayerProfileResult(ProfileFile):
         data = self.result.to_dict()
         stages, meta = data["stages"], data.pop("meta")
         layers = []
+        spreads = []
         for info, entry, m in zip(self.layers, stages, self.result.stages):
+            spreads.append(entry.pop("spread", None))  # not a field of a layer: in meta (docs/profiling.md)
             layers.append({"name": info.name, "kind": info.kind, **entry,
                            "output_mb": round(m.output_bytes / MIB, 9),
                            "param_mb": round(info.param_bytes / MIB, 9)})
-        meta["layers"] = [{"name": info.name, **lm} for info, lm in zip(self.layers, meta.pop("stages"))]
+        meta["layers"] = [{"name": info.name, **lm, **({"spread": sp} if sp else {})}
+                          for info, lm, sp in zip(self.layers, meta.pop("stages"), spreads)]
         meta["format"] = "koala per-layer profile (docs/profiling.md)"
         meta.update(self.extra_meta)
         out: dict[str, Any] = {("layers" if k == "stages" else k): (layers if k == "stages" else v)

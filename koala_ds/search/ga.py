@@ -452,7 +452,7 @@ def check_budgets(time_budget: float | None, generations: int | None, workers: i
 def search(problem: SearchProblem, *, time_budget: float | None = 10.0, generations: int | None = None,
            seed: int = 0, workers: int = 1, progress: bool = False, config: GAConfig | None = None,
            on_generation: Callable[[int, float], None] | None = None, started: float | None = None,
-           min_gain: float = 0.0) -> SearchResult:
+           min_gain: float = 0.0, use_spread: bool = True) -> SearchResult:
     """Search the schedule space of `problem`; the best schedule found within the budgets.
 
     Deterministic for a given `seed` when `time_budget` is None (a generation budget) or does
@@ -467,20 +467,46 @@ def search(problem: SearchProblem, *, time_budget: float | None = 10.0, generati
     `min_gain` (a fraction, default 0): the answer is 1f1b (when it is valid and fits), else the
     fastest fitting library schedule, unless a schedule is predicted faster than it by more than
     this: 0.03 keeps the known schedule for any predicted gain within 3%, a model's typical error
-    on real hardware (see docs/search.md)."""
+    on real hardware (see docs/search.md). A profile with a measured `spread` raises the gain
+    needed to the spread it makes on the makespans compared (`makespan_spread`, `_answer`), unless
+    `use_spread` is False."""
     check_budgets(time_budget, generations, workers, min_gain)
     run = _Run(problem, config or GAConfig(), seed, workers, time_budget,
                time.perf_counter() if started is None else started)
     run.run(generations, Progress(progress, generations, problem.lower_bound, on_generation))
-    return _result(run, min_gain)
+    return _result(run, min_gain, use_spread)
 
 
-def _answer(run: _Run, min_gain: float) -> tuple[Schedule, Schedule, SimResult, str]:
-    """(the answer, the best candidate's own schedule, the answer simulated, where it came from).
-    From the simplest up, 1f1b, the fastest other fitting library seed, the best candidate: each
-    replaces the one before only when faster by more than `min_gain` (a fraction). At 0 a tie
-    keeps the known schedule (nothing faster was found), and a library order may still win: the
-    decoder takes microbatches in order, and some library orders do not."""
+def makespan_spread(schedule: Schedule, quartiles, makespan: float) -> float:
+    """What the profile's spread makes on `schedule`'s makespan: (makespan at the measurements'
+    upper quartiles - at their lower ones) / `makespan` (`CostProfile.quartile_profiles`)."""
+    if makespan <= 0:
+        return 0.0
+    low, high = (simulate(schedule, q, timeline=False).makespan for q in quartiles)
+    return max(0.0, (high - low) / makespan)
+
+
+@dataclass(frozen=True)
+class _Choice:
+    """`_answer`'s answer: the schedule, the best candidate's own schedule, the answer simulated,
+    where it came from, the largest spread on the makespans compared (None: the profile gives
+    none) and the gain a schedule needed over the one before (the larger of it and min_gain)."""
+
+    schedule: Schedule
+    own: Schedule
+    res: SimResult
+    origin: str
+    spread: float | None
+    required_gain: float
+
+
+def _answer(run: _Run, min_gain: float, use_spread: bool = True) -> _Choice:
+    """From the simplest up, 1f1b, the fastest other fitting library seed, the best candidate:
+    each replaces the one before only when faster by more than the required gain: `min_gain` (a
+    fraction) or, when larger, the profile's spread on the makespans compared (the largest of
+    the three schedules'; docs/search.md, "Keeping the known schedule"). At 0 a tie keeps the
+    known schedule (nothing faster was found), and a library order may still win: the decoder
+    takes microbatches in order, and some library orders do not. `use_spread` False: min_gain alone."""
     problem, best = run.problem, run.best
     part = problem.parts[best.part]
     own = part.schedule(part.evaluate(best.orders).codes, "searched")   # the repaired orders' codes
@@ -488,16 +514,19 @@ def _answer(run: _Run, min_gain: float) -> tuple[Schedule, Schedule, SimResult, 
     fitting = [row for row in run.library_seeds if row.fits and row.schedule is not None]
     one = [row for row in fitting if row.name == "1f1b"]
     others = sorted((row for row in fitting if row.name != "1f1b"), key=lambda r: (r.makespan, r.name))
-    options = one[:1] + others[:1] + [None]  # None: the best candidate
+    options = [(row.makespan, row.schedule, row) for row in one[:1] + others[:1]] + [(own_res.makespan, own, None)]
+    quartiles = problem.search_profile.quartile_profiles() if use_spread else None
+    spread = None if quartiles is None else max(makespan_spread(sched, quartiles, ms) for ms, sched, _ in options)
+    needed = max(min_gain, spread or 0.0)
     chosen = None
-    for row in options:
-        makespan = own_res.makespan if row is None else row.makespan
-        if chosen is None or makespan * (1 + min_gain) < chosen[0] - 1e-9:
+    for makespan, _, row in options:
+        if chosen is None or makespan * (1 + needed) < chosen[0] - 1e-9:
             chosen = (makespan, row)
     row = chosen[1]
     if row is None:
-        return own, own, own_res, best.origin
-    return row.schedule, own, simulate(row.schedule, problem.search_profile, timeline=False), f"library {row.name}"
+        return _Choice(own, own, own_res, best.origin, spread, needed)
+    return _Choice(row.schedule, own, simulate(row.schedule, problem.search_profile, timeline=False),
+                   f"library {row.name}", spread, needed)
 
 
 def _per_placement(run: _Run, own: Schedule) -> list[tuple[Schedule, float]]:
@@ -514,9 +543,10 @@ def _per_placement(run: _Run, own: Schedule) -> list[tuple[Schedule, float]]:
     return out
 
 
-def _result(run: _Run, min_gain: float = 0.0) -> SearchResult:
+def _result(run: _Run, min_gain: float = 0.0, use_spread: bool = True) -> SearchResult:
     problem, lb = run.problem, run.problem.lower_bound
-    schedule, own, res, origin = _answer(run, min_gain)
+    choice = _answer(run, min_gain, use_spread)
+    schedule, own, res, origin = choice.schedule, choice.own, choice.res, choice.origin
     schedule = schedule.with_name("searched")
     schedule.meta["description"] = (f"found by koala search: makespan {res.makespan:.6g} ms under "
                                     f"{problem.profile.source}, lower bound {lb:.6g} ms")
@@ -529,7 +559,7 @@ def _result(run: _Run, min_gain: float = 0.0) -> SearchResult:
                         origin, lb, problem.memory_limit_mb, problem.memory_limit_source, run.library, run.gen,
                         evaluations, wall, run.stopped, run.interrupted, run.population.history, per_placement,
                         problem.kinds, {kind: problem.lower_bound_of(kind) for kind in problem.kinds},
-                        run.library_skipped)
+                        run.library_skipped, choice.spread, choice.required_gain)
 
 
 def _seed_batches(problem: SearchProblem, seeds_lib: Sequence[LibraryRow], cfg: GAConfig, rng: random.Random,

@@ -66,6 +66,10 @@ class SearchResult:
     kinds: tuple[str, ...] = ("split",)   # the backward kinds searched (two with --backward auto)
     kind_bounds: dict[str, float] = field(default_factory=dict)  # the lower bound of each kind
     library_skipped: list[str] = field(default_factory=list)  # library schedules not simulated: out of time
+    # the profile's spread on the makespans compared for the answer (None: the profile gives none),
+    # and the gain a schedule needed over a simpler one: the larger of it and min_gain (ga._answer)
+    spread: float | None = None
+    required_gain: float = 0.0
 
     def best_for(self, placement, backward: str | None = None) -> Schedule | None:
         """The best schedule found for `placement` (of backward kind `backward`; None: either)."""
