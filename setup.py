@@ -22,5 +22,5 @@ setup(
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "tqdm>=4.60", "matplotlib>=3.7",
                 "ortools>=9.10", "ninja", "pytest-xdist>=3.5"],
     },
-    entry_points={"console_scripts": ["koala=koala_ds.cli:main", "koala-run=koala_ds.torchrun:cli"]},
+    entry_points={"console_scripts": ["koala=koala_ds.cli:main", "koala-run=koala_ds.runtime.torchrun:cli"]},
 )

@@ -35,7 +35,7 @@ better of the two. A 4-stage profile at p = 8 has each stage split into two halv
 
 The first stage's I backpropagates through its layers (with the weight GEMMs deferred) though
 it computes no input gradient; the emulated stage 0 sleeps I in its I and W in its W, as the
-profile says and as `koala profile` measures a real model (koala_ds.wgrad).
+profile says and as `koala profile` measures a real model (koala_ds.runtime.wgrad).
 
 Two predictions per row: `predicted_profile_ms` is the simulator on the profile as written;
 `predicted_ms` adds constants measured on this machine: the p2p latency (2-process gloo
@@ -67,8 +67,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the harness: engine_runs, deepspeed_jobs
 
-from koala_ds.ir import Schedule  # noqa: E402
-from koala_ds.library import get as library_get, load_schedule, names as library_names  # noqa: E402
+from koala_ds.core.ir import Schedule  # noqa: E402
+from koala_ds.library import get as library_get, names as library_names  # noqa: E402
+from koala_ds.resolve import load_schedule  # noqa: E402
 from koala_ds.sim import CostProfile, Simulator, StageCost, load_profile  # noqa: E402
 from koala_ds.sim.profile import with_action_overhead  # noqa: E402
 
@@ -270,7 +271,7 @@ def choose_jobs(cfg: dict, calib_steps: list[list[float]]) -> dict:
 
 def run_engine(engine: str, p: int, spec: dict, timeout_s: float) -> list:
     """Per-rank results of the engine's worker (tests/engine_runs.py)."""
-    from koala_ds.spawn import spawn
+    from koala_ds.runtime.spawn import spawn
 
     spec = dict(spec, timeout_s=120)
     if engine == "deepspeed":  # DeepSpeed's own CPU set-up (DS_ACCELERATOR=cpu, deepspeed.init_distributed)

@@ -10,7 +10,7 @@ Each model is profiled first, in a fresh process, as the runtime runs it at each
 stages for the v = 1 schedules and 2p for the v = 2 ones, each split into layers as the engine
 splits it at that size (merging the 2p stages pairwise is not what DeepSpeed runs at v = 1: its
 uniform partition of 10 layers is 5 + 5 on two stages but 3 + 3 + 2 + 2 on four). F, I and W
-(the layer-level split of koala_ds.wgrad) and the full backward B (the profile's `backward`).
+(the layer-level split of koala_ds.runtime.wgrad) and the full backward B (the profile's `backward`).
 The simulator and the search cost B actions with B and split ones with I + W, so the searched
 row is whichever kind is faster here.
 
@@ -62,7 +62,7 @@ BANNER = ("REAL compute: a GPT on CPU (p pipeline ranks = p processes, one torch
 
 def _profile(engine: str, p: int, v: int) -> dict:
     """The profile of the p * v virtual stages the runtime runs at v (a fresh process)."""
-    from koala_ds.spawn import spawn
+    from koala_ds.runtime.spawn import spawn
 
     if engine == "megatron":
         return spawn("engine_runs:profile_gpt_worker", 1,
@@ -72,7 +72,7 @@ def _profile(engine: str, p: int, v: int) -> dict:
 
 
 def _run_jobs(engine: str, p: int, jobs: list, steps: int) -> list:
-    from koala_ds.spawn import spawn
+    from koala_ds.runtime.spawn import spawn
 
     spec = {"jobs": jobs, "model": model_for(p), "warmup": 2, "steps": steps}
     if engine == "megatron":
@@ -86,7 +86,7 @@ def _run_jobs(engine: str, p: int, jobs: list, steps: int) -> list:
 def _calibrate(engine: str, p: int, m: int, latency: float, steps: int, E) -> tuple[dict, float]:
     """The runtime's overhead (emulated 1 ms ops, 1f1b at m and m/2, zero compute) and, per
     action of a two-chunk schedule (interleaved-1f1b at 0.5 ms ops), `oh["action_v"]`."""
-    from koala_ds.library import load_schedule
+    from koala_ds.resolve import load_schedule
     from engine_runs import cpu_ms_per_step, step_times_ms
 
     cal_jobs, calib, one, zero = E.calibration_jobs(p, m, latency)
@@ -111,7 +111,7 @@ def _calibrate_real(engine: str, p: int, m: int, models: dict, latency: float, o
     drifting between profiling and running (a stage measured 13.8 and 17.8 ms in two profiles
     minutes apart), and the real chunks' cost inside the pipeline. The constants are fitted on
     library schedules, not on the rows, as a user who profiles and tries 1f1b would."""
-    from koala_ds.library import load_schedule
+    from koala_ds.resolve import load_schedule
     from engine_runs import step_times_ms
 
     scheds = {1: load_schedule("1f1b", p, m, 1), 2: load_schedule("interleaved-1f1b", p, m, 2)}

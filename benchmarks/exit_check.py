@@ -78,7 +78,7 @@ def one_run(flags: list[str], example_args: list[str], timeout_s: float) -> tupl
     """('clean' | 'ABORT' | 'FAILED' | 'TIMEOUT', seconds, the output's last lines)."""
     from deepspeed_jobs import _kill_session, extensions_dir
 
-    from koala_ds.spawn import free_port, remove_deepspeed_shm
+    from koala_ds.runtime.spawn import free_port, remove_deepspeed_shm
 
     port = free_port()
     env = dict(os.environ, DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(extensions_dir()))

@@ -20,13 +20,15 @@ v = 1 and 2 chunks per rank where the model has the layers, it runs what a user 
    and p2p costs; what it printed goes into the report;
 3. on the CALIBRATED profiles, `koala compare --json` per v: 1f1b and the best predefined
    schedule (the fastest that fits the memory limit and that the engines run: one pipeline),
-   and `koala search --min-gain 0` per v: the searched schedule (the faster v's); predictions
+   and `koala search --min-gain 0 --ignore-spread` per v: the searched schedule (the faster v's;
+   the model's own pick, which the profile's spread would otherwise keep back); predictions
    by `koala simulate --json`;
 4. the example with each distinct schedule (a searched schedule equal to a library one runs
    once), ALTERNATING: `--rounds` rounds, each a fresh torchrun of every schedule in a rotated
    order, `--iterations` iterations each, the first `--warmup` dropped; the examples' own
-   per-iteration times (Megatron `--loss-log FILE`: iteration_ms of the last pipeline rank;
-   DeepSpeed `--loss-log FILE`: rank 0's train_batch), median over every kept iteration of every round.
+   per-iteration step periods (`--loss-log FILE`: period_ms, from one iteration's start to the
+   next's, the step koala calibrate fits; Megatron: the last pipeline rank, DeepSpeed: rank 0),
+   median over every kept iteration of every round.
 
 The report: the exact command, the machine (cores, CPU model, load average before and after), the
 calibration used, one row per (example, schedule): predicted and measured step time, speedup over
@@ -256,7 +258,7 @@ def calibrate(ex: Example, profiles: dict[int, Path], args, work: Path, say) -> 
 
 def choose(ex: Example, profiles: dict[int, Path], budget: float, work: Path, dry: bool, say) -> list[Candidate]:
     """1f1b, the best predefined schedule (koala compare) and the searched one (koala search
-    --min-gain 0), each with its predicted step time (koala simulate)."""
+    --min-gain 0 --ignore-spread: the model's own pick, not kept back by the profile's spread), each with its predicted step time (koala simulate)."""
     base = ["-p", str(ex.p), "-m", str(MICROBATCHES)]
     best = None
     searched = []
@@ -270,7 +272,7 @@ def choose(ex: Example, profiles: dict[int, Path], budget: float, work: Path, dr
                                  row["makespan"])
         out = work / f"searched_v{v}.koala"
         run([str(venv_bin() / "koala"), "search", "--profile", str(prof), *base, "-v", str(v), "--min-gain", "0",
-             "--quiet", "--time-budget", str(budget), "-o", str(out)], work / f"search_v{v}.log", ex.env(work), work,
+             "--ignore-spread", "--quiet", "--time-budget", str(budget), "-o", str(out)], work / f"search_v{v}.log", ex.env(work), work,
             dry, say)
         searched.append(Candidate(f"searched (v={v})", str(out), v))
     one = Candidate("1f1b", "1f1b", 1)
@@ -325,9 +327,12 @@ def mark_duplicates(ex: Example, chosen: list[Candidate], work: Path, dry: bool,
 
 # -- measuring -----------------------------------------------------------------------------------
 def read_times(ex: Example, log: Path) -> list[float]:
-    """The per-iteration times (ms) the example wrote (`iteration_ms` of their --loss-log)."""
+    """The per-iteration step times (ms) the example wrote: `period_ms` of its --loss-log, from one
+    iteration's start to the next's, the step `koala calibrate` fits (the loop's data and logging
+    included); `iteration_ms` (the step's own work) where an older example wrote no periods."""
     try:
-        return [float(x) for x in json.loads(log.read_text(encoding="utf-8"))["iteration_ms"]]
+        record = json.loads(log.read_text(encoding="utf-8"))
+        return [float(x) for x in record.get("period_ms") or record["iteration_ms"]]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise BenchError(f"{log}: no iteration times ({exc})") from None
 
@@ -417,9 +422,10 @@ def header(argv: list[str], args) -> list[str]:
             f"started {time.strftime('%Y-%m-%d %H:%M:%S')}; {args.rounds} round(s), each a fresh torchrun per "
             f"schedule, "
             f"{args.iterations} iterations of {MICROBATCHES} microbatches, the first {args.warmup} dropped; "
-            f"measured = median of the kept iterations (Megatron: --loss-log iteration_ms, last pipeline rank; "
-            f"DeepSpeed: --loss-log iteration_ms, rank 0's train_batch); predicted = koala simulate on the "
-            f"calibrated profile"]
+            f"measured = median of the kept iterations' step periods (--loss-log period_ms, from one iteration's "
+            f"start to the next's, as koala calibrate measures a step; Megatron: the last pipeline rank, "
+            f"DeepSpeed: rank 0); predicted = koala simulate on the calibrated profile; searched = koala search "
+            f"--min-gain 0 --ignore-spread (the model's own pick)"]
 
 
 # -- main ----------------------------------------------------------------------------------------
@@ -489,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.out:
         sys.path.insert(0, str(ROOT))
-        from koala_ds.outputs import OutputError, check_output
+        from koala_ds.core.outputs import OutputError, check_output
 
         try:
             check_output(args.out, "--out")
@@ -520,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     report = "\n".join(lines[len(header(argv, args)):])
     print(report, flush=True)
     if args.out and not args.dry_run:
-        from koala_ds.outputs import atomic_write
+        from koala_ds.core.outputs import atomic_write
 
         atomic_write(args.out, "\n".join(lines) + "\n", "--out")
         print(f"wrote {args.out}", file=sys.stderr)

@@ -80,7 +80,7 @@ from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from koala_ds.outputs import atomic_write  # noqa: E402
+from koala_ds.core.outputs import atomic_write  # noqa: E402
 
 WHEELS = ROOT / ".gpu-wheels"
 SITE = Path(tempfile.gettempdir()) / "koala-gpu-site"

@@ -40,8 +40,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # the harness: engine_runs, deepspeed_jobs
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # this module, for the workers
 
-from koala_ds.ir import Op  # noqa: E402  (pure: no torch)
-from koala_ds.lowering import COMPUTE, RECV, SEND, lower, received_message  # noqa: E402
+from koala_ds.core.ir import Op  # noqa: E402  (pure: no torch)
+from koala_ds.runtime.lowering import COMPUTE, RECV, SEND, lower, received_message  # noqa: E402
 
 OWNERS = ("koala_ds", "engine", "torch", "c10d", "emulated model", "other")
 
@@ -119,7 +119,7 @@ def megatron_bare_worker(rank: int, world: int, spec: dict) -> dict:
 
 class _TorchBare:
     """The floor of a Python runtime on torch + gloo: the lowered stream of 1F1B
-    (koala_ds.lowering, receives posted 2 compute actions ahead, as both runtimes do) run by
+    (koala_ds.runtime.lowering, receives posted 2 compute actions ahead, as both runtimes do) run by
     a bare loop: a zero-cost `EmulatedStage`, the default process group's own send / recv, no
     engine, no timeouts, no checks, one tensor per message. A reference, not a runtime."""
 
@@ -127,7 +127,7 @@ class _TorchBare:
         import torch
         import torch.distributed as dist
 
-        from koala_ds.library import load_schedule
+        from koala_ds.resolve import load_schedule
 
         schedule = load_schedule("1f1b", p, m, 1)
         self.torch, self.shape, self.last = torch, (seq, 1, hidden), schedule.num_stages - 1
@@ -227,7 +227,7 @@ def deepspeed_worker(rank: int, world: int, spec: dict) -> dict:
 
 def run(engine: str, spec: dict, p: int) -> list[dict]:
     if engine.startswith(("megatron", "torch")):
-        from koala_ds.spawn import spawn
+        from koala_ds.runtime.spawn import spawn
         from rank_processes import PRELOAD  # ranks forked with torch and megatron-core imported (CPU only)
 
         return spawn(f"runtime_cpu:{engine.replace('-', '_')}_worker", p, spec, timeout_s=600, preload=PRELOAD)
@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     if {"megatron-bare", "deepspeed-stock", "torch-bare"} & set(args.engines) and args.schedule != "1f1b":
         ap.error("--engines megatron-bare, deepspeed-stock and torch-bare run 1F1B: use --schedule 1f1b")
 
-    from koala_ds.library import load_schedule
+    from koala_ds.resolve import load_schedule
 
     schedule = load_schedule(args.schedule, args.p, args.m, 1)
     job = {"key": 0, "schedule": schedule.to_dict(), "costs": [[0.0, 0.0, 0.0]] * schedule.num_stages}

@@ -20,6 +20,7 @@ import sys
 import time
 
 from koala_ds import library
+from koala_ds.resolve import load_schedule
 from koala_ds.sim import CostProfile, Simulator, simulate
 
 CASES = [  # (schedule, p, m, v)
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         if library.get(name).supports(p, m, v) is not None:
             print(f"{name:<18} {p:>3} {m:>4} {v:>2}  (not supported)")
             continue
-        schedule = library.load_schedule(name, p, m, v)
+        schedule = load_schedule(name, p, m, v)
         profile = CostProfile.uniform(schedule.num_stages, 1.0, 1.1, 0.9, 100.0, 20.0, p2p_latency=0.05,
                                       memory_limit_mb=10_000.0)
         sim = Simulator(profile, schedule.placement, m, schedule.backward)

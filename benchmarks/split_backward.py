@@ -4,7 +4,7 @@
     python benchmarks/split_backward.py --device cuda --hidden-size 2048 --num-layers 24 --seq-length 2048 -p 8
 
 Models (each split into -p stages, profiled by koala_ds.profiler exactly as the runtimes run
-F, I (backward with weight-gradient GEMMs queued, koala_ds.wgrad), W (the queue) and B; F is the
+F, I (backward with weight-gradient GEMMs queued, koala_ds.runtime.wgrad), W (the queue) and B; F is the
 forward a full-backward schedule runs and I carries what the split's deferrable forward costs
 over it, shown apart as "split F extra"):
 - megatron: the megatron-core GPT of examples/megatron_gpt (local spec, fp32);
@@ -15,7 +15,7 @@ over it, shown apart as "split F extra"):
   runtime does (`--models deepspeed,deepspeed-autograd` compares the two in one run).
 The target of issue 13: (I + W) / B <= 1.15 on CPU at hidden 512 on every stage with an input
 gradient, <= 1.10 on CUDA at hidden 2048; W-hold <= 0.75 x activation (the hold policy,
-`--max-w-hold`, koala_ds.wgrad.prepare(max_hold=...); "W FLOPs" is the share of the covered
+`--max-w-hold`, koala_ds.runtime.wgrad.prepare(max_hold=...); "W FLOPs" is the share of the covered
 layers' weight-gradient FLOPs W still runs).
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 
 from koala_ds.commands.profile import max_w_hold
 from koala_ds.profiler.models import gpt_layer_specs, gpt_layers
-from koala_ds.wgrad_policy import DEFAULT_MAX_HOLD
+from koala_ds.runtime.wgrad_policy import DEFAULT_MAX_HOLD
 
 
 def torch_stages(a) -> list:

@@ -163,7 +163,7 @@ def table(results: list[dict], spec: dict, p: int, compute: str) -> list[str]:
 
 
 def main() -> None:
-    from koala_ds.spawn import launch
+    from koala_ds.runtime.spawn import launch
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-p", type=int, default=2)

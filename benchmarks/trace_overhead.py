@@ -1,4 +1,4 @@
-"""What recording a measured trace (koala_ds/trace_record.py) costs a training step.
+"""What recording a measured trace (koala_ds/runtime/trace_record.py) costs a training step.
 
 1. In isolation (--actions N, --steps K): the interpreter loop of the Megatron runtime over a
    program of no-op actions, plain and with the recorder's marks (`_traced`), each action's
@@ -28,9 +28,9 @@ sys.path.insert(0, str(ROOT))
 
 def isolated(actions: int, steps: int, repeats: int = 5) -> tuple[float, float]:
     """(plain, traced) microseconds per action of the interpreter loop (best of `repeats`)."""
-    from koala_ds.library import load_schedule
+    from koala_ds.resolve import load_schedule
     from koala_ds.megatron.runtime import _traced
-    from koala_ds.trace_record import TraceRecorder, timed_wait
+    from koala_ds.runtime.trace_record import TraceRecorder, timed_wait
 
     m = actions // 3  # zb-h1 at p=2: 3 actions (F, I, W) per microbatch
     schedule = load_schedule("zb-h1", 2, m)

@@ -8,7 +8,7 @@ function that needs them is called. `koala_ds.deepspeed` is not lazy: importing 
 torch and DeepSpeed and registers the Koala engine with `deepspeed.initialize`.
 The test and benchmark harness is not part of the package: it lives in the checkout's tests/.
 """
-from .ir import Action, KoalaError, Op, Placement, Schedule, ScheduleError
+from .core.ir import Action, KoalaError, Op, Placement, Schedule, ScheduleError
 
 __version__ = "0.1.0"
 __all__ = ["Action", "KoalaError", "Op", "Placement", "Schedule", "ScheduleError", "load_schedule", "__version__"]
@@ -16,6 +16,6 @@ __all__ = ["Action", "KoalaError", "Op", "Placement", "Schedule", "ScheduleError
 
 def load_schedule(name_or_path: str, p: int, m: int, v: int = 1) -> Schedule:
     """Compile a library schedule (by name), a .koala file, or a schedule .json/.csv file."""
-    from .library import load_schedule as _load
+    from .resolve import load_schedule as _load
 
     return _load(name_or_path, p, m, v)

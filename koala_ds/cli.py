@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from .ir import KoalaError
+from .core.ir import KoalaError
 
 #: Subcommand modules, in the order `koala --help` lists them.
 COMMAND_MODULES = [

@@ -1,7 +1,7 @@
 """One resolver for every front end: what the user named (a Schedule, a library name, a `.koala`
 program, a `.json` / `.csv` schedule file) and the (p, m, v) a run has -> the schedule that fits.
 
-The CLI (`koala show|validate|export|simulate`), the library's `load_schedule`, the DeepSpeed
+The CLI (`koala show|validate|export|simulate`), `load_schedule` (below), the DeepSpeed
 engine and the Megatron launcher and runtime all call `resolve`. What differs between them is
 how the user *spells* p, m and v (and the schedule and profile settings): `Settings` holds
 that, and every message this module raises names the user's own setting and the value to set
@@ -19,9 +19,9 @@ import os
 from dataclasses import dataclass, replace
 
 from . import library
-from .errors import one_line
-from .ir import CLI_NAMES, KoalaError, Placement, Schedule, ScheduleError
-from .validate import validate
+from .core.errors import one_line
+from .core.ir import CLI_NAMES, KoalaError, Placement, Schedule, ScheduleError
+from .core.validate import validate
 
 #: A schedule file's suffixes: a program to compile, or a fixed schedule taken as written.
 PROGRAM_SUFFIX = ".koala"
@@ -284,3 +284,10 @@ def load_profile(profile, settings: Settings):
         named = str(exc).startswith(f"{profile}:")  # "x.json: ..." names the file already
         where = settings.profile if named else f"{settings.profile} {profile}:"
         raise ScheduleFitError(f"{where} {exc}") from None
+
+
+def load_schedule(name_or_path: str, p: int, m: int, v: int = 1) -> Schedule:
+    """Compile a library schedule or a `.koala` file for (p, m, v), or load a fixed `.json` /
+    `.csv` schedule and check that it was made for (p, m, v): `resolve` with
+    koala's own -p, -m, -v in its messages (an engine passes its settings to `resolve`)."""
+    return resolve(name_or_path, p, m, v)

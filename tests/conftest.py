@@ -141,7 +141,7 @@ def _group_initialised() -> bool:
 def _no_process_group_left_behind(request):
     """A test that initialises torch.distributed in this process must destroy its group: every
     later test in the process (an xdist worker runs hundreds) would see it, e.g.
-    koala_ds.errors.process_rank takes the rank from it instead of $RANK. A test that leaves
+    koala_ds.core.errors.process_rank takes the rank from it instead of $RANK. A test that leaves
     one fails here, and the group is destroyed so that the tests after it still run clean."""
     before = _group_initialised()
     yield

@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import torch
 
-from koala_ds.spawn import SpawnError, launch as spawn_launch
+from koala_ds.runtime.spawn import SpawnError, launch as spawn_launch
 from rank_processes import PRELOAD
 
 logger = logging.getLogger(__name__)
@@ -184,7 +184,7 @@ def launch(worker: Callable | str, world_size: int, spec: Any = None, timeout_s:
            pg_timeout_s: float = 120.0, allow_failures: bool = False,
            wait_ranks: list[int] | None = None) -> list[dict]:
     """Run `worker(rank, world_size, spec)` in `world_size` processes with DeepSpeed's CPU
-    environment; return each rank's result dict (see `koala_ds.spawn.launch`)."""
+    environment; return each rank's result dict (see `koala_ds.runtime.spawn.launch`)."""
     ext_dir = extensions_dir()
     clear_stale_locks(ext_dir)  # else every worker would wait on a lock a killed process left
     env = {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(ext_dir)}
@@ -438,9 +438,9 @@ def hang_worker(rank: int, world: int, spec: dict) -> dict:
     end-of-step loss broadcast `_aggregate_total_loss` or the clipping `clip_fp32_gradients`)."""
     import koala_ds.deepspeed  # noqa: F401
 
-    from koala_ds.deepspeed.engine import PipelineTimeoutError
+    from koala_ds.deepspeed import PipelineTimeoutError
 
-    from koala_ds.deepspeed.engine import KoalaConfigError
+    from koala_ds.deepspeed import KoalaConfigError
 
     pp, gas, mbs, dim = spec["pp"], spec["gas"], spec["mbs"], spec["dim"]
     refused = None
@@ -477,15 +477,15 @@ def save_hang_worker(rank: int, world: int, spec: dict) -> dict:
     import signal
 
     import koala_ds.deepspeed  # noqa: F401
-    import koala_ds.deepspeed.engine as koala_engine
-    from koala_ds.deepspeed.engine import PipelineTimeoutError
+    import koala_ds.deepspeed.checkpoint as koala_checkpoint
+    from koala_ds.deepspeed import PipelineTimeoutError
 
     model = build_model(spec["pp"], spec["dim"], 4, False)
     config = ds_config(spec["gas"], spec["mbs"], world // spec["pp"],
                        koala={"schedule": "1f1b", "timeout_s": spec["timeout_s"]}, schedule="koala")
     engine = _engine(model, {}, config)
     if rank == 0:
-        koala_engine.write_layout = lambda *_: os.kill(os.getpid(), signal.SIGSTOP)
+        koala_checkpoint.write_layout = lambda *_: os.kill(os.getpid(), signal.SIGSTOP)
     start = time.perf_counter()
     try:
         engine.save_checkpoint(spec["dir"], tag="t")

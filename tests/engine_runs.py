@@ -1,4 +1,4 @@
-"""Emulated-compute runs of the real engines (workers for `koala_ds.spawn.spawn`), for the tests
+"""Emulated-compute runs of the real engines (workers for `koala_ds.runtime.spawn.spawn`), for the tests
 and benchmarks/engine_speedup*.py: a harness in tests/, not part of the installed package.
 
 `megatron_worker` runs, on every pipeline rank, the jobs of a spec through the real
@@ -73,7 +73,7 @@ class _MegatronRunner:
     """One job on the Megatron path: the model chunks of this rank and the Koala forward_backward_func."""
 
     def __init__(self, job: dict, rank: int, hidden: int, seq: int, timeout_s: float):
-        from koala_ds.ir import Schedule
+        from koala_ds.core.ir import Schedule
         from koala_ds.megatron import get_forward_backward_func
 
         schedule = Schedule.from_dict(job["schedule"])
@@ -220,7 +220,7 @@ class _DeepSpeedRunner:
         from koala_ds.deepspeed import KoalaPipelineModule
         from deepspeed_jobs import ds_config
 
-        from koala_ds.ir import Schedule
+        from koala_ds.core.ir import Schedule
 
         schedule = Schedule.from_dict(job["schedule"])
         p, v, m, S = schedule.p, schedule.v, schedule.m, schedule.num_stages
@@ -276,7 +276,7 @@ class _GPTRunner:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.transformer.transformer_config import TransformerConfig
 
-        from koala_ds.ir import Schedule
+        from koala_ds.core.ir import Schedule
         from koala_ds.megatron import get_forward_backward_func
 
         schedule = Schedule.from_dict(job["schedule"])
@@ -373,7 +373,7 @@ class _DeepSpeedGPTRunner:
         from koala_ds.deepspeed import KoalaPipelineModule
         from deepspeed_jobs import ds_config
 
-        from koala_ds.ir import Schedule
+        from koala_ds.core.ir import Schedule
         from koala_ds.profiler.models import gpt_layer_specs
 
         schedule = Schedule.from_dict(job["schedule"])

@@ -1,4 +1,4 @@
-"""Worker for the chunk-role refusal test of the Megatron runtime (launched by koala_ds.spawn).
+"""Worker for the chunk-role refusal test of the Megatron runtime (launched by koala_ds.runtime.spawn).
 
 `world` gloo ranks build their two model chunks as megatron-core's model builder does (chunk c
 of rank r holds stage c x p + r: `pre_process` / `post_process` set for that stage) and call
@@ -19,7 +19,7 @@ from engine_runs import _MegatronChunk, _forward_step, chunk_config
 
 def roles_worker(rank: int, world: int, spec: dict) -> dict:
     from megatron.core import parallel_state as ps
-    from koala_ds.library import load_schedule
+    from koala_ds.resolve import load_schedule
     from koala_ds.megatron import get_forward_backward_func
 
     ps.destroy_model_parallel()

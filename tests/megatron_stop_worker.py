@@ -1,4 +1,4 @@
-"""Worker for the stopped-peer tests of the Megatron runtime (launched by koala_ds.spawn).
+"""Worker for the stopped-peer tests of the Megatron runtime (launched by koala_ds.runtime.spawn).
 
 Two gloo ranks run one training step of the tiny megatron-core GPT of megatron_worker.py with
 koala's forward_backward_func; rank `spec["stopped_rank"]` SIGSTOPs itself at `spec["stop"]`:

@@ -1,4 +1,4 @@
-"""Worker for tests/test_megatron_tokens.py (launched by koala_ds.spawn): two gloo pipeline ranks
+"""Worker for tests/test_megatron_tokens.py (launched by koala_ds.runtime.spawn): two gloo pipeline ranks
 run one step of the tiny megatron-core GPT of megatron_worker.py (v = 2, chunks placed as the
 schedule says) with a per-token loss (config.calculate_per_token_loss); finalize_model_grads_func
 records the token count it is handed, as megatron-core's finalize_model_grads reads it: it

@@ -29,8 +29,8 @@ def greedy_schedule(name, placement, m, split, cap=None):
     """A valid, deadlock-free schedule for any placement by unit-time list scheduling
     (stand-in for the library until it is available): backward first, then forward under an
     in-flight cap, and W (split) to fill idle steps."""
-    from koala_ds.ir import Action, Op, schedule_from_ranks
-    from koala_ds.validate import validate
+    from koala_ds.core.ir import Action, Op, schedule_from_ranks
+    from koala_ds.core.validate import validate
 
     p, S = placement.p, placement.num_stages
     done = {}
@@ -85,12 +85,12 @@ def greedy_schedule(name, placement, m, split, cap=None):
 def make_schedule(name, p, m, v):
     """Library schedule when koala_ds.library is there, else the greedy stand-in."""
     try:
-        from koala_ds.library import load_schedule
+        from koala_ds.resolve import load_schedule
 
         return load_schedule(name, p, m, v)
     except ImportError:
         pass
-    from koala_ds.ir import Placement
+    from koala_ds.core.ir import Placement
 
     if name == "1f1b":
         return greedy_schedule(name, Placement.named("linear", p, 1), m, False)

@@ -4,7 +4,7 @@ MASTER_ADDR, MASTER_PORT), for tests that check what each rank prints and its ex
 
 The port comes from `free_port()`, which another process can take before rank 0 binds it: rank
 0 then fails with EADDRINUSE while the other ranks wait on whatever holds the port. Such a
-launch is stopped and started again on a new port (as `koala_ds.spawn.launch` does);
+launch is stopped and started again on a new port (as `koala_ds.runtime.spawn.launch` does);
 `on_a_free_port` does that for any launch given a port (a launcher's own command too).
 """
 from __future__ import annotations
@@ -18,11 +18,11 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
-from koala_ds.spawn import free_port
+from koala_ds.runtime.spawn import free_port
 
 ATTEMPTS = 3
 
-#: What the tests' ranks import, once, in the fork server of `koala_ds.spawn.launch(preload=...)`
+#: What the tests' ranks import, once, in the fork server of `koala_ds.runtime.spawn.launch(preload=...)`
 #: (on CPU): a spawned rank imported them itself, 3-7 s of CPU each.
 PRELOAD = ("torch", "torch.distributed", "deepspeed", "megatron.core",
            "megatron.core.pipeline_parallel.schedules", "megatron.core.models.gpt")

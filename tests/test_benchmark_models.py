@@ -36,7 +36,7 @@ def test_the_search_and_the_prediction_charge_a_full_backward_one_overhead():
     no_b = CostProfile(tuple(StageCost(2.0, 2.0, 1.0, 1.0, 1.0) for _ in range(2)), 0.0, None, "test")
     model = E.with_overhead(no_b, 0.5)
     assert all(s.backward == 2.0 + 1.0 + 0.5 and s.forward == 2.5 for s in model.stages)
-    from koala_ds.library import load_schedule
+    from koala_ds.resolve import load_schedule
     from koala_ds.sim import Simulator
 
     one = load_schedule("1f1b", 2, 4, 1)

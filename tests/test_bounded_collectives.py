@@ -1,4 +1,4 @@
-"""koala_ds.bounded_collectives in one process (a gloo group of one rank) and the Megatron
+"""koala_ds.runtime.bounded_collectives in one process (a gloo group of one rank) and the Megatron
 runtime's collective waiter; the multi-process behaviour is in test_megatron_stopped_peer.py."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
-from koala_ds.bounded_collectives import bounded_collectives  # noqa: E402
+from koala_ds.runtime.bounded_collectives import bounded_collectives  # noqa: E402
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from koala_ds.cli import main
-from koala_ds.library import load_schedule
+from koala_ds.resolve import load_schedule
 from koala_ds.search import SearchProblem
 from koala_ds.search.bound import jackson_bound
 from koala_ds.sim import CostProfile, StageCost, lower_bound_for, random_schedule, simulate
@@ -431,7 +431,7 @@ def test_bounds_stay_below_every_makespan_with_the_overhead_terms(style, p, v, b
     """Both bounds (koala_ds.sim.lower_bound, koala_ds.search.bound) with action_overhead and
     step_overhead: below every random schedule's makespan, and the search's evaluation of a
     schedule is the simulator's (step_overhead included in both)."""
-    from koala_ds.ir import Placement
+    from koala_ds.core.ir import Placement
 
     rng = random.Random(f"{style}{p}{v}")
     stages = [StageCost(rng.uniform(0.2, 2), rng.uniform(0.2, 2), rng.uniform(0.1, 1.5), 10.0, rng.uniform(0, 5),
@@ -479,9 +479,9 @@ def test_the_search_reports_step_times_with_the_step_overhead():
 
 
 def test_the_runtimes_recorder_writes_what_calibrate_reads(tmp_path, monkeypatch):
-    """The same simulated run written through the runtimes' own recorder (koala_ds.trace_record,
+    """The same simulated run written through the runtimes' own recorder (koala_ds.runtime.trace_record,
     its clock scripted with the simulated times) calibrates back to the same profile."""
-    from koala_ds import trace_record
+    from koala_ds.runtime import trace_record
 
     stages = truth_stages(2)
     schedule = load_schedule("zb-h1", 2, 4, 1)

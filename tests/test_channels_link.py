@@ -1,4 +1,4 @@
-"""koala_ds.channels.Link: the engines' sends and receives on a process group directly."""
+"""koala_ds.runtime.channels.Link: the engines' sends and receives on a process group directly."""
 from __future__ import annotations
 
 import math
@@ -14,7 +14,7 @@ def link_worker(rank: int, world: int, spec: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    from koala_ds.channels import Link
+    from koala_ds.runtime.channels import Link
 
     sub = dist.new_group([1, 2])
     plain, cplx = torch.arange(6, dtype=torch.float32) + rank, torch.tensor([1 + 2j, -3j]) * (rank + 1)
@@ -36,7 +36,7 @@ def link_worker(rank: int, world: int, spec: dict) -> dict:
 
 @pytest.mark.slow
 def test_link_sends_to_the_global_rank_given_on_any_group():
-    from koala_ds.spawn import spawn
+    from koala_ds.runtime.spawn import spawn
     from rank_processes import PRELOAD
 
     got = spawn("test_channels_link:link_worker", 3, {}, timeout_s=120, preload=PRELOAD)[2]

@@ -4,7 +4,7 @@ import sys
 import pytest
 
 from koala_ds.cli import main
-from koala_ds.ir import Schedule
+from koala_ds.core.ir import Schedule
 from koala_ds.library import get
 
 
@@ -100,7 +100,7 @@ def test_a_profile_whose_stages_v_does_not_divide_asks_for_another_v(capsys):
 
 def test_one_rank_is_never_idle_and_its_bubble_is_not_negative(capsys):
     """p = 1 printed 'bubble -0.00%' and idle -5.45697e-12 (float noise)."""
-    from koala_ds.library import load_schedule
+    from koala_ds.resolve import load_schedule
     from koala_ds.sim import simulate
     from koala_ds.sim.layers import load_layer_profile
 

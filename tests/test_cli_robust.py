@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from koala_ds.cli import main
-from koala_ds.outputs import OutputError, atomic_open, atomic_write, check_output
+from koala_ds.core.outputs import OutputError, atomic_open, atomic_write, check_output
 
 ROOT = Path(__file__).resolve().parents[1]
 

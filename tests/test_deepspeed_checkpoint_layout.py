@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from koala_ds.ir import KoalaError, Placement
+from koala_ds.core.ir import KoalaError, Placement
 
 checkpoint = pytest.importorskip("koala_ds.deepspeed.checkpoint")
 

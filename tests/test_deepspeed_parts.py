@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 from koala_ds.deepspeed import KoalaConfigError, KoalaPipelineConfig  # noqa: E402
 from koala_ds.deepspeed.module import PARTS_KEY, check_model_parts, check_parts, parts_from_config  # noqa: E402
 from deepspeed_jobs import launch, train_worker  # noqa: E402
-from koala_ds.ir import KoalaError  # noqa: E402
+from koala_ds.core.ir import KoalaError  # noqa: E402
 
 TOL = 1e-6
 GAS, MBS, DIM, BLOCKS, STEPS = 8, 2, 8, 8, 3

@@ -30,13 +30,13 @@ torch = pytest.importorskip("torch")
 from koala_ds.deepspeed import (KoalaConfigError, KoalaPipeSchedule, KoalaPipelineConfig,  # noqa: E402
                                 check_schedule, select_engine_class)
 from koala_ds.deepspeed.schedule import BackwardInputPass, BackwardWeightPass  # noqa: E402
-from koala_ds.lowering import COMPUTE, RECV, SEND, lower  # noqa: E402
+from koala_ds.runtime.lowering import COMPUTE, RECV, SEND, lower  # noqa: E402
 from deepspeed_jobs import (DEFAULT_EXTENSIONS_DIR, checkpoint_worker, hang_worker, launch, save_hang_worker,  # noqa: E402
                             train_worker)
-from koala_ds.ir import Action, KoalaError, Op, Placement  # noqa: E402
-from koala_ds.spawn import remove_deepspeed_shm  # noqa: E402
-from koala_ds.library import load_schedule  # noqa: E402
-from koala_ds.validate import validate  # noqa: E402
+from koala_ds.core.ir import Action, KoalaError, Op, Placement  # noqa: E402
+from koala_ds.runtime.spawn import remove_deepspeed_shm  # noqa: E402
+from koala_ds.resolve import load_schedule  # noqa: E402
+from koala_ds.core.validate import validate  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TOL = 1e-6  # relative (absolute below 1)
@@ -159,7 +159,7 @@ def test_instruction_streams_follow_the_lowered_schedule(name, p, v, lookahead):
 def test_the_inference_order_runs_with_blocking_receives(style, p, v):
     """eval_batch learns input shapes at the first receive (blocking): its lowered order must run so."""
     from koala_ds.deepspeed.schedule import inference_order
-    from koala_ds.lowering import check_lowered
+    from koala_ds.runtime.lowering import check_lowered
 
     check_lowered(lower(inference_order(Placement.named(style, p, v), 5), forward_only=True, lookahead=0),
                   blocking_recv=True)
@@ -756,7 +756,7 @@ _MISSPELT = textwrap.dedent('''
     import importlib, os, sys
     import deepspeed, torch
     from deepspeed.pipe import PipelineModule
-    from koala_ds.errors import run_main
+    from koala_ds.core.errors import run_main
 
     def main():
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # not what this is about
@@ -777,7 +777,7 @@ _MISSPELT = textwrap.dedent('''
 def test_the_patched_initialize_refuses_a_misspelt_pipeline_schedule(patched_deepspeed, tmp_path):
     """With the launcher patch and no koala_ds import in the script, "pipeline.schedule": "koalaa"
     ran DeepSpeed's own engine without a word (the patch imported the plugin only for "koala")."""
-    from koala_ds.spawn import free_port
+    from koala_ds.runtime.spawn import free_port
 
     script = tmp_path / "train.py"
     script.write_text(_MISSPELT)

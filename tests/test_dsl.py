@@ -5,7 +5,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from koala_ds.dsl import KoalaCompileError, KoalaSyntaxError, parse_program, print_schedule, python_program
 from koala_ds.dsl import program as program_mod
-from koala_ds.ir import KoalaError, Placement
+from koala_ds.core.ir import KoalaError, Placement
 from koala_ds.sim import random_schedule
 
 ONE_F_ONE_B = """\
@@ -306,8 +306,8 @@ def test_a_microbatch_that_is_not_an_integer_is_refused_and_leaves_other_schedul
     """b.F(mb=False) compiled, and the action cache (keyed by value: False == 0) then handed '0FFalse'
     to every later schedule of the process, the library's included (their JSON no longer loaded);
     mb=1.0 was a TypeError, and every later 1f1b too."""
-    from koala_ds.ir import Schedule
-    from koala_ds.library import load_schedule
+    from koala_ds.core.ir import Schedule
+    from koala_ds.resolve import load_schedule
 
     @python_program(f"odd-{mb!r}")
     def odd(b, p, m, v, r):
@@ -323,14 +323,14 @@ def test_a_microbatch_that_is_not_an_integer_is_refused_and_leaves_other_schedul
 @pytest.mark.parametrize("p, m", [(True, 4), (2, True)])
 def test_a_bool_is_not_a_size(p, m):
     """load_schedule("1f1b", True, 4) gave a schedule with p=True (its JSON then refused)."""
-    from koala_ds.library import load_schedule
+    from koala_ds.resolve import load_schedule
 
     with pytest.raises(KoalaError, match="must be a positive integer"):
         load_schedule("1f1b", p, m)
 
 
 def test_action_refuses_what_is_not_an_action():
-    from koala_ds.ir import Action, ScheduleError
+    from koala_ds.core.ir import Action, ScheduleError
 
     for args in (("X", 1, 2), ("F", "1", 2), ("F", 1, 2.0), ("F", True, 2)):
         with pytest.raises(ScheduleError):
@@ -341,7 +341,7 @@ def test_action_refuses_what_is_not_an_action():
 
 def test_printing_an_action_of_a_stage_the_rank_does_not_hold_is_a_schedule_error():
     """print_schedule raised a bare IndexError where validate and simulate say ScheduleError."""
-    from koala_ds.ir import Action, Op, Schedule, ScheduleError
+    from koala_ds.core.ir import Action, Op, Schedule, ScheduleError
 
     good = parse_program(ONE_F_ONE_B, "t.koala").compile(2, 2)
     ranks = (good.ranks[0] + (Action(Op.F, 5, 0),), good.ranks[1])

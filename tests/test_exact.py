@@ -10,7 +10,7 @@ pytest.importorskip("ortools")
 from koala_ds.sim import CostProfile, simulate  # noqa: E402
 from koala_ds.search import SearchProblem, search  # noqa: E402
 from koala_ds.search.exact import solve_exact  # noqa: E402
-from koala_ds.validate import validate  # noqa: E402
+from koala_ds.core.validate import validate  # noqa: E402
 
 #: How far above the proven optimum the GA may end on these small cases with a fixed seed.
 GA_TOLERANCE = 0.01
@@ -129,6 +129,7 @@ def test_relaxed_bound_adds_ranks_until_its_optimum_is_a_schedule():
 def test_cli_exact_reports_the_optimum_and_writes_it(tmp_path, capsys):
     from koala_ds.cli import main
     from koala_ds import library
+    from koala_ds.resolve import load_schedule
     from koala_ds.search import one_f_one_b_peak
     profile = _profile(4)
     prof = tmp_path / "p.json"
@@ -141,7 +142,7 @@ def test_cli_exact_reports_the_optimum_and_writes_it(tmp_path, capsys):
     text = capsys.readouterr().out
     assert rc == 0
     assert "exact (CP-SAT, placement vshape): optimal 37.2 ms" in text
-    sched = library.load_schedule(str(out), 2, 4, 2)
+    sched = load_schedule(str(out), 2, 4, 2)
     assert simulate(sched, profile, timeline=False).makespan == pytest.approx(37.2)
 
 
@@ -152,6 +153,7 @@ def test_exact_full_backward_uses_the_profiles_b(factor):
     import dataclasses
 
     from koala_ds import library
+    from koala_ds.resolve import load_schedule
 
     base = _profile(3)
     profile = CostProfile(tuple(dataclasses.replace(c, backward_full=round(factor * c.split_backward, 2))
@@ -161,7 +163,7 @@ def test_exact_full_backward_uses_the_profiles_b(factor):
     assert exact.status == "optimal"
     assert simulate(exact.schedule, profile).makespan == pytest.approx(exact.objective, rel=1e-9, abs=1e-9)
     assert problem.lower_bound <= exact.objective + 1e-9
-    one = simulate(library.load_schedule("1f1b", 3, 4), profile).makespan
+    one = simulate(load_schedule("1f1b", 3, 4), profile).makespan
     assert exact.objective <= one + 1e-9
     # the full model's optimum is costed with B: below what I + W would give when B < I + W
     plain = SearchProblem(base, 3, 4, 1, "full")
@@ -198,7 +200,7 @@ def test_a_time_limit_that_is_not_positive_names_its_parameter(solver):
 def test_a_hint_of_a_placement_not_searched_leaves_the_problem_as_it_was():
     """solve_exact(problem, hint=chimera) added chimera's parts to the problem: its lower bound fell
     from 17.2 to 13.2 and a later search answered with a two-copy schedule the adapters cannot run."""
-    from koala_ds.library import load_schedule
+    from koala_ds.resolve import load_schedule
     from koala_ds.search import SearchError
 
     problem = SearchProblem(CostProfile.uniform(4, p2p_latency=0.5, backward_weight=0.2), 4, 4)

@@ -183,7 +183,7 @@ def test_the_example_builds_its_layer_list_for_any_dim(example):
 
 
 def test_the_examples_loss_log_is_checked_before_deepspeed_starts(example, monkeypatch, capsys, tmp_path):
-    from koala_ds.errors import run_main
+    from koala_ds.core.errors import run_main
 
     monkeypatch.setattr(example.deepspeed, "init_distributed", lambda **_: pytest.fail("DeepSpeed was started"))
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -5,8 +5,9 @@ import re
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from koala_ds.ir import Action, KoalaError, Op, Placement, Schedule, ScheduleError
-from koala_ds.library import get, load_schedule
+from koala_ds.core.ir import Action, KoalaError, Op, Placement, Schedule, ScheduleError
+from koala_ds.library import get
+from koala_ds.resolve import load_schedule
 from koala_ds.sim import random_schedule
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from koala_ds.errors import USER_ERROR_EXIT
+from koala_ds.core.errors import USER_ERROR_EXIT
 from rank_processes import environment
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,12 +19,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def koala_run_here(tmp_path, monkeypatch):
-    """koala_ds.torchrun, to call in this process as rank 0 in `tmp_path` (which holds a script
+    """koala_ds.runtime.torchrun, to call in this process as rank 0 in `tmp_path` (which holds a script
     never_started.py), with torchrun's launcher replaced: a call to it, which would start the
     ranks, fails the test."""
     from torch.distributed import run as torch_run
 
-    from koala_ds import torchrun
+    from koala_ds.runtime import torchrun
 
     def started(args) -> None:
         pytest.fail(f"koala-run started torchrun's launcher (--nproc-per-node {args.nproc_per_node})")
@@ -126,7 +126,7 @@ def test_the_koala_run_command_says_in_one_line_that_its_log_dir_is_a_file(tmp_p
     """The command itself (torchrun's launcher not replaced): exit code 2 and one line, where
     torchrun ended in `NotADirectoryError: log_dir: ok.py is a file` after its traceback."""
     (tmp_path / "ok.py").write_text("print('hi')\n")
-    cmd = [sys.executable, "-m", "koala_ds.torchrun", "--log-dir", "ok.py", "--nproc-per-node", "1", "ok.py"]
+    cmd = [sys.executable, "-m", "koala_ds.runtime.torchrun", "--log-dir", "ok.py", "--nproc-per-node", "1", "ok.py"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=50, cwd=tmp_path,
                           env=environment(ROOT, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu"))
     assert done.returncode == USER_ERROR_EXIT, done.stderr

@@ -46,3 +46,34 @@ def test_the_installed_package_holds_no_test_harness_and_writes_nothing_beside_i
                  if any(word in path.read_text(encoding="utf-8") for word in ("TORCH_EXTENSIONS_DIR", '".cache"'))]
     assert offenders == []
     assert all((Path(__file__).parent / name).is_file() for name in ("deepspeed_jobs.py", "engine_runs.py"))
+
+
+def test_each_layer_imports_only_the_layers_below_it():
+    """core < language (dsl, library) < model (sim, viz) < search < resolve < runtime < adapters <
+    profiler (it measures what the adapters run) < commands, cli:
+    no module imports a layer above its own, not even for type checking (the core's lowered form
+    took a cost profile from the model; the resolver sat beside the IR while reading the library
+    and profiles)."""
+    import ast
+    from pathlib import Path
+
+    level = {"core": 0, "dsl": 1, "library": 1, "sim": 2, "viz": 2, "search": 3, "resolve": 4, "runtime": 5,
+             "deepspeed": 6, "megatron": 6, "torch": 6, "profiler": 7, "commands": 8, "cli": 8}
+    package = Path(__file__).resolve().parents[1] / "koala_ds"
+    offenders = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package).with_suffix("").parts
+        if rel[0] not in level:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                here = list(rel[:-1])
+                full = here[: len(here) - (node.level - 1)] + (node.module.split(".") if node.module else [])
+                target = full[0] if full else node.names[0].name
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("koala_ds."):
+                target = node.module.split(".")[1]
+            else:
+                continue
+            if target in level and level[target] > level[rel[0]]:
+                offenders.append(f"{'/'.join(rel)} imports {target}")
+    assert offenders == []

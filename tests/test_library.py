@@ -1,9 +1,10 @@
 import pytest
 
 from koala_ds.dsl import KoalaCompileError
-from koala_ds.ir import KoalaError
-from koala_ds.library import get, load_program, load_schedule, names
-from koala_ds.validate import validate
+from koala_ds.core.ir import KoalaError
+from koala_ds.library import get, load_program, names
+from koala_ds.resolve import load_schedule
+from koala_ds.core.validate import validate
 
 REQUIRED = ["gpipe", "1f1b", "eager-1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1", "zb-h2", "zb-v", "v-half",
             "v-min", "dualpipe-v", "chimera", "hanayo"]

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 
 from koala_ds.dsl import python_program
-from koala_ds.ir import Action, Op, schedule_from_ranks
+from koala_ds.core.ir import Action, Op, schedule_from_ranks
 from koala_ds.library import get
 from koala_ds.sim.simulator import simulate
-from koala_ds.validate import validate
+from koala_ds.core.validate import validate
 
 
 # -- helpers -----------------------------------------------------------------------------

@@ -3,7 +3,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from koala_ds.ir import Action, Op, Schedule  # noqa: E402
+from koala_ds.core.ir import Action, Op, Schedule  # noqa: E402
 from koala_ds.library import get  # noqa: E402
 
 CASES = {

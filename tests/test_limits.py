@@ -5,11 +5,14 @@ import time
 
 import pytest
 
-from koala_ds import ir, library
+from koala_ds.core import ir
+
+from koala_ds import library
+from koala_ds.resolve import load_schedule
 from koala_ds.cli import main
 from koala_ds.dsl import KoalaCompileError, KoalaSyntaxError, parse_program, python_program
 from koala_ds.dsl import program as program_mod
-from koala_ds.ir import KoalaError, Schedule, ScheduleError
+from koala_ds.core.ir import KoalaError, Schedule, ScheduleError
 
 
 def one_line_error(capsys, *argv):
@@ -23,8 +26,8 @@ def one_line_error(capsys, *argv):
 @pytest.mark.timeout(60)
 def test_compile_is_linear_in_m_and_p():
     t0 = time.perf_counter()
-    s = library.load_schedule("1f1b", 4, 10_000)  # 80,000 actions: about a minute when quadratic in m
-    wide = library.load_schedule("1f1b", 10_000, 2)  # 40,000 actions on 10,000 ranks
+    s = load_schedule("1f1b", 4, 10_000)  # 80,000 actions: about a minute when quadratic in m
+    wide = load_schedule("1f1b", 10_000, 2)  # 40,000 actions on 10,000 ranks
     assert s.num_actions == 80_000 and wide.num_actions == 40_000
     assert time.perf_counter() - t0 < 10  # about 1.5 s here
 
@@ -74,7 +77,7 @@ def test_a_memory_limit_too_large_names_the_option(capsys, tmp_path):
 
 
 def test_action_cap_on_fixed_schedules_and_programs(monkeypatch, tmp_path):
-    s = library.load_schedule("1f1b", 2, 4)
+    s = load_schedule("1f1b", 2, 4)
     monkeypatch.setattr(ir, "MAX_ACTIONS", s.num_actions - 1)
     with pytest.raises(ScheduleError, match="16 actions, over the limit of 15"):
         Schedule.from_json(s.to_json(), "x.json")

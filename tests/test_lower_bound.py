@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from koala_ds import library
-from koala_ds.ir import KoalaError, Placement, ScheduleError
+from koala_ds.resolve import load_schedule
+from koala_ds.core.ir import KoalaError, Placement, ScheduleError
 from koala_ds.sim import CostProfile, StageCost, lower_bound, lower_bound_for, random_schedule, simulate
 
 TOL = 1e-9  # floating-point rounding: the bound and the makespan add the same numbers in different orders
@@ -100,7 +101,7 @@ def library_schedules() -> list:
         for p, m, v in [(1, 3, 1), (2, 2, 1), (2, 5, 1), (4, 4, 1), (4, 9, 1), (3, 6, 2), (4, 8, 2), (2, 6, 2)]:
             if library.get(name).supports(p, m, v) is None:
                 try:
-                    out.append(library.load_schedule(name, p, m, v))
+                    out.append(load_schedule(name, p, m, v))
                 except KoalaError:  # a library bug; the library's own tests report it
                     continue
     return out
@@ -126,7 +127,7 @@ def test_no_library_schedule_beats_the_bound(data):
 @pytest.mark.parametrize("p, m, lat", [(4, 8, 0.0), (4, 8, 0.3), (3, 2, 0.1), (6, 12, 0.05), (5, 3, 0.0)])
 def test_1f1b_fill_drain_bound_with_full_backward_and_uniform_costs(p, m, lat):
     profile = CostProfile.uniform(p, forward=1.0, backward_input=1.2, backward_weight=0.8, p2p_latency=lat)
-    schedule = library.load_schedule("1f1b", p, m)
+    schedule = load_schedule("1f1b", p, m)
     bound = lower_bound_for(schedule, profile)
     # The last rank starts after the fill (p-1 forwards and hops), works m (F + B), and its
     # last B must flow back down: (m + p - 1) (F + B) plus one latency each way per hop.
@@ -151,7 +152,7 @@ def test_split_backward_bound_is_below_the_full_one():
 def test_memory_for_one_activation_forces_one_microbatch_at_a_time():
     p, m = 4, 5
     profile = CostProfile.uniform(p, activation_mb=100.0, p2p_latency=0.2)
-    schedule = library.load_schedule("1f1b", p, m)
+    schedule = load_schedule("1f1b", p, m)
     no_limit = lower_bound_for(schedule, profile)
     one = lower_bound_for(schedule, profile, memory_limit=100.0)
     round_trip = p * 1.0 + p * 2.0 + 2 * (p - 1) * 0.2
@@ -184,7 +185,7 @@ def test_bad_arguments():
 @pytest.mark.parametrize("p, m, lat", [(4, 8, 0.0), (3, 5, 0.2)])
 def test_1f1b_bound_uses_the_profiles_full_backward(p, m, lat, b):
     profile = CostProfile.uniform(p, forward=1.0, backward_input=1.2, backward_weight=0.8, p2p_latency=lat, backward=b)
-    schedule = library.load_schedule("1f1b", p, m)
+    schedule = load_schedule("1f1b", p, m)
     bound = lower_bound_for(schedule, profile)
     assert bound.value == pytest.approx((m + p - 1) * (1.0 + b) + 2 * (p - 1) * lat)
     makespan = simulate(schedule, profile).makespan
@@ -223,7 +224,7 @@ def test_split_bound_counts_a_full_backward_where_it_is_cheaper():
     """A split schedule may run B where B < I + W: its bound must allow that (and 1f1b, written as a
     full schedule, is also a split-configuration schedule)."""
     profile = CostProfile.uniform(4, forward=1.0, backward_input=1.0, backward_weight=1.0, backward=1.1)
-    one = library.load_schedule("1f1b", 4, 8)
+    one = load_schedule("1f1b", 4, 8)
     makespan = simulate(one, profile).makespan
     assert makespan == pytest.approx(11 * 2.1)
     split = lower_bound(profile, 4, 8, 1, "linear", "split")

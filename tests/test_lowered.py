@@ -1,4 +1,4 @@
-"""The lowered tables (koala_ds/lowered.py): one op table, action codes, the dependency slots and
+"""The lowered tables (koala_ds/core/lowered.py): one op table, action codes, the dependency slots and
 the async timing loop, checked against the rules written out here from the placement alone."""
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import random
 import pytest
 
 from koala_ds.dsl import parser
-from koala_ds.ir import OP_INDEX, OP_NAMES, OPS, Action, Op, OpIndex, Placement, Schedule, ScheduleError
-from koala_ds.lowered import Lowered, Stall, action_code, lower, split_code
+from koala_ds.core.ir import OP_INDEX, OP_NAMES, OPS, Action, Op, OpIndex, Placement, Schedule, ScheduleError
+from koala_ds.core.lowered import Lowered, Stall, action_code, lower, split_code
+from koala_ds.sim.timing import costed
 from koala_ds.sim import CostProfile, StageCost, random_schedule
-from koala_ds.validate import validate
+from koala_ds.core.validate import validate
 
 PLACEMENTS = [Placement.named("linear", 4, 1), Placement.named("interleaved", 3, 2), Placement.named("vshape", 4, 2),
               Placement.named("bidirectional", 4, 1), Placement.named("vshape", 2, 3)]
@@ -46,7 +47,7 @@ def test_one_op_table():
 def test_dependency_slots_follow_the_placement(placement, backward):
     m = 4
     S = placement.num_stages
-    low = Lowered(placement, m, backward, _profile(S, 1))
+    low = costed(placement, m, backward, _profile(S, 1))
     rank = placement.rank_of
     fwd, grad = (lambda s, mb: s * m + mb), (lambda s, mb: S * m + s * m + mb)
     for s in range(S):
@@ -110,7 +111,7 @@ def test_async_timing_matches_the_rules(placement):
         backward = "split" if seed % 2 else "full"
         schedule = random_schedule(placement, 5, backward, seed=seed, split_probability=0.7)
         profile = _profile(placement.num_stages, seed)
-        low = Lowered(placement, 5, backward, profile)
+        low = costed(placement, 5, backward, profile)
         res = low.try_times(low.encode(schedule.ranks))
         assert not isinstance(res, Stall)
         free, starts = res
@@ -147,7 +148,7 @@ def test_rendezvous_steps_report_the_blocked_sends():
     the orders' own actions: starts per action, how far each rank got, the slot it is sending."""
     placement, m = Placement.named("linear", 2, 1), 2
     profile = CostProfile((StageCost(1.0, 1.5, 0.5, 10.0, 4.0), StageCost(2.0, 2.0, 1.0, 20.0, 5.0)), 0.5)
-    low = Lowered(placement, m, "full", profile)
+    low = costed(placement, m, "full", profile)
     ranks = [[Action.parse(x) for x in r.split()] for r in ("0F0 0F1 0B0 0B1", "1F0 1B0 1F1 1B1")]
     free, starts, pos, sending = low.run_rendezvous(low.encode(ranks), record=True)
     # 0F0 [0,1] is received at once (rank 1 posted at 0): rank 0 free at 1.5; 0F1 [1.5,2.5] then

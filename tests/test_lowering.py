@@ -1,4 +1,4 @@
-"""The lowering pass (koala_ds.lowering): explicit SEND / RECV per rank, checked without torch."""
+"""The lowering pass (koala_ds.runtime.lowering): explicit SEND / RECV per rank, checked without torch."""
 from __future__ import annotations
 
 import random
@@ -6,11 +6,12 @@ import random
 import pytest
 
 from koala_ds import library
-from koala_ds.ir import Action, Op, Placement, ScheduleError, schedule_from_ranks
-from koala_ds.lowering import (ACT, COMPUTE, GRAD, RECV, SEND, Lowered, Message, Step, check_lowered, lower,
+from koala_ds.resolve import load_schedule
+from koala_ds.core.ir import Action, Op, Placement, ScheduleError, schedule_from_ranks
+from koala_ds.runtime.lowering import (ACT, COMPUTE, GRAD, RECV, SEND, Lowered, Message, Step, check_lowered, lower,
                                received_message)
 from koala_ds.sim.random_schedule import random_schedule
-from koala_ds.validate import validate
+from koala_ds.core.validate import validate
 
 GRID = [(1, 3, 1), (2, 1, 1), (2, 3, 1), (2, 4, 2), (3, 7, 2), (4, 8, 1), (4, 6, 2), (4, 8, 3), (8, 16, 1), (4, 16, 2)]
 
@@ -55,7 +56,7 @@ def _check_shape(lowered: Lowered) -> None:
 
 @pytest.mark.parametrize("name, p, m, v", list(_library_cases()))
 def test_every_library_schedule_lowers_to_agreeing_deadlock_free_streams(name, p, m, v):
-    _check_all(library.load_schedule(name, p, m, v))
+    _check_all(load_schedule(name, p, m, v))
 
 
 @pytest.mark.parametrize("seed", range(60))
@@ -111,7 +112,7 @@ def test_the_check_catches_a_receive_posted_out_of_the_senders_order():
 
 
 def test_the_check_catches_a_consumer_before_its_receive_and_a_deadlock():
-    schedule = library.load_schedule("1f1b", 2, 1)
+    schedule = load_schedule("1f1b", 2, 1)
     lowered = lower(schedule, lookahead=0)
     no_recv = tuple(st for st in lowered.ranks[1] if st.kind != RECV)
     with pytest.raises(ScheduleError, match="before posting the receive"):
@@ -129,7 +130,7 @@ def test_blocking_receives_need_lookahead_zero():
     """Why an engine that blocks at a RECV (to learn a shape first) lowers with lookahead 0:
     posted two actions early, interleaved-1f1b's receive of stage 2's input would wait for
     rank 1's forward, which waits for rank 0's."""
-    schedule = library.load_schedule("interleaved-1f1b", 2, 4, 2)
+    schedule = load_schedule("interleaved-1f1b", 2, 4, 2)
     check_lowered(lower(schedule, lookahead=2))
     with pytest.raises(ScheduleError, match="deadlocks"):
         check_lowered(lower(schedule, lookahead=2), blocking_recv=True)
@@ -137,7 +138,7 @@ def test_blocking_receives_need_lookahead_zero():
 
 
 def test_sends_follow_their_producer_and_local_hand_offs_are_not_messages():
-    schedule = library.load_schedule("zb-v", 2, 4, 2)  # the V turns on rank 1: stages 1 -> 2 stay local
+    schedule = load_schedule("zb-v", 2, 4, 2)  # the V turns on rank 1: stages 1 -> 2 stay local
     lowered = lower(schedule)
     for rank, steps in enumerate(lowered.ranks):
         for i, st in enumerate(steps):
@@ -168,5 +169,5 @@ def test_the_lowering_does_not_import_torch():
     import subprocess
     import sys
 
-    code = "import sys, koala_ds.lowering; sys.exit('torch' in sys.modules)"
+    code = "import sys, koala_ds.runtime.lowering; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

@@ -41,7 +41,7 @@ def test_distributed_backend_flag_parses_megatron_lms_choices():
 
 
 def test_backend_defaults_and_every_rank_on_one_gpu_over_gloo():
-    from koala_ds.ir import KoalaError
+    from koala_ds.core.ir import KoalaError
 
     ex = example_module()
     # no CUDA: gloo on the CPU, whatever the rank; nccl is refused in one line naming the flag
@@ -58,7 +58,7 @@ def test_backend_defaults_and_every_rank_on_one_gpu_over_gloo():
 
 
 def test_megatron_core_schedules_refuse_gloo_with_cuda_tensors():
-    from koala_ds.ir import KoalaError
+    from koala_ds.core.ir import KoalaError
 
     ex = example_module()
     cuda, cpu = ex.torch.device("cuda", 0), ex.torch.device("cpu")
@@ -123,7 +123,7 @@ def test_same_loss_whichever_schedule_and_it_goes_down(tmp_path, _megatron_core)
 def test_sizes_that_do_not_divide_are_one_user_error_naming_the_flag(flags, world, message):
     """They were SystemExit(text) (exit code 1: torchrun's failure table after it) or a
     ZeroDivisionError; a KoalaError is one line on rank 0 and exit code 2 on every rank (run_main)."""
-    from koala_ds.ir import KoalaError
+    from koala_ds.core.ir import KoalaError
 
     ex = example_module()
     with pytest.raises(KoalaError) as info:

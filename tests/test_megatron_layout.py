@@ -1,5 +1,5 @@
 """A searched split on megatron-core: `--pipeline-model-parallel-layout` (megatron-core 0.16.1's own
-setting) under Koala schedules. Layouts from a partition (koala_ds.layout), the layers
+setting) under Koala schedules. Layouts from a partition (koala_ds.core.layout), the layers
 each virtual stage builds whatever the placement (koala_ds.megatron.layout), one-line errors, and
 examples/megatron_gpt end to end on CPU: uneven layouts give the losses of one process."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from koala_ds.ir import KoalaError
-from koala_ds.layout import deepspeed_parts, megatron_layout
+from koala_ds.core.ir import KoalaError
+from koala_ds.core.layout import deepspeed_parts, megatron_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ["embedding"] + ["transformer"] * 4 + ["output"]
@@ -35,7 +35,7 @@ def test_partition_to_engine_settings():
 
 def test_stage_layers_follow_the_pipeline_order_of_the_layout():
     pytest.importorskip("megatron.core")
-    from koala_ds.ir import Placement
+    from koala_ds.core.ir import Placement
     from koala_ds.megatron.layout import check_layout, stage_layers, uniform_layout
 
     layout = check_layout(megatron_layout(KINDS, [1, 2, 1, 2], 2), 2, 4)
@@ -142,7 +142,7 @@ FLAGS = ["--tensor-model-parallel-size", "1", "--num-layers", "4", "--hidden-siz
 
 
 def example_rank(rank: int, world: int, argv: list[str]) -> int:
-    """examples/megatron_gpt/pretrain_gpt.py's main, in a rank that koala_ds.spawn forked from a
+    """examples/megatron_gpt/pretrain_gpt.py's main, in a rank that koala_ds.runtime.spawn forked from a
     fork server that has imported torch and megatron-core (a rank of its own under torchrun
     spends 8-10 s of CPU importing them). It reads RANK, WORLD_SIZE and MASTER_ADDR / PORT as
     under torchrun; test_megatron_example runs it under torchrun, as the README does."""
@@ -152,7 +152,7 @@ def example_rank(rank: int, world: int, argv: list[str]) -> int:
 
 
 def _losses(tmp_path: Path, nproc: int, extra: list[str]) -> list[float]:
-    from koala_ds.spawn import spawn
+    from koala_ds.runtime.spawn import spawn
     from rank_processes import PRELOAD
 
     log = tmp_path / f"loss-{len(list(tmp_path.iterdir()))}.json"

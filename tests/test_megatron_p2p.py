@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from koala_ds.lowering import ACT, GRAD, Message
+from koala_ds.runtime.lowering import ACT, GRAD, Message
 
 pytest.importorskip("torch")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from koala_ds.spawn import launch
+from koala_ds.runtime.spawn import launch
 from rank_processes import PRELOAD
 
 TIMEOUT_S = 30

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from koala_ds.spawn import launch
+from koala_ds.runtime.spawn import launch
 from rank_processes import PRELOAD
 
 TIMEOUT_S = 3

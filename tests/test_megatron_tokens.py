@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from koala_ds.spawn import spawn
+from koala_ds.runtime.spawn import spawn
 
 pytest.importorskip("megatron.core")
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from koala_ds import library
-from koala_ds.ir import Action, Op, Placement, schedule_from_ranks
+from koala_ds.core.ir import Action, Op, Placement, schedule_from_ranks
 
 torch = pytest.importorskip("torch")
 
@@ -148,7 +148,7 @@ def test_install_refuses_placements_megatron_cores_model_builder_cannot_build(tm
     """megatron-core's get_model (Megatron-LM's pretrain_gpt.py) builds chunk c of rank r as stage
     c x p + r, and Megatron-LM's forward_step and data loading assume it: a V-shape schedule there
     ran the loss on a chunk without the output layer (a traceback from the loss function)."""
-    from koala_ds.library import load_schedule
+    from koala_ds.resolve import load_schedule
     from koala_ds.megatron import MegatronScheduleError, install, schedule_from_args
 
     vshape_file = tmp_path / "zbv.json"
@@ -216,7 +216,7 @@ def test_runtime_refuses_chunks_built_for_another_stage():
     """Chunks from megatron-core's builder under a V-shape schedule (p = 2: rank 0's chunk 1 runs
     the last stage but has no output layer, rank 1's chunk 1 has it): both ranks refuse before
     any communication. Chunks built per the placement, or that do not say, pass."""
-    from koala_ds.library import load_schedule
+    from koala_ds.resolve import load_schedule
     from koala_ds.megatron import MegatronScheduleError
     from koala_ds.megatron.runtime import _check_chunk_roles
 
@@ -239,7 +239,7 @@ def test_runtime_refuses_tied_embeddings_where_megatron_core_cannot_tie_them():
     finalize_model_grads would all-reduce with rank p-1, which holds neither, and wait: every
     rank refuses chunks built tied, naming Megatron-LM's flag. Untied chunks pass, and tied ones
     pass under the interleaved placement (megatron-core's own)."""
-    from koala_ds.library import load_schedule
+    from koala_ds.resolve import load_schedule
     from koala_ds.megatron import MegatronScheduleError
     from koala_ds.megatron.runtime import _check_tied_embeddings
 
@@ -265,7 +265,7 @@ def test_the_runtime_checks_the_chunks_before_it_runs_a_step(single_process_mega
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from engine_runs import _forward_step, _MegatronChunk
-    from koala_ds.library import load_schedule
+    from koala_ds.resolve import load_schedule
     from koala_ds.megatron import MegatronScheduleError, get_forward_backward_func
     from koala_ds.profiler.models import _init_single_process_megatron
 
@@ -294,7 +294,7 @@ def test_finalize_gets_the_steps_token_count_with_per_token_loss(single_process_
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from engine_runs import _MegatronChunk
-    from koala_ds.library import load_schedule
+    from koala_ds.resolve import load_schedule
     from koala_ds.megatron import get_forward_backward_func
     from koala_ds.profiler.models import _init_single_process_megatron
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from koala_ds.errors import USER_ERROR_EXIT, run_main
-from koala_ds.ir import KoalaError
-from koala_ds.spawn import free_port
+from koala_ds.core.errors import USER_ERROR_EXIT, run_main
+from koala_ds.core.ir import KoalaError
+from koala_ds.runtime.spawn import free_port
 from rank_processes import environment, held_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,7 +102,7 @@ def test_run_main_keeps_other_exceptions_and_return_codes(monkeypatch, capsys):
 
 
 CRASH_TOGETHER = """import os, sys, time
-from koala_ds.errors import run_main
+from koala_ds.core.errors import run_main
 
 def deep(n):
     if n == 0:
@@ -149,34 +149,34 @@ def _deepspeed():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import importlib
 
-    return (importlib.import_module("koala_ds.deepspeed.engine"), importlib.import_module("koala_ds.deepspeed.install"))
+    return (importlib.import_module("koala_ds.deepspeed.config"), importlib.import_module("koala_ds.deepspeed.install"))
 
 
 def test_unknown_pipeline_schedule_value_is_an_error_with_the_valid_values():
-    engine, install = _deepspeed()
+    config, install = _deepspeed()
     with pytest.raises(KoalaError) as info:
         install.select_engine_class(object(), {"schedule": "koalaa"})
     text = str(info.value)
     assert "\"pipeline.schedule\" is 'koalaa' (did you mean 'koala'?)" in text
     assert "valid values: 'default', 'koala'" in text
     with pytest.raises(KoalaError, match="DS_PIPELINE_SCHEDULE"):
-        engine.koala_requested({}, env={"DS_PIPELINE_SCHEDULE": "kaola"})
-    assert engine.koala_requested({"schedule": "Koala"}, env={})
-    assert not engine.koala_requested({"schedule": "default"}, env={})
-    assert not engine.koala_requested({}, env={})
+        config.koala_requested({}, env={"DS_PIPELINE_SCHEDULE": "kaola"})
+    assert config.koala_requested({"schedule": "Koala"}, env={})
+    assert not config.koala_requested({"schedule": "default"}, env={})
+    assert not config.koala_requested({}, env={})
 
 
 def test_deepspeed_schedule_errors_name_deepspeeds_settings(tmp_path):
-    engine, _ = _deepspeed()
+    config, _ = _deepspeed()
     with pytest.raises(KoalaError) as info:
-        engine.resolve_schedule("zb-v", 2, 8, 1)
+        config.resolve_schedule("zb-v", 2, 8, 1)
     assert "change the KoalaPipelineModule's chunks" in str(info.value) and "change -v" not in str(info.value)
     (tmp_path / "p4.koala").write_text(P4_ONLY)
     with pytest.raises(KoalaError) as info:
-        engine.resolve_schedule(str(tmp_path / "p4.koala"), 2, 8, 1)
+        config.resolve_schedule(str(tmp_path / "p4.koala"), 2, 8, 1)
     assert "change the PipelineModule's num_stages" in str(info.value) and "change -p" not in str(info.value)
     with pytest.raises(KoalaError, match='change "gradient_accumulation_steps"'):
-        engine.resolve_schedule("1f1b", 2, 0, 1)
+        config.resolve_schedule("1f1b", 2, 0, 1)
 
 
 # -- Megatron ----------------------------------------------------------------------------------
@@ -274,7 +274,7 @@ def test_megatron_install_says_nothing_alarming_when_megatron_training_is_absent
 def test_deepspeed_example_user_error_is_one_line_on_one_rank(tmp_path):
     pytest.importorskip("deepspeed")
     from deepspeed_jobs import extensions_dir
-    from koala_ds.library import load_schedule
+    from koala_ds.resolve import load_schedule
 
     path = tmp_path / "m4.json"
     path.write_text(load_schedule("1f1b", 2, 4).to_json())
@@ -316,7 +316,7 @@ def test_deepspeed_example_flags_are_checked_in_its_own_words_before_deepspeed_s
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     if "P4" in flags:  # a schedule file made for 4 pipeline ranks
-        from koala_ds.library import load_schedule
+        from koala_ds.resolve import load_schedule
 
         path = tmp_path / "p4.json"
         path.write_text(load_schedule("zb-h1", 4, 8).to_json())
@@ -336,7 +336,7 @@ def test_deepspeed_example_flags_are_checked_in_its_own_words_before_deepspeed_s
 # -- argument errors and the launcher ------------------------------------------------------------
 @pytest.mark.parametrize("rank", ["0", "1"])
 def test_argument_errors_are_one_line_on_rank_zero_and_exit_2_everywhere(monkeypatch, capsys, rank):
-    from koala_ds.errors import rank_zero_argument_errors
+    from koala_ds.core.errors import rank_zero_argument_errors
 
     monkeypatch.setenv("RANK", rank)
     parser = rank_zero_argument_errors(argparse.ArgumentParser(prog="train.py"), grace_s=0.0)
@@ -354,7 +354,7 @@ def test_argument_errors_are_one_line_on_rank_zero_and_exit_2_everywhere(monkeyp
 @pytest.mark.parametrize("rank", ["0", "1"])
 def test_help_is_printed_by_rank_zero_only(monkeypatch, capsys, rank):
     """`koala-run --nproc-per-node 2 train.py --help` printed the usage once per rank."""
-    from koala_ds.errors import rank_zero_argument_errors
+    from koala_ds.core.errors import rank_zero_argument_errors
 
     monkeypatch.setenv("RANK", rank)
     parser = rank_zero_argument_errors(argparse.ArgumentParser(prog="train.py"), grace_s=0.0)
@@ -378,8 +378,8 @@ def test_megatron_koala_flags_make_the_parser_one_line(monkeypatch, capsys):
 
 
 SCRIPT = """import sys
-from koala_ds.errors import run_main
-from koala_ds.ir import KoalaError
+from koala_ds.core.errors import run_main
+from koala_ds.core.ir import KoalaError
 
 def main():
     if sys.argv[1] == "user":
@@ -398,7 +398,7 @@ def _koala_run(tmp_path, kind: str, omp: str | None = "1") -> subprocess.Complet
     env.update({"OMP_NUM_THREADS": omp} if omp is not None else {})
     # --standalone: the launcher binds a port the system picks (a port from free_port() can be
     # taken before torchrun binds it).
-    cmd = [sys.executable, "-m", "koala_ds.torchrun", "--nproc-per-node", "2", "--standalone", str(script), kind]
+    cmd = [sys.executable, "-m", "koala_ds.runtime.torchrun", "--nproc-per-node", "2", "--standalone", str(script), kind]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
 
 
@@ -427,9 +427,9 @@ def test_koala_run_keeps_torchruns_report_for_a_crash(tmp_path):
 
 @pytest.fixture
 def koala_run_here(tmp_path, monkeypatch):
-    """koala_ds.torchrun, to call in this process as rank 0, in `tmp_path`, which holds a script
+    """koala_ds.runtime.torchrun, to call in this process as rank 0, in `tmp_path`, which holds a script
     never_started.py (OMP_NUM_THREADS set: torchrun warns when it is not, and sets it)."""
-    from koala_ds import torchrun
+    from koala_ds.runtime import torchrun
 
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -665,7 +665,7 @@ def test_koala_run_ends_without_the_interpreters_teardown_while_a_store_probe_wa
 
 
 def test_one_line_user_errors_around_a_call(monkeypatch, capsys):
-    from koala_ds.errors import one_line_user_errors
+    from koala_ds.core.errors import one_line_user_errors
 
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(SystemExit) as info:
@@ -684,7 +684,7 @@ def test_examples_bad_flag_through_koala_run_is_one_line(tmp_path, example):
     """An argparse error printed a usage block on every rank, then torchrun's summary."""
     env = environment(ROOT, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     flag = "--train-iters" if "megatron" in example else "--steps"
-    cmd = [sys.executable, "-m", "koala_ds.torchrun", "--nproc-per-node", "2", "--standalone",
+    cmd = [sys.executable, "-m", "koala_ds.runtime.torchrun", "--nproc-per-node", "2", "--standalone",
            str(ROOT / example), flag, "x"]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180, cwd=tmp_path)
     assert done.returncode == USER_ERROR_EXIT, done.stderr[-3000:]

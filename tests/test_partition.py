@@ -1,5 +1,5 @@
 """Per-layer profiles, splits (partitions), the engines' split settings and the joint search of
-split and schedule (koala_ds/sim/layers.py, koala_ds/layout.py, koala_ds/search/partition*.py)."""
+split and schedule (koala_ds/sim/layers.py, koala_ds/core/layout.py, koala_ds/search/partition*.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,8 +11,8 @@ import re
 import pytest
 
 from koala_ds.cli import main
-from koala_ds.ir import KoalaError, Placement
-from koala_ds.layout import deepspeed_parts, megatron_layout
+from koala_ds.core.ir import KoalaError, Placement
+from koala_ds.core.layout import deepspeed_parts, megatron_layout
 from koala_ds.search.partition import PartitionSearch, default_memory_limit, search_partition
 from koala_ds.search.partition_bound import joint_lower_bound
 from koala_ds.sim import ProfileError, load_profile, simulate

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from koala_ds.ir import KoalaError, Placement
+from koala_ds.core.ir import KoalaError, Placement
 from koala_ds.sim import (CostProfile, ProfileError, StageCost, bundled_profiles, load_profile, random_schedule,
                           resolve_profile, simulate)
 

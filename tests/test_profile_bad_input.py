@@ -190,7 +190,7 @@ def _cli(cwd: Path, *argv: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_a_ping_pong_past_timeout_is_one_line_naming_timeout(tmp_path):
-    """Was a koala_ds.spawn.SpawnError traceback, exit code 1."""
+    """Was a koala_ds.runtime.spawn.SpawnError traceback, exit code 1."""
     proc = _cli(tmp_path, "profile", "p2p", "--numel", "10", "--iters", "1000000000", "--timeout", "1.5")
     assert_one_line(proc.returncode, proc.stderr, "--timeout 1.5:", "did not finish in 1.5 s", "raise --timeout")
 
@@ -212,7 +212,7 @@ def test_a_profile_ping_pong_past_p2p_timeout_is_one_line_naming_it(tmp_path, mo
 
 @pytest.mark.slow
 def test_a_spawn_deadline_below_one_second_is_written_as_given():
-    from koala_ds.spawn import SpawnError, spawn
+    from koala_ds.runtime.spawn import SpawnError, spawn
 
     with pytest.raises(SpawnError, match=r"deadline of 0\.5 s passed"):
         spawn("koala_ds.profiler.p2p:pingpong_worker", 2, {"numel": 1, "iters": 10 ** 9}, timeout_s=0.5)

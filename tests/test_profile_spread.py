@@ -180,7 +180,7 @@ def test_the_profiler_runs_the_plan():
     """What ran, recorded by the stages themselves: each round takes every stage in turn, and a
     stage's I + W and its B come first by turns."""
     torch = pytest.importorskip("torch")
-    from koala_ds import wgrad
+    from koala_ds.runtime import wgrad
     from koala_ds.profiler.core import measurement_plan, profile_stages
 
     log: list[tuple[str, int]] = []
@@ -260,7 +260,7 @@ def test_a_gain_within_the_spread_keeps_1f1b_and_without_one_nothing_changes():
 
 
 def test_the_spread_on_a_makespan_is_measured_at_the_quartiles():
-    from koala_ds.library import load_schedule
+    from koala_ds.resolve import load_schedule
     from koala_ds.search.ga import makespan_spread
 
     prof = CostProfile.from_dict(profile_dict(4, spread={"forward": 0.2}))   # only F varies

@@ -49,7 +49,7 @@ def test_linear_stack_profile_times_memory_and_json(tmp_path):
     result.write(path)
     prof = load_profile(path)
     assert prof.num_stages == 3 and prof.p2p_latency == 0.0
-    simulate(__import__("koala_ds.library", fromlist=["x"]).load_schedule("1f1b", 3, 4), prof)
+    simulate(__import__("koala_ds.resolve", fromlist=["x"]).load_schedule("1f1b", 3, 4), prof)
 
 
 def test_w_hold_counts_what_the_weight_step_still_needs():
@@ -196,9 +196,9 @@ def test_koala_profile_megatron_gpt_cli(tmp_path):
 def test_emulated_model_through_koala_megatron_matches_the_simulator():
     """Sanity check with wide bounds, not a performance claim: 2 ranks, 10 ms per op."""
     pytest.importorskip("megatron.core")
-    from koala_ds.library import load_schedule
+    from koala_ds.resolve import load_schedule
     from engine_runs import step_times_ms
-    from koala_ds.spawn import spawn
+    from koala_ds.runtime.spawn import spawn
     from rank_processes import PRELOAD
 
     p, m = 2, 4

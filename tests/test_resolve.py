@@ -8,8 +8,8 @@ import os
 import pytest
 
 from koala_ds.dsl import KoalaCompileError
-from koala_ds.ir import KoalaError, Placement
-from koala_ds.library import load_schedule
+from koala_ds.core.ir import KoalaError, Placement
+from koala_ds.resolve import load_schedule
 from koala_ds.resolve import (CLI, DEEPSPEED, MEGATRON, ScheduleFitError, check_fit, check_launch, check_spec, load,
                               load_profile, resolve)
 

@@ -6,13 +6,14 @@ import re
 import pytest
 
 from koala_ds import library
+from koala_ds.resolve import load_schedule
 from koala_ds.cli import main
-from koala_ds.ir import KoalaError
+from koala_ds.core.ir import KoalaError
 from koala_ds.sim import CostProfile, load_profile, simulate
 from koala_ds.sim.profile import ProfileError
 from koala_ds.search import (SearchError, SearchProblem, best_predefined, decode, encode, greedy_seeds,
                              one_f_one_b_peak, placements_for, search)
-from koala_ds.validate import validate
+from koala_ds.core.validate import validate
 
 
 def _library_cases():
@@ -143,7 +144,7 @@ def test_cli_writes_koala_that_round_trips_and_ctrl_c_writes_best(tmp_path, monk
     assert rc == 0
     text = capsys.readouterr().out
     assert "searched *" in text and "lower bound" in text and "1f1b" in text
-    loaded = library.load_schedule(str(out), 4, 8, 1)
+    loaded = load_schedule(str(out), 4, 8, 1)
     validate(loaded)
     profile = load_profile("uniform-4")
     assert simulate(loaded, profile, timeline=False).makespan > 0
@@ -164,7 +165,7 @@ def test_cli_writes_koala_that_round_trips_and_ctrl_c_writes_best(tmp_path, monk
     rc = main(["search", "--profile", "uniform-4", "-m", "8", "-o", str(out2), "--quiet"])
     assert rc == 130
     assert "interrupted" in capsys.readouterr().out
-    validate(library.load_schedule(str(out2), 4, 8, 1))
+    validate(load_schedule(str(out2), 4, 8, 1))
 
 
 # -- placements: single copy of the weights by default ---------------------------------------
@@ -218,7 +219,7 @@ def test_cli_placement_option_and_two_copies_note(tmp_path, capsys):
     text = capsys.readouterr().out
     chimera_line = [line for line in text.splitlines() if line.startswith("chimera")]
     assert chimera_line and "2x weights" in chimera_line[0]
-    assert library.load_schedule(str(out), 4, 8, 1).placement.pipelines == 1
+    assert load_schedule(str(out), 4, 8, 1).placement.pipelines == 1
     assert main(["search", "--profile", "uniform-4", "-m", "8", "--placement", "vshape", "-o", str(out),
                  "--quiet"]) == 2
     assert "--placement" in capsys.readouterr().err
@@ -540,7 +541,7 @@ def test_cli_auto_prints_which_backward_won(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "backward=auto (split and full)" in text
     assert "backward: full wins; best found per kind: split " in text
-    assert library.load_schedule(str(out), 8, 16, 1).backward == "full"
+    assert load_schedule(str(out), 8, 16, 1).backward == "full"
     assert main(["search", "--profile", "uniform-4", "-m", "8", "--generations", "0", "--time-budget", "2",
                  "-o", str(out)]) == 0
     text = capsys.readouterr().out
@@ -752,7 +753,7 @@ def test_a_full_backward_library_seed_run_split_says_so():
 def test_placements_given_are_checked_and_name_the_parameter(placements, says):
     """placements=[] was accepted and then a ValueError (min of an empty sequence); a name, an
     AttributeError; a placement of another p, a ProfileError naming no parameter."""
-    from koala_ds.ir import Placement
+    from koala_ds.core.ir import Placement
 
     if placements == "other-p":
         placements = [Placement.named("linear", 2, 1)]

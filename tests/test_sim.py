@@ -10,11 +10,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from koala_ds import library
+from koala_ds.resolve import load_schedule
 from koala_ds.cli import main
-from koala_ds.ir import Action, Op, Placement, Schedule, ScheduleError
+from koala_ds.core.ir import Action, Op, Placement, Schedule, ScheduleError
 from koala_ds.sim import CostProfile, Simulator, StageCost, load_profile, random_schedule, simulate
 from koala_ds.sim.profile import ProfileError
-from koala_ds.validate import validate
+from koala_ds.core.validate import validate
 
 A = Action.parse
 
@@ -144,7 +145,7 @@ def test_split_actions_keep_i_and_w_when_b_is_given():
 def test_1f1b_and_gpipe_unit_cost_makespan_and_bubble(p, m):
     unit = CostProfile.uniform(p)  # F = 1, B = I + W = 2, no latency
     for name in ("1f1b", "gpipe"):
-        r = simulate(library.load_schedule(name, p, m), unit)
+        r = simulate(load_schedule(name, p, m), unit)
         assert r.makespan == (m + p - 1) * 3, name
         assert r.bubble_ratio == pytest.approx((p - 1) / (m + p - 1)), name
         assert r.busy == (3 * m,) * p
@@ -153,15 +154,15 @@ def test_1f1b_and_gpipe_unit_cost_makespan_and_bubble(p, m):
 @pytest.mark.parametrize("p, m", [(4, 8), (4, 4), (6, 7), (8, 3)])
 def test_1f1b_memory_peak_is_p_minus_r_activations(p, m):
     profile = CostProfile.uniform(p, activation_mb=300.0, w_hold_mb=75.0, p2p_latency=0.1)
-    r = simulate(library.load_schedule("1f1b", p, m), profile)
+    r = simulate(load_schedule("1f1b", p, m), profile)
     assert r.peak_memory_mb == tuple(300.0 * min(p - rank, m) for rank in range(p))
-    g = simulate(library.load_schedule("gpipe", p, m), profile)
+    g = simulate(load_schedule("gpipe", p, m), profile)
     assert g.peak_memory_mb == (300.0 * m,) * p
 
 
 def test_memory_limit_decides_fits():
     p, m = 4, 8
-    schedule = library.load_schedule("1f1b", p, m)
+    schedule = load_schedule("1f1b", p, m)
     tight = CostProfile.uniform(p, activation_mb=100.0, memory_limit_mb=400.0)  # rank 0 needs exactly 4
     assert simulate(schedule, tight).fits_memory
     too_tight = CostProfile.uniform(p, activation_mb=100.0, memory_limit_mb=[399.0, 1000, 1000, 1000])
@@ -204,7 +205,7 @@ def test_split_order_errors():
 
 
 def test_unknown_mode():
-    s = library.load_schedule("1f1b", 2, 2)
+    s = load_schedule("1f1b", 2, 2)
     with pytest.raises(ScheduleError, match="unknown simulation mode 'eager'"):
         simulate(s, two_stage_profile(), mode="eager")
 
@@ -363,7 +364,7 @@ def _library_cases():
 
 @pytest.mark.parametrize("name, p, m, v", list(_library_cases()))
 def test_library_schedules_agree_with_the_reference(name, p, m, v):
-    schedule = library.load_schedule(name, p, m, v)
+    schedule = load_schedule(name, p, m, v)
     rng = random.Random(f"{name}-{p}-{m}-{v}")
     profile = CostProfile(tuple(StageCost(rng.uniform(0.5, 2), rng.uniform(0.5, 2), rng.uniform(0.2, 2),
                                           100.0, rng.uniform(0, 50)) for _ in range(schedule.num_stages)),
@@ -376,7 +377,7 @@ def test_library_schedules_agree_with_the_reference(name, p, m, v):
 
 
 def test_timeline_is_consistent_and_ranks_never_overlap():
-    schedule = library.load_schedule("zb-h1", 4, 8)
+    schedule = load_schedule("zb-h1", 4, 8)
     profile = load_profile("uniform-4")
     r = simulate(schedule, profile)
     assert len(r.timeline) == schedule.num_actions
@@ -393,7 +394,7 @@ def test_timeline_is_consistent_and_ranks_never_overlap():
 def test_cli_simulate_json_matches_the_library_call(capsys):
     assert main(["simulate", "zb-h1", "-m", "8", "--profile", "gpt-lmhead-8", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    expected = simulate(library.load_schedule("zb-h1", 8, 8), load_profile("gpt-lmhead-8"))
+    expected = simulate(load_schedule("zb-h1", 8, 8), load_profile("gpt-lmhead-8"))
     assert out["p"] == 8 and out["makespan"] == expected.makespan
     assert out["peak_memory_mb"] == list(expected.peak_memory_mb) and out["fits_memory"] is True
     assert out["lower_bound"]["value"] <= out["makespan"] * (1 + 1e-9)

@@ -1,4 +1,4 @@
-"""koala_ds.spawn: ranks forked from a fork server (`preload`) see what spawned ranks see."""
+"""koala_ds.runtime.spawn: ranks forked from a fork server (`preload`) see what spawned ranks see."""
 from __future__ import annotations
 
 import os
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from koala_ds.spawn import spawn
+from koala_ds.runtime.spawn import spawn
 from rank_processes import PRELOAD, environment
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +45,7 @@ SEEN = os.environ.get("KOALA_SPAWN_TEST_AT_IMPORT")
 def worker(rank, world, spec):
     return SEEN
 """
-LAUNCHER = """from koala_ds.spawn import spawn
+LAUNCHER = """from koala_ds.runtime.spawn import spawn
 
 if __name__ == "__main__":
     print(spawn("seen_at_import:worker", 1, timeout_s=120, init=None, preload=("seen_at_import",),
@@ -75,7 +75,7 @@ WORKER = """def worker(rank, world, spec):
     return rank
 """
 HUNG_LAUNCHER = """import time
-from koala_ds.spawn import SpawnError, spawn
+from koala_ds.runtime.spawn import SpawnError, spawn
 
 if __name__ == "__main__":
     start = time.monotonic()
@@ -107,8 +107,34 @@ def test_a_fork_server_that_hangs_importing_is_killed_at_the_deadline(tmp_path):
 def test_a_result_file_cut_short_reads_as_a_killed_rank(tmp_path):
     """A rank killed while writing its result (at the deadline) leaves a partial pickle: the
     launch reports that rank as killed instead of failing with the unpickler's EOFError."""
-    from koala_ds.spawn import _result
+    from koala_ds.runtime.spawn import _result
 
     (tmp_path / "rank0.pkl").write_bytes(pickle.dumps({"ok": True, "value": list(range(100))})[:20])
     got = _result(str(tmp_path), 0, timed_out=True, not_started=None)
     assert got["ok"] is False and got["type"] == "Killed" and "rank0.pkl" in got["message"], got
+
+
+def test_torchs_no_cuda_runtime_notice_is_left_out_and_other_warnings_stay(caplog):
+    """torch's CUDA wheels on a CPU machine log 'No CUDA runtime is found' when megatron-core
+    imports torch.utils.cpp_extension: koala profile megatron-gpt printed it before its one
+    error line (torch 2.15+cu132). Other loggers and warnings are untouched."""
+    import logging
+    import warnings
+
+    from koala_ds.runtime.spawn import CPP_EXTENSION_LOGGER, quiet_megatron_imports
+
+    logger = logging.getLogger(CPP_EXTENSION_LOGGER)
+    level = logger.level
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            quiet_megatron_imports()
+            with caplog.at_level(logging.WARNING):
+                logger.warning("No CUDA runtime is found, using CUDA_HOME='/x'")
+                logging.getLogger("torch.other").warning("kept")
+            warnings.warn("Apex is not installed. Falling back to Torch Norm")
+            warnings.warn("another warning")
+        assert [r.getMessage() for r in caplog.records] == ["kept"]
+        assert [str(w.message) for w in seen] == ["another warning"]
+    finally:
+        logger.setLevel(level)

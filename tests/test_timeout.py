@@ -1,4 +1,4 @@
-"""The pipeline timeout setting shared by both engines (koala_ds.timeout) and how the engines
+"""The pipeline timeout setting shared by both engines (koala_ds.runtime.timeout) and how the engines
 report a wait that ended without its message. Single process, no communication."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from koala_ds.timeout import (DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S, MIN_TIMEOUT_S, TimeoutSettingError, check_timeout, resolve_timeout,
+from koala_ds.runtime.timeout import (DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S, MIN_TIMEOUT_S, TimeoutSettingError, check_timeout, resolve_timeout,
                               timeout_setting)
 
 
@@ -33,7 +33,7 @@ def test_bad_values_from_a_setting_name_the_setting(value):
 def test_the_longest_timeout_is_one_a_wait_can_take():
     """1e14 s passed the check and overflowed the first wait's timedelta (a traceback on every
     rank); 10 ** 400 raised float()'s OverflowError from the check itself."""
-    from koala_ds.bounded_collectives import _timedelta
+    from koala_ds.runtime.bounded_collectives import _timedelta
 
     assert check_timeout(MAX_TIMEOUT_S, "KOALA_TIMEOUT_S") == MAX_TIMEOUT_S
     assert _timedelta(MAX_TIMEOUT_S).total_seconds() == MAX_TIMEOUT_S
@@ -53,7 +53,7 @@ def test_one_variable_for_both_engines_and_the_old_name_as_alias():
 
 
 def test_the_timeout_module_does_not_import_torch():
-    code = "import sys, koala_ds.timeout; print('torch' in sys.modules)"
+    code = "import sys, koala_ds.runtime.timeout; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
 

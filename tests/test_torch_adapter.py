@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from koala_ds import library
-from koala_ds.ir import KoalaError
+from koala_ds.resolve import load_schedule
+from koala_ds.core.ir import KoalaError
 from koala_ds.resolve import TORCH, ScheduleFitError, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +27,7 @@ TORCH_CLASSES = {"1f1b": ("Schedule1F1B", 1), "gpipe": ("ScheduleGPipe", 1),
 V_CLASSES = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 
 
-# -- the ranks' side (koala_ds.spawn imports this module in each rank) -----------------------
+# -- the ranks' side (koala_ds.runtime.spawn imports this module in each rank) -----------------------
 def _stage_module(index: int):
     import torch
 
@@ -86,7 +87,7 @@ def _csv_run(rank: int, p: int, m: int, path: str, v: int) -> dict:
     import torch
     from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
-    from koala_ds.ir import Schedule
+    from koala_ds.core.ir import Schedule
 
     placement = Schedule.from_torch_csv(Path(path).read_text()).placement
 
@@ -208,7 +209,7 @@ def _fitting(name: str, p: int, m: int):
 
 
 def _launch(world: int, spec: dict) -> list[dict]:
-    from koala_ds.spawn import launch
+    from koala_ds.runtime.spawn import launch
 
     from rank_processes import PRELOAD
 
@@ -354,7 +355,7 @@ def _expected_comms(order, mapping, num_stages) -> set:
 
 def test_two_pipelines_cannot_be_exported_for_torch():
     with pytest.raises(KoalaError, match="runs 2 pipelines .*torch.distributed.pipelining's CSV holds one"):
-        library.load_schedule("chimera", 2, 4).to_torch_csv()
+        load_schedule("chimera", 2, 4).to_torch_csv()
 
 
 @pytest.mark.parametrize("spec, p, m, v, message", [
@@ -479,7 +480,7 @@ def test_example_koala_schedules_train_as_torchs_1f1b(tmp_path):
         for step, loss in reference.items():
             assert losses[step] == pytest.approx(loss, rel=1e-5), (flags, step)
     # under koala-run (torchrun's launcher), a flag that does not fit is rank 0's one line, exit code 2
-    bad = subprocess.run([sys.executable, "-m", "koala_ds.torchrun", "--nproc-per-node", "2", "--standalone",
+    bad = subprocess.run([sys.executable, "-m", "koala_ds.runtime.torchrun", "--nproc-per-node", "2", "--standalone",
                           str(EXAMPLE), "--schedule", "zb-v"], capture_output=True, text=True, timeout=240,
                          cwd=tmp_path)
     assert bad.returncode == 2, bad.stderr[-2000:]
@@ -527,7 +528,7 @@ def test_torchtitan_builds_and_runs_an_exported_schedule(tmp_path):
     (torchtitan does not scale gradients by the microbatches: scale_grads=False)."""
     pytest.importorskip("torchtitan.distributed.pipeline_parallel",
                         reason="torchtitan is not installed (pip install torchtitan==0.3.0)")
-    from koala_ds.spawn import launch
+    from koala_ds.runtime.spawn import launch
     from koala_ds.torch import torchtitan_schedule_name
 
     from rank_processes import PRELOAD

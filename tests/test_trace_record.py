@@ -1,4 +1,4 @@
-"""Measured timelines (koala_ds/trace_record.py; the format: /work/notes/trace_format.md).
+"""Measured timelines (koala_ds/runtime/trace_record.py; the format: /work/notes/trace_format.md).
 
 Fast: the recorder on its own (file names, header, one write per step, a file that parses with
 and without its closing `]`, a cut last line ignored), the settings that turn it on (checked
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from koala_ds.ir import KoalaError, Op, Schedule
-from koala_ds.library import load_schedule
-from koala_ds.trace_record import TRACE_VERSION, TraceRecorder, check_trace_path, rank_path, read_trace, timed_wait
+from koala_ds.core.ir import KoalaError, Op, Schedule
+from koala_ds.resolve import load_schedule
+from koala_ds.runtime.trace_record import TRACE_VERSION, TraceRecorder, check_trace_path, rank_path, read_trace, timed_wait
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,15 +9,16 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from koala_ds import library
+from koala_ds.resolve import load_schedule
 from koala_ds.cli import main
-from koala_ds.ir import KoalaError
+from koala_ds.core.ir import KoalaError
 from koala_ds.sim import load_profile, simulate
 from koala_ds.viz import chrome_trace, write_chrome_trace, write_gantt
 
 
 @pytest.fixture(scope="module")
 def zbv():
-    schedule = library.load_schedule("zb-v", 4, 8, 2)
+    schedule = load_schedule("zb-v", 4, 8, 2)
     return schedule, simulate(schedule, load_profile("gpt-chunks-8"))
 
 
@@ -80,7 +81,7 @@ def test_show_with_profile_gantt_and_trace(tmp_path, capsys):
     assert main(["show", "1f1b", "-p", "4", "-m", "8", "--profile", "uniform-4", "--gantt", str(gantt),
                  "--trace", str(trace)]) == 0
     out = capsys.readouterr().out
-    expected = simulate(library.load_schedule("1f1b", 4, 8), load_profile("uniform-4"))
+    expected = simulate(load_schedule("1f1b", 4, 8), load_profile("uniform-4"))
     assert f"makespan {expected.makespan:.4g} ms" in out
     assert gantt.exists() and json.loads(trace.read_text())["otherData"]["makespan_ms"] == expected.makespan
 

@@ -1,4 +1,4 @@
-"""Deferred weight gradients (koala_ds.wgrad): I + W gives the gradients of one full backward,
+"""Deferred weight gradients (koala_ds.runtime.wgrad): I + W gives the gradients of one full backward,
 runs every backward once, and defers the weight-gradient GEMMs of the layers it covers."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from koala_ds import wgrad  # noqa: E402
+from koala_ds.runtime import wgrad  # noqa: E402
 
 
 class _Branchy(torch.nn.Module):
@@ -84,11 +84,11 @@ def test_a_plain_torch_model_is_prepared_without_importing_megatron_core(monkeyp
     loaded (a model cannot hold one before): importing megatron-core costs ~5 s of CPU."""
     import sys
 
-    import koala_ds
+    import koala_ds.runtime
 
     monkeypatch.delitem(sys.modules, "megatron.core.tensor_parallel.layers", raising=False)
-    monkeypatch.delattr(koala_ds, "_wgrad_megatron", raising=False)
-    monkeypatch.setitem(sys.modules, "koala_ds._wgrad_megatron", None)  # importing it raises ImportError
+    monkeypatch.delattr(koala_ds.runtime, "_wgrad_megatron", raising=False)
+    monkeypatch.setitem(sys.modules, "koala_ds.runtime._wgrad_megatron", None)  # importing it raises ImportError
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     prepared = wgrad.prepare(model, max_hold=None)
     assert prepared.linears == 2 and len(prepared.weights) == 2 and not prepared.uncovered
@@ -179,7 +179,7 @@ def test_an_uncovered_custom_function_runs_its_backward_once(caplog):
     stage(x.clone().requires_grad_()).backward(g)
     ref = stage[1].weight.main_grad.clone()
     stage[1].weight.main_grad.zero_()
-    with caplog.at_level(logging.WARNING, logger="koala_ds.wgrad"):
+    with caplog.at_level(logging.WARNING, logger="koala_ds.runtime.wgrad"):
         prepared = wgrad.prepare(stage)
     assert prepared.uncovered == ["1 (_FusedLayer)"]
     assert "layer 1 (_FusedLayer)" in caplog.text and "computed in I" in caplog.text
@@ -470,7 +470,7 @@ def test_megatron_linears_with_sequence_parallelism_split_equals_a_full_backward
     the engine tests cannot run it on CPU): I reduce-scatters the input gradient, W all-gathers
     the sequence-sharded input, and the gradients are those of megatron-core's own backward."""
     pytest.importorskip("megatron.core")
-    from koala_ds.spawn import spawn
+    from koala_ds.runtime.spawn import spawn
     from rank_processes import PRELOAD
 
     for rank, got in enumerate(spawn("test_wgrad:sequence_parallel_worker", 2, {}, timeout_s=180, preload=PRELOAD)):
@@ -561,7 +561,7 @@ def test_plain_forward_runs_torchs_own_linear_and_stays_exact():
 def test_full_backward_forwards_are_the_b_actions_of_a_split_schedule():
     """dualpipe-v runs some backwards whole: the runtimes run those microbatches' forwards plain."""
     from koala_ds import library
-    from koala_ds.ir import Op
+    from koala_ds.core.ir import Op
 
     sched = library.get("dualpipe-v").compile(4, 8, 2)
     assert sched.backward == "split"

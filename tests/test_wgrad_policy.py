@@ -1,11 +1,11 @@
-"""The hold policy of the split backward (koala_ds.wgrad_policy, `wgrad.prepare(max_hold=...)`):
+"""The hold policy of the split backward (koala_ds.runtime.wgrad_policy, `wgrad.prepare(max_hold=...)`):
 W holds at most max_hold x the chunk's activation, the layers with the most held bytes per
 weight-gradient FLOP are computed in I, and I + W still equals a full backward."""
 from __future__ import annotations
 
 import pytest
 
-from koala_ds.wgrad_policy import LayerCost, Plan, check_max_hold, choose_deferred
+from koala_ds.runtime.wgrad_policy import LayerCost, Plan, check_max_hold, choose_deferred
 
 H = 100  # bytes per "hidden" unit in the pure tests
 
@@ -42,7 +42,7 @@ def test_an_input_shared_by_two_layers_is_held_once():
 
 @pytest.mark.parametrize("bad", [-0.1, "half", True, float("nan")])
 def test_a_bad_max_hold_is_one_line_naming_the_setting(bad):
-    with pytest.raises(ValueError, match=r"max_hold \(koala_ds.wgrad.prepare\)"):
+    with pytest.raises(ValueError, match=r"max_hold \(koala_ds.runtime.wgrad.prepare\)"):
         check_max_hold(bad)
 
 
@@ -59,7 +59,7 @@ def test_the_profile_option_takes_a_fraction_or_none():
 
 torch = pytest.importorskip("torch")
 
-from koala_ds import wgrad  # noqa: E402
+from koala_ds.runtime import wgrad  # noqa: E402
 from koala_ds.profiler.core import measure_stage  # noqa: E402
 from koala_ds.profiler.models import GPTBlock  # noqa: E402
 

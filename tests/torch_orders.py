@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from torch.distributed.pipelining import schedules as S
 
-from koala_ds.ir import Action, Op
+from koala_ds.core.ir import Action, Op
 
 _OPS = {"F": Op.F, "B": Op.B, "I": Op.I, "W": Op.W}
 

@@ -14,7 +14,9 @@ line instead, and the script needs no Koala import at all:
 
 `--schedule` takes a library name (koala list), a .koala program or a schedule .json file.
 `--loss-log FILE` writes rank 0's per-iteration losses and times (`iteration_ms`: train_batch,
-which returns after the step's optimizer update) as JSON, as examples/megatron_gpt's flag does.
+which returns after the step's optimizer update; `period_ms`: from one step's start to the next's,
+the loop's own work included, the step `koala calibrate` measures) as JSON, as
+examples/megatron_gpt's flag does.
 `--trace FILE` records the measured timeline of every training step (the DeepSpeed config's
 "pipeline.koala.trace"): each process writes FILE.rank<global rank>.json (docs/deepspeed.md).
 """
@@ -30,11 +32,11 @@ import deepspeed
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule
 
-from koala_ds.errors import rank_zero_argument_errors, run_main
-from koala_ds.ir import KoalaError, Placement
-from koala_ds.outputs import atomic_write, check_output
+from koala_ds.core.errors import rank_zero_argument_errors, run_main
+from koala_ds.core.ir import KoalaError, Placement
+from koala_ds.core.outputs import atomic_write, check_output
 from koala_ds.resolve import DEEPSPEED, Setting, resolve
-from koala_ds.trace_record import check_trace_path
+from koala_ds.runtime.trace_record import check_trace_path
 
 #: How the schedule's messages name this script's flags (the engine's own messages name the
 #: DeepSpeed config keys and the KoalaPipelineModule's arguments, which this script sets from them).
@@ -163,9 +165,10 @@ def main() -> None:
     data = [(torch.randn(MICRO_BATCH, args.dim, generator=gen), torch.randn(MICRO_BATCH, 1, generator=gen))
             for _ in range(args.microbatches)]
     samples = config["train_batch_size"]
-    times, losses = [], []
+    times, losses, starts = [], [], []
     for step in range(args.steps):
         t0 = time.perf_counter()
+        starts.append(t0)
         loss = engine.train_batch(iter(data))  # returns after the step's optimizer update
         ms = (time.perf_counter() - t0) * 1000
         times.append(ms)
@@ -174,13 +177,16 @@ def main() -> None:
             name = getattr(getattr(engine, "koala_schedule", None), "name", "stock")
             print(f"step {step}: loss {float(loss):.5f}, {ms:.1f} ms per iteration, {samples / ms * 1000:.1f} "
                   f"samples/s ({type(engine).__name__}, schedule {name})", flush=True)
+    starts.append(time.perf_counter())
+    periods = [(b - a) * 1000 for a, b in zip(starts, starts[1:])]  # one step's start to the next's
     eval_loss = engine.eval_batch(iter(data))
     if engine.global_rank == 0:
         print(f"eval loss {float(eval_loss):.5f}", flush=True)
         if args.loss_log is not None:
             name = getattr(getattr(engine, "koala_schedule", None), "name", "stock")
             record = {"schedule": name, "pp": pp, "dp": world // pp, "chunks": args.chunks, "placement": args.placement,
-                      "dim": args.dim, "microbatches": args.microbatches, "losses": losses, "iteration_ms": times}
+                      "dim": args.dim, "microbatches": args.microbatches, "losses": losses, "iteration_ms": times,
+                      "period_ms": periods}
             atomic_write(args.loss_log, json.dumps(record) + "\n", "--loss-log")
     if hasattr(engine, "close_trace"):  # --trace: end the trace file (else done at exit)
         engine.close_trace()

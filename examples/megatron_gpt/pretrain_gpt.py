@@ -174,7 +174,7 @@ def pipeline_layout(args, pp: int):
     """megatron-core's layout of the virtual stages, checked by megatron-core: the one
     --pipeline-model-parallel-layout gives (it sets the virtual pipeline size, as in Megatron-LM),
     else num-layers / (PP x VP) transformer layers per stage."""
-    from koala_ds.ir import KoalaError
+    from koala_ds.core.ir import KoalaError
     from koala_ds.megatron.layout import check_layout, uniform_layout
 
     v = args.virtual_pipeline_model_parallel_size or 1
@@ -196,7 +196,7 @@ def distributed_setup(backend_flag, cuda: bool, local_rank: int, local_world: in
     """The process group's backend and this rank's device. --distributed-backend (Megatron-LM's
     flag), by default nccl when CUDA is present and gloo otherwise; on CUDA rank r uses GPU
     LOCAL_RANK % device count, so with gloo every rank can share one GPU."""
-    from koala_ds.ir import KoalaError
+    from koala_ds.core.ir import KoalaError
 
     backend = backend_flag or ("nccl" if cuda else "gloo")
     if not cuda:
@@ -215,7 +215,7 @@ def check_pipeline_backend(koala: bool, pp: int, device: torch.device, backend: 
     --pipeline-model-parallel-size 1: it makes its token count on CUDA); its pipeline schedules
     send the model's tensors with torch.distributed, so NCCL on it. The Koala runtime runs on CPU
     and stages CUDA tensors through the CPU for gloo."""
-    from koala_ds.ir import KoalaError
+    from koala_ds.core.ir import KoalaError
 
     if koala:
         return
@@ -251,7 +251,7 @@ def batch_split(args, world: int) -> tuple[int, int]:
     """(data-parallel size, microbatches per step) of `world` ranks, after the sizes' own checks
     (every count >= 1, --max-position-embeddings >= --seq-length); a KoalaError (one line on rank
     0, exit code 2 on every rank) naming the flag when one fails or the sizes do not divide."""
-    from koala_ds.ir import KoalaError
+    from koala_ds.core.ir import KoalaError
 
     for name in (*COUNTS, "virtual_pipeline_model_parallel_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -312,7 +312,7 @@ def main(argv=None) -> int:
     else:  # megatron's own placement: chunk c of rank r is stage c * pp + r
         stages = [c * pp + pp_rank for c in range(v)]
     chunks = build_model(args, make_config(args, tp, pp, v), stages, layout, device)
-    losses, times = train(args, chunks, m, v)
+    losses, times, periods = train(args, chunks, m, v)
     if report.func is not None:  # --koala-trace: end the trace file (else done at exit)
         report.func.close_trace()
     is_logger = pp_rank == pp - 1 and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
@@ -320,17 +320,19 @@ def main(argv=None) -> int:
         with open(args.loss_log, "w") as fh:
             json.dump({"schedule": report.schedule or "default", "tp": tp, "pp": pp, "dp": dp, "v": v,
                        "backend": dist.get_backend(), "device": device.type, "losses": losses,
-                       "iteration_ms": times}, fh)
+                       "iteration_ms": times, "period_ms": periods}, fh)
     dist.barrier()
     ps.destroy_model_parallel()
     dist.destroy_process_group()
     return 0
 
 
-def train(args, chunks, m: int, v: int) -> tuple[list, list]:
+def train(args, chunks, m: int, v: int) -> tuple[list, list, list]:
     """The training loop; the last pipeline rank's per-iteration losses and times. A time is the
     ms of forward_backward_func and the optimizer step on this rank (the synthetic data is drawn
-    before the clock starts; CUDA is synchronised before it stops)."""
+    before the clock starts; CUDA is synchronised before it stops); a period, the ms from one
+    iteration's start to the next's (the whole loop: data, logging; what `koala calibrate` calls
+    a step)."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func  # patched by install()
 
@@ -345,9 +347,10 @@ def train(args, chunks, m: int, v: int) -> tuple[list, list]:
     forward_backward_func = get_forward_backward_func()
     is_logger = pp_rank == pp - 1 and ps.get_tensor_model_parallel_rank() == 0 and dp_rank == 0
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    losses_log, times = [], []
+    losses_log, times, starts = [], [], []
     for it in range(args.train_iters):
         t0 = time.time()
+        starts.append(time.perf_counter())
         data = corpus.microbatches(it, dp_rank, dp, m, args.micro_batch_size, args.seq_length)
         iters = [iter(data) for _ in chunks]
         optimizer.zero_grad(set_to_none=True)
@@ -373,10 +376,11 @@ def train(args, chunks, m: int, v: int) -> tuple[list, list]:
                       f"learning rate: {args.lr:.6E} | global batch size: {args.global_batch_size:5d} | "
                       f"lm loss: {loss.item():.6E} | tokens per second: "
                       f"{args.global_batch_size * args.seq_length / ms * 1000:.1f} |", flush=True)
-    return losses_log, times
+    starts.append(time.perf_counter())
+    return losses_log, times, [(b - a) * 1000 for a, b in zip(starts, starts[1:])]
 
 
 if __name__ == "__main__":
-    from koala_ds.errors import run_main
+    from koala_ds.core.errors import run_main
 
     run_main(main, "pretrain_gpt")  # a KoalaError: one line on rank 0, exit code 2 on every rank

@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, schedules
 
-from koala_ds.errors import rank_zero_argument_errors, run_main
-from koala_ds.ir import KoalaError, Schedule
+from koala_ds.core.errors import rank_zero_argument_errors, run_main
+from koala_ds.core.ir import KoalaError, Schedule
 from koala_ds.resolve import TORCH, Setting, resolve
-from koala_ds.timeout import resolve_timeout
+from koala_ds.runtime.timeout import resolve_timeout
 
 #: How the schedule's messages name this script's flags.
 FLAGS = replace(TORCH, schedule="--schedule",

@@ -7,7 +7,7 @@ import json
 import math
 from typing import Any, Callable
 
-from ..ir import KoalaError
+from ..core.ir import KoalaError
 
 
 def finite_float(minimum: float = 0.0, *, strict: bool = True) -> Callable[[str], float]:

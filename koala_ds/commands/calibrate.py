@@ -15,8 +15,8 @@ import json
 import os
 from pathlib import Path
 
-from ..json_input import NotJson, parse_json
-from ..outputs import OutputError, atomic_write, check_output
+from ..core.json_input import NotJson, parse_json
+from ..core.outputs import OutputError, atomic_write, check_output
 from ..sim import MODES, CostProfile, bundled_profiles, resolve_profile
 from ..sim.calibrate import (ERROR_WARN, Fit, RunCheck, calibrated_profile, check_fits, check_runs, fit,
                              merged_timeline)

@@ -10,9 +10,9 @@ import logging
 import os
 from pathlib import Path
 
-from ..ir import KoalaError, Schedule, size_error
+from ..core.ir import KoalaError, Schedule, size_error
 from ..library import FIXED_SUFFIXES
-from ..outputs import OutputError, check_output
+from ..core.outputs import OutputError, check_output
 from . import dumps_json, positive_float
 from .bounds import NO_FIT, ConfigBound, configuration_bound
 from . import partition

@@ -7,8 +7,8 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from ..ir import KoalaError, Placement
-from ..layout import run_lines
+from ..core.ir import KoalaError, Placement
+from ..core.layout import run_lines
 from ..sim import CostProfile, ProfileError
 from ..sim.layers import LayerProfile, load_any_profile, parse_partition, partition_text
 from . import cli_words

@@ -12,11 +12,11 @@ import sys
 import warnings
 from typing import Any, Callable, Iterator
 
-from ..ir import KoalaError
-from ..outputs import atomic_write, check_output
+from ..core.ir import KoalaError
+from ..core.outputs import atomic_write, check_output
 from ..profiler.core import CLOCKS, DEFAULT_ITERS, DEFAULT_WARMUP, SPREAD_MIN_SAMPLES
-from ..spawn import MEGATRON_FALLBACK_WARNINGS, SpawnError
-from ..wgrad_policy import DEFAULT_MAX_HOLD, check_max_hold
+from ..runtime.spawn import SpawnError, quiet_megatron_imports
+from ..runtime.wgrad_policy import DEFAULT_MAX_HOLD, check_max_hold
 from . import dumps_json, nonnegative_float, positive_float, positive_int
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "else wall. A GPU is timed with CUDA events")
     p.add_argument("--max-w-hold", type=max_w_hold, default=DEFAULT_MAX_HOLD, metavar="X",
                    help="what W may hold after I, as a fraction of a stage's activation; the layers beyond it "
-                        f"compute their weight gradient in I (koala_ds.wgrad.prepare(max_hold=...); default "
+                        f"compute their weight gradient in I (koala_ds.runtime.wgrad.prepare(max_hold=...); default "
                         f"{DEFAULT_MAX_HOLD}, as the runtimes; none: defer every covered layer)")
     p.add_argument("--per-layer", action="store_true",
                    help="measure every layer on its own and write a per-layer profile (for the partition "
@@ -284,7 +284,7 @@ def cmd_megatron_gpt(args) -> int:
     device, p2p = _setup(args)
     profile = _gpt_layers if args.per_layer else _gpt_stages
     with _p2p_deadline("--p2p-timeout", args.p2p_timeout, P2P_LATENCY_HINT), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=MEGATRON_FALLBACK_WARNINGS)
+        quiet_megatron_imports()
         result = profile(args, device, p2p)
     return _finish_layers(args, result) if args.per_layer else _finish(args, result)
 

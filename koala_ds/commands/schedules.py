@@ -8,10 +8,10 @@ from pathlib import Path
 
 from .. import library
 from ..dsl import print_schedule
-from ..ir import MAX_ACTIONS, KoalaError, Schedule, ScheduleError
-from ..outputs import atomic_write, check_output
+from ..core.ir import MAX_ACTIONS, KoalaError, Schedule, ScheduleError
+from ..core.outputs import atomic_write, check_output
 from ..resolve import resolve
-from ..validate import render_grid, validate
+from ..core.validate import render_grid, validate
 from .table import format_table
 from . import positive_int
 

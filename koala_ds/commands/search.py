@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 
 from ..dsl import print_schedule
-from ..ir import KoalaError
-from ..outputs import atomic_write, check_output
+from ..core.ir import KoalaError
+from ..core.outputs import atomic_write, check_output
 from . import cli_words, nonnegative_float, positive_float
 from .bounds import ConfigBound, from_problem
 from .model import GANTT_SUFFIXES

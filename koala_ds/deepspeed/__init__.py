@@ -5,8 +5,8 @@ Then a config with `"pipeline": {"schedule": "koala", "koala": {"schedule": "zb-
 patched launcher's `--pipeline_schedule koala --koala_schedule zb-h1`, selects it. See
 docs/deepspeed.md.
 """
-from .engine import (KoalaConfigError, KoalaPipelineConfig, KoalaPipelineEngine, PipelineTimeoutError,
-                     check_schedule, resolve_schedule)
+from .config import KoalaConfigError, KoalaPipelineConfig, PipelineTimeoutError, check_schedule, resolve_schedule
+from .engine import KoalaPipelineEngine
 from .install import EngineSelector, install, installed, select_engine_class, uninstall
 from .module import KoalaPipelineModule
 from .schedule import (BackwardInputPass, BackwardWeightPass, KoalaInferenceSchedule, KoalaPipeSchedule, WaitSends)

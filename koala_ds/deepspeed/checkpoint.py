@@ -16,8 +16,9 @@ from __future__ import annotations
 import json
 import os
 
-from ..ir import KoalaError
-from ..outputs import atomic_write
+from ..core.ir import KoalaError
+from ..core.outputs import atomic_write
+from ..resolve import ScheduleFitError as KoalaConfigError  # the DeepSpeed adapter's name (config.py)
 
 LAYOUT_FILE = "koala_layout.json"
 
@@ -79,3 +80,66 @@ def check_optimizer_layout(directory: str, module) -> None:
 def _ranges(ranges: list) -> str:
     """[[0, 2], [5, 6]] -> '0-1 and 5'."""
     return " and ".join(f"{a}" if b - a == 1 else f"{a}-{b - 1}" for a, b in ranges)
+
+
+def _latest_tag(load_dir: str):
+    """The tag DeepSpeed's `latest` file in `load_dir` names (None without one): what
+    load_checkpoint(tag=None) loads. DeepSpeed has no public function for it."""
+    latest = os.path.join(load_dir, "latest")
+    if not os.path.isfile(latest):
+        return None
+    with open(latest, encoding="utf-8") as fh:
+        return fh.read().strip()
+
+
+class CheckpointLayout:
+    """The checkpoint half of `KoalaPipelineEngine` (a mixin over DeepSpeed's `PipelineEngine`)."""
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
+        """DeepSpeed's save_checkpoint, plus `koala_layout.json` (the layers of every pipeline
+        rank) in the tag's directory, written by global rank 0 before any rank returns."""
+        tag = str(tag) if tag is not None else f"global_step{self.global_steps}"  # as DeepSpeed names it
+        result = super().save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest,
+                                         **kwargs)
+        if self.global_rank == 0:
+            write_layout(os.path.join(save_dir, tag), module_layout(self.module))
+        from deepspeed import comm as dist
+
+        with self._bounded_collectives():  # within the step's timeout, as a step's collectives
+            dist.barrier()  # a rank that loads right after finds the file
+        return result
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+        """DeepSpeed's load_checkpoint; optimizer states saved with another assignment of layers
+        to ranks are refused first, in one line (`checkpoint.check_optimizer_layout`).
+
+        With the bf16 optimizer (bf16 without ZeRO) its states are read from the files it wrote,
+        `bf16_zero_pp_rank_*_optim_states.pt`: DeepSpeed 0.19.8 reads the model-states file
+        instead and fails (`KeyError: 0`, stock engine too)."""
+        states = load_optimizer_states and not load_module_only and not self.load_universal_checkpoint()
+        if states:
+            tag = tag if tag is not None else _latest_tag(load_dir)
+            if tag is not None and os.path.isdir(os.path.join(load_dir, str(tag))):
+                try:
+                    check_optimizer_layout(os.path.join(load_dir, str(tag)), self.module)
+                except KoalaError as exc:
+                    raise KoalaConfigError(str(exc)) from None
+        bf16_states = states and not self.zero_optimization() and hasattr(self.optimizer, "bf16_groups")
+        result = super().load_checkpoint(load_dir, tag=tag, load_module_strict=load_module_strict,
+                                         load_optimizer_states=load_optimizer_states and not bf16_states,
+                                         load_lr_scheduler_states=load_lr_scheduler_states,
+                                         load_module_only=load_module_only, custom_load_fn=custom_load_fn)
+        if bf16_states and result[0] is not None:
+            # DeepSpeed's own reader of those files (as under ZeRO): the fp32 master weights and the
+            # optimizer states of every data-parallel rank's partition
+            if not self._load_zero_checkpoint(load_dir, tag, load_optimizer_states=True):
+                raise KoalaConfigError(f"load_checkpoint({load_dir!r}, tag={tag!r}): the checkpoint has no bf16 "
+                                       f"optimizer states (bf16_zero_*_optim_states.pt): pass "
+                                       f"load_optimizer_states=False to load the weights alone")
+        elif not load_optimizer_states and not load_module_only and not self.zero_optimization() \
+                and hasattr(self.optimizer, "refresh_fp32_params"):
+            # DeepSpeed refreshes the bf16 optimizer's fp32 master weights from loaded weights under
+            # load_module_only only: without it the next step would put the old weights back
+            self.optimizer.refresh_fp32_params()
+        return result

@@ -20,9 +20,9 @@ import deepspeed
 from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine, DualPipeVModule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from ..errors import process_rank
-from .engine import (ENV_KOALA_SCHEDULE, ENV_PIPELINE_SCHEDULE, KoalaConfigError, KoalaPipelineEngine,
-                     ensure_config_class, koala_requested)
+from ..core.errors import process_rank
+from .config import ENV_KOALA_SCHEDULE, ENV_PIPELINE_SCHEDULE, KoalaConfigError, ensure_config_class, koala_requested
+from .engine import KoalaPipelineEngine
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 from deepspeed.runtime import utils as ds_utils
 from deepspeed.runtime.pipe.module import PipelineModule, TiedLayerSpec
 
-from ..ir import KoalaError, Placement, ScheduleError
+from ..core.ir import KoalaError, Placement, ScheduleError
 
 
 class KoalaPipelineModule(PipelineModule):

@@ -2,7 +2,7 @@
 
 DeepSpeed's `PipelineEngine` executes `PipeSchedule.steps()`: lists of `PipeInstruction`s whose
 keyword arguments are passed to the engine's handlers. `KoalaPipeSchedule` translates the
-rank's lowered stream (`koala_ds.lowering`: compute actions with SEND / RECV in issue order,
+rank's lowered stream (`koala_ds.runtime.lowering`: compute actions with SEND / RECV in issue order,
 every channel's receives in its sender's order), one instruction per step:
 
     RECV act / grad:  RecvActivation / RecvGrad     (posts the receive)
@@ -15,7 +15,7 @@ every channel's receives in its sender's order), one instruction per step:
 
 Each step of `steps()` is one compute action with the receives posted before it and the send
 after it. Every instruction carries `stage=` and `microbatch=`; the communication and compute
-instructions carry the `message` (a `koala_ds.lowering.Message`) they post, send or wait for
+instructions carry the `message` (a `koala_ds.runtime.lowering.Message`) they post, send or wait for
 (None for a compute action whose input is local) and the communication ones the `peer`
 pipeline rank. Messages between stages of the same rank are not in the stream: the compute
 instructions hand them over. Buffer slots are taken at a forward and given back at the
@@ -30,8 +30,8 @@ from deepspeed.runtime.pipe.schedule import (BackwardPass, ForwardPass, LoadMicr
                                              PipeSchedule, RecvActivation, RecvGrad, ReduceGrads, ReduceTiedGrads,
                                              SendActivation, SendGrad)
 
-from ..ir import Action, Op, Placement, Schedule
-from ..lowering import ACT, COMPUTE, RECV, RECV_LOOKAHEAD, Step, lower, received_message
+from ..core.ir import Action, Op, Placement, Schedule
+from ..runtime.lowering import ACT, COMPUTE, RECV, RECV_LOOKAHEAD, Step, lower, received_message
 
 __all__ = ["KoalaPipeSchedule", "KoalaInferenceSchedule", "BackwardInputPass", "BackwardWeightPass", "WaitSends"]
 

@@ -37,7 +37,7 @@ import bisect
 from itertools import accumulate
 from typing import NamedTuple, Sequence
 
-from ..ir import KoalaError
+from ..core.ir import KoalaError
 
 # pass kinds, in the tie-break order of the generator
 F0, F1, I1, I0, W = 0, 1, 2, 3, 4

@@ -6,10 +6,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from ..ir import OP_NAMES, KoalaError
+from ..core.ir import OP_NAMES, KoalaError
 from . import ast as A
 
-OPS = frozenset(OP_NAMES)  # the op names, from the one op table (koala_ds.ir.OpIndex)
+OPS = frozenset(OP_NAMES)  # the op names, from the one op table (koala_ds.core.ir.OpIndex)
 KEYWORDS = {"let", "for", "in", "if", "else", "rank", "slot", "and", "or", "not"}
 HEADERS = ("schedule", "description", "source", "supports", "placement", "backward", "compact", "let", "rank")
 COMPACT_MODES = ("greedy",)

@@ -6,7 +6,7 @@ Normal form: one `rank N:` block per rank; an op is written bare when the implic
 """
 from __future__ import annotations
 
-from ..ir import Op, Schedule, ScheduleError
+from ..core.ir import Op, Schedule, ScheduleError
 from .program import RankEmitter
 
 MAX_PERIOD = 12

@@ -19,9 +19,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..ir import (MAX_ACTIONS, Action, KoalaError, Op, Placement, Schedule, ScheduleError, change_hint,
+from ..core.ir import (MAX_ACTIONS, Action, KoalaError, Op, Placement, Schedule, ScheduleError, change_hint,
                   setting_names, size_error)
-from ..validate import validate
+from ..core.validate import validate
 from . import ast as A
 from .compact import CompactError, Pass, compact_greedy
 

@@ -1,7 +1,8 @@
 """The schedule library: one `.koala` file per known schedule, found by name.
 
-`load_schedule` also takes user files: a `.koala` program, a schedule `.json` (as written
-by `koala export --format json`) or a torch compute-only `.csv`.
+User files (a `.koala` program, a schedule `.json` as written by `koala export --format json`,
+a torch compute-only `.csv`) and the fit to a run's (p, m, v) are the resolver's
+(`koala_ds.resolve.load_schedule`, a layer above this one).
 """
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from functools import lru_cache
 from pathlib import Path
 
 from ..dsl import Program, parse, parse_program
-from ..ir import KoalaError, Schedule, ScheduleError, change_hint
-from ..json_input import NotJson, parse_json
+from ..core.ir import KoalaError, Schedule, ScheduleError, change_hint
+from ..core.json_input import NotJson, parse_json
 
 LIBRARY_DIR = Path(__file__).resolve().parent
 #: The schedule JSON versions this koala-ds reads.
@@ -133,12 +134,3 @@ def compile_program(program: Program, p: int, m: int, v: int = 1, names: dict | 
     settings in `names` ({"p": ..., "m": ..., "v": ...}; default koala's -p, -m, -v)."""
     check_rank_blocks(program, p, names)
     return program.compile(p, m, v, names)
-
-
-def load_schedule(name_or_path: str, p: int, m: int, v: int = 1) -> Schedule:
-    """Compile a library schedule or a `.koala` file for (p, m, v), or load a fixed `.json` /
-    `.csv` schedule and check that it was made for (p, m, v): `koala_ds.resolve.resolve` with
-    koala's own -p, -m, -v in its messages (an engine passes its settings to `resolve`)."""
-    from ..resolve import resolve
-
-    return resolve(name_or_path, p, m, v)

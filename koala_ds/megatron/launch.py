@@ -6,7 +6,7 @@
 
 `install` checks the schedule against the flags before any process group or model exists and
 raises MegatronScheduleError naming the flag to change; run the script's main through
-`koala_ds.errors.run_main(main)` so that is one line on rank 0 and exit code 2 on every rank.
+`koala_ds.core.errors.run_main(main)` so that is one line on rank 0 and exit code 2 on every rank.
 
 `install` replaces `get_forward_backward_func` where Megatron looks it up: in
 megatron.core.pipeline_parallel (and its schedules module) and, when Megatron-LM is
@@ -20,11 +20,11 @@ import logging
 import dataclasses
 from dataclasses import dataclass, field
 
-from ..errors import rank_zero_argument_errors
-from ..timeout import TimeoutSettingError, check_timeout
-from ..trace_record import check_trace_path
+from ..core.errors import rank_zero_argument_errors
+from ..runtime.timeout import TimeoutSettingError, check_timeout
+from ..runtime.trace_record import check_trace_path
 from .. import library
-from ..ir import KoalaError, Placement
+from ..core.ir import KoalaError, Placement
 from ..resolve import (FIXED_SUFFIXES, MEGATRON, MEGATRON_LM, Setting, check_fit, check_profile_stages, load,
                        load_profile)
 from .layout import tied_embeddings_conflict
@@ -113,7 +113,7 @@ def microbatches_from_args(args) -> int | None:
 
 
 def _layout_chunks(args) -> int | None:
-    from ..ir import KoalaError
+    from ..core.ir import KoalaError
     from .layout import layout_chunks  # --pipeline-model-parallel-layout sets v (megatron-core counts it)
 
     try:

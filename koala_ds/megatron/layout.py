@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..ir import KoalaError
+from ..core.ir import KoalaError
 
 FLAG = "--pipeline-model-parallel-layout"
 

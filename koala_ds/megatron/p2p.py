@@ -1,13 +1,13 @@
 """Point-to-point layer of the Megatron runtime: non-blocking sends, posted receives, timeouts.
 
-The runtime interprets the lowered stream of its rank (`koala_ds.lowering`): a RECV step posts
+The runtime interprets the lowered stream of its rank (`koala_ds.runtime.lowering`): a RECV step posts
 a receive (`P2P.post`), the compute that consumes the message waits for it (`P2P.recv`), a SEND
 step sends (`P2P.send`). The lowering orders every channel's receives as its sender sends, so
 messages are matched by order alone. That is what NCCL does (it ignores tags), and it is what
 we do on gloo too (every message uses tag 0), so the gloo tests exercise the rule NCCL relies on.
 
 On NCCL, every channel gets its own two-rank communicator (one per direction, see
-`koala_ds.channels`), so that a pending receive from a peer never queues behind a send to that
+`koala_ds.runtime.channels`), so that a pending receive from a peer never queues behind a send to that
 same peer on one CUDA stream. On gloo a channel is just (pipeline group, peer): gloo matches by
 source, so the directions cannot mix. Every wait has a deadline and raises `P2PTimeoutError` naming what it waited for.
 """
@@ -20,10 +20,10 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from ..bounded_collectives import WaitFailure, is_gloo, wait_work
-from ..channels import ChannelGroups, schedule_channels
-from ..ir import KoalaError
-from ..lowering import ACT, GRAD, Message
+from ..runtime.bounded_collectives import WaitFailure, is_gloo, wait_work
+from ..runtime.channels import ChannelGroups, schedule_channels
+from ..core.ir import KoalaError
+from ..runtime.lowering import ACT, GRAD, Message
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ __all__ = ["ACT", "GRAD", "Message", "P2P", "P2PTimeoutError", "ChannelGroups", 
 class P2PTimeoutError(KoalaError, TimeoutError):
     """A pipeline receive or send did not complete in time (a peer died, hung or diverged), or
     failed before its deadline (the peer closed the connection): the message says which. What
-    one rank saw (`rank_local`): that rank prints it (koala_ds.errors), not rank 0."""
+    one rank saw (`rank_local`): that rank prints it (koala_ds.core.errors), not rank 0."""
 
     rank_local = True
 
@@ -171,7 +171,7 @@ def wait_failed(who: str, what: str, failure: WaitFailure, source: str) -> P2PTi
 
 
 class CollectiveWaiter:
-    """The `wait` of `koala_ds.bounded_collectives` for one forward_backward_func call: every
+    """The `wait` of `koala_ds.runtime.bounded_collectives` for one forward_backward_func call: every
     blocking collective issued during the call waits at most the pipeline timeout, then raises
     P2PTimeoutError naming the rank, the collective and `phase` (where in the call it was)."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import os
 
-from ..ir import Schedule
+from ..core.ir import Schedule
 from ..resolve import MEGATRON, ScheduleFitError, Settings, check_spec as _check_spec, resolve as _resolve
 
 __all__ = ["MEGATRON", "MegatronScheduleError", "check_spec", "resolve"]

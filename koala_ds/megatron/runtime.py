@@ -17,16 +17,16 @@ from typing import Any, Callable, Iterator, List, Optional, Union
 import torch
 import torch.distributed as dist
 
-from ..bounded_collectives import bounded_collectives
-from ..ir import KoalaError, Op, Schedule
-from ..lowering import ACT, COMPUTE, GRAD, RECV, Message, lower
-from ..timeout import timeout_setting
-from ..trace_record import TraceRecorder, check_trace_path, timed_wait
+from ..runtime.bounded_collectives import bounded_collectives
+from ..core.ir import KoalaError, Op, Schedule
+from ..runtime.lowering import ACT, COMPUTE, GRAD, RECV, Message, lower
+from ..runtime.timeout import timeout_setting
+from ..runtime.trace_record import TraceRecorder, check_trace_path, timed_wait
 from . import resolve as _resolve
 from .layout import tied_embeddings_conflict
 from .p2p import ChannelGroups, CollectiveWaiter, P2P, schedule_channels
 from .resolve import MegatronScheduleError
-from .. import wgrad
+from ..runtime import wgrad
 
 log = logging.getLogger(__name__)
 _perf_ns = time.perf_counter_ns
@@ -75,7 +75,7 @@ class _Prepared:
 
 
 def _program(schedule: Schedule, rank: int, forward_only: bool, stages: dict) -> tuple[tuple, tuple]:
-    """This rank's lowered stream (koala_ds.lowering) as (function, arguments) pairs, so that the
+    """This rank's lowered stream (koala_ds.runtime.lowering) as (function, arguments) pairs, so that the
     interpreter's work per step is the call: RECV posts a receive, a compute action runs with its
     messages and stage facts at hand, SEND sends the tensor the compute before it produced. With
     backward, the grad sync of a chunk brackets its last action producing weight gradients.
@@ -126,7 +126,7 @@ def _program(schedule: Schedule, rank: int, forward_only: bool, stages: dict) ->
 
 def _traced(program: tuple, spans: tuple) -> tuple:
     """`program` with the recorder's marks around each compute action's span (action k: the
-    k-th of the rank's order), for a step that records a trace (koala_ds.trace_record)."""
+    k-th of the rank's order), for a step that records a trace (koala_ds.runtime.trace_record)."""
     begins = {first: k for k, (first, _end) in enumerate(spans)}
     ends = {end for _first, end in spans}
     out = []
@@ -278,7 +278,7 @@ class KoalaForwardBackward:
                  timeout_name: str = "get_forward_backward_func(timeout_s=...)", trace: str | None = None,
                  trace_name: str = "get_forward_backward_func(trace=...)"):
         _resolve.check_spec(schedule)
-        # a measured timeline of the training steps (koala_ds.trace_record); None: no recording at all
+        # a measured timeline of the training steps (koala_ds.runtime.trace_record); None: no recording at all
         self.recorder: TraceRecorder | None = None
         if trace is not None:
             try:
@@ -452,7 +452,7 @@ class KoalaForwardBackward:
         if getattr(config, "overlap_moe_expert_parallel_comm", False):
             problems.append("overlap_moe_expert_parallel_comm=True: not supported with --pipeline-schedule koala")
         # gradient_accumulation_fusion is exact with a split backward: the deferred weight gradients
-        # (koala_ds.wgrad) add into main_grad in W, once; megatron-core's own deferral is not
+        # (koala_ds.runtime.wgrad) add into main_grad in W, once; megatron-core's own deferral is not
         if split and not forward_only and getattr(config, "defer_embedding_wgrad_compute", False):
             problems.append("the schedule splits backward (I/W): turn off defer_embedding_wgrad_compute "
                             "(--defer-embedding-wgrad-compute)")
@@ -506,7 +506,7 @@ class _StepRunner:
     cp_size: int
     model_device: torch.device
     rank: int
-    recorder: TraceRecorder | None = None  # records this step's timeline (koala_ds.trace_record)
+    recorder: TraceRecorder | None = None  # records this step's timeline (koala_ds.runtime.trace_record)
 
     def __post_init__(self) -> None:
         models, forward_only, config = self.models, self.forward_only, self.config
@@ -515,7 +515,7 @@ class _StepRunner:
         self._recv = self.comm.recv if self.recorder is None else timed_wait(self.recorder, self.comm.recv)
         self.pl = self.schedule.placement
         self.v = len(models)
-        # deferred weight gradients (koala_ds.wgrad) for the chunks of a split-backward schedule
+        # deferred weight gradients (koala_ds.runtime.wgrad) for the chunks of a split-backward schedule
         self.wgrad = [wgrad.prepare(mod) for mod in models] if self.schedule.backward == "split" \
             and not forward_only else None
         # the forwards of microbatches whose backward is a full B run as an unprepared model would
@@ -750,9 +750,9 @@ def get_forward_backward_func(schedule="1f1b", profile=None, *, timeout_s: float
     number of model chunks and the number of microbatches of each call), or a .koala / .json
     / .csv file. `profile`: a cost profile (path or dict) kept for reporting. `timeout_s`:
     deadline of every p2p wait (default $KOALA_TIMEOUT_S, or its older name $KOALA_P2P_TIMEOUT,
-    or 600 s; see koala_ds.timeout). `per_direction_groups`: one communicator per direction of
+    or 600 s; see koala_ds.runtime.timeout). `per_direction_groups`: one communicator per direction of
     each pipeline link (default: on for NCCL, off for gloo). `timeout_name`: how error messages
     name the setting timeout_s came from (a launcher passes its flag). `trace`: FILE: each
     process records the measured timeline of every training call in FILE.rank{global rank}.json
-    (koala_ds.trace_record; its folder is checked here); `trace_name`: how messages name it."""
+    (koala_ds.runtime.trace_record; its folder is checked here); `trace_name`: how messages name it."""
     return KoalaForwardBackward(schedule, profile, timeout_s, per_direction_groups, timeout_name, trace, trace_name)

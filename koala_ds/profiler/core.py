@@ -3,7 +3,7 @@
 For each stage (in pipeline order) and each of `warmup + iters` rounds, one microbatch run split
 and one run whole:
 - F: the stage's forward (plus the loss on the last stage);
-- I: the backward with the layers' weight-gradient GEMMs queued (`koala_ds.wgrad`), exactly as
+- I: the backward with the layers' weight-gradient GEMMs queued (`koala_ds.runtime.wgrad`), exactly as
   the Koala runtimes run an I action;
 - W: that queue run (the weight gradients), as the runtimes run a W action;
 - B: a plain full backward, as the runtimes run a B action (the profile's `backward`).
@@ -36,7 +36,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from ..wgrad_policy import DEFAULT
+from ..runtime.wgrad_policy import DEFAULT
 
 MIB = float(1 << 20)
 #: Rounds run before measuring, and rounds measured (`koala profile --warmup / --iters`).
@@ -59,7 +59,7 @@ class StageMeasurement:
     backward_weight: list[float] = field(default_factory=list)
     backward_full: list[float] = field(default_factory=list)
     # F before a full backward, where the stage has nn.Linear layers: those run torch's own linear
-    # then, as in an unprepared model (koala_ds.wgrad.plain_forward), the model a full-backward
+    # then, as in an unprepared model (koala_ds.runtime.wgrad.plain_forward), the model a full-backward
     # schedule runs; `forward` is the deferrable F a split schedule runs
     forward_full: list[float] = field(default_factory=list)
     activation_bytes: int = 0
@@ -70,7 +70,7 @@ class StageMeasurement:
     output_bytes: int = 0
     input_grad: bool = True
     w_flops_deferred: float | None = None  # fraction of the covered layers' weight-gradient FLOPs W runs
-    max_w_hold: float | None = None  # the hold policy it ran under (koala_ds.wgrad.prepare's max_hold)
+    max_w_hold: float | None = None  # the hold policy it ran under (koala_ds.runtime.wgrad.prepare's max_hold)
 
     def median(self, name: str) -> float:
         values = getattr(self, name)
@@ -128,7 +128,7 @@ class ProfileFile:
 
     def write(self, path, flag: str | None = None) -> None:
         """Write the profile JSON atomically (the previous file survives any failure)."""
-        from ..outputs import atomic_write
+        from ..core.outputs import atomic_write
 
         atomic_write(path, self.to_json() + "\n", flag)
 
@@ -264,7 +264,7 @@ class SavedTensorTracker:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def saved_bytes(self, alive_only: bool = False) -> int:
-        from ..wgrad import storage_bytes
+        from ..runtime.wgrad import storage_bytes
 
         return storage_bytes((ptr, nbytes) for ptr, nbytes, ref in self.records if not alive_only or ref() is not None)
 
@@ -327,13 +327,13 @@ class _StageRun:
     is_last: bool
     loss_fn: Callable
     timer: _Timer
-    deferral: Any  # koala_ds.wgrad.Prepared
+    deferral: Any  # koala_ds.runtime.wgrad.Prepared
     direct_wgrad: bool
     gen: Any  # torch.Generator for the output gradients
     plain_linears: bool  # nn.Linear layers: they run torch's own linear before a full backward
 
     def forward(self, tracker=None, plain: bool = False):
-        from .. import wgrad
+        from ..runtime import wgrad
 
         x = self.make_input()
         args = x if isinstance(x, tuple) else (x,)
@@ -371,11 +371,11 @@ class _StageRun:
     @classmethod
     def build(cls, module, make_input: Callable[[], Any], *, is_last: bool, loss_fn, timer: str, seed: int,
               max_hold, direct_wgrad: bool) -> "_StageRun":
-        """The stage prepared for deferred weight gradients (`koala_ds.wgrad.prepare`); `timer` a
+        """The stage prepared for deferred weight gradients (`koala_ds.runtime.wgrad.prepare`); `timer` a
         key of TIMERS (`resolve_clock`)."""
         import torch
 
-        from .. import wgrad
+        from ..runtime import wgrad
 
         return cls(module, make_input, is_last, loss_fn or _default_loss, _Timer(timer),
                    wgrad.prepare(module, max_hold=max_hold), direct_wgrad,
@@ -499,9 +499,9 @@ def measure_stage(module, make_input: Callable[[], Any], *, is_last: bool, loss_
                   max_hold=DEFAULT, direct_wgrad: bool = False, clock: str = "auto") -> StageMeasurement:
     """Measure one stage. `make_input()` returns a fresh input (a tensor, or a tuple of
     arguments for the first stage); the stage's input gradient is computed when it requires grad.
-    `max_hold`: the hold policy of `koala_ds.wgrad.prepare` (default: its default, as the runtimes).
+    `max_hold`: the hold policy of `koala_ds.runtime.wgrad.prepare` (default: its default, as the runtimes).
     `direct_wgrad`: W adds weight gradients into `.grad` in their GEMMs, as the DeepSpeed runtime
-    runs it (`koala_ds.wgrad.Prepared.input_step`). `clock`: see `resolve_clock` ("wall" for
+    runs it (`koala_ds.runtime.wgrad.Prepared.input_step`). `clock`: see `resolve_clock` ("wall" for
     stages that sleep, as `koala_ds.profiler.emulate`'s)."""
     run = _StageRun.build(module, make_input, is_last=is_last, loss_fn=loss_fn, timer=resolve_clock(device, clock),
                           seed=seed, max_hold=max_hold, direct_wgrad=direct_wgrad)
@@ -553,7 +553,7 @@ def profile_stages(stage_modules: Sequence, sample_input, *, loss_fn: Callable |
     `p2p`: False (p2p_latency 0), True (measure it with a 2-process gloo ping-pong for the
     largest stage-boundary tensor), or a number (ms) to write as is. `progress(s, n)` is called
     before stage s of n is set up (its input made; all are set up before the timing starts).
-    `max_hold`: what W may hold, as a fraction of a stage's activation (`koala_ds.wgrad.prepare`;
+    `max_hold`: what W may hold, as a fraction of a stage's activation (`koala_ds.runtime.wgrad.prepare`;
     default 0.75, as the runtimes). `direct_wgrad`: W as the DeepSpeed runtime runs it
     (`measure_stage`). `clock`: the CPU's timer, "auto", "cpu" or "wall" (`resolve_clock`).
     Returns a `ProfileResult` (`.to_dict()` / `.write(path)` give a profile v1 JSON that

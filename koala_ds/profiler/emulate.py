@@ -14,7 +14,7 @@ The stage computes `out = SleepInput(x) + SleepWeight(w, x.detach())`:
 A first stage's input (data) needs no gradient, but a real first stage still backpropagates
 through its layers to reach their weights: the stage makes its input require a gradient so
 that its I sleeps `backward_input` too. `SleepWeight` defers like a real layer
-(`koala_ds.wgrad`): inside an I step it queues its sleep and its gradient for W; a full
+(`koala_ds.runtime.wgrad`): inside an I step it queues its sleep and its gradient for W; a full
 backward (B) runs both.
 
 `precise_sleep` sleeps to a deadline: `time.sleep` for the bulk (minus the measured wake-up
@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from ..wgrad import active_queue
+from ..runtime.wgrad import active_queue
 
 _perf = time.perf_counter
 _WAKE_S = None  # measured wake-up latency of time.sleep (seconds), see calibrate()

@@ -4,7 +4,7 @@
 
 Every layer (the embedding, each transformer layer, the output layer with the loss) is measured
 exactly as `profile_stages` measures a stage, with the same timers and the same split backward
-(`koala_ds.wgrad`): the layers are handed to it as one-layer stages. On top of the stage fields
+(`koala_ds.runtime.wgrad`): the layers are handed to it as one-layer stages. On top of the stage fields
 each entry has the layer's `name` and `kind`, `output_mb` (the boundary tensor it passes on: what
 is sent when a cut follows it; 0 for the last layer) and `param_mb` (its parameter bytes).
 """
@@ -30,7 +30,7 @@ class LayerInfo:
 
 def param_bytes(module) -> int:
     """Bytes of the distinct storages of a module's trainable parameters."""
-    from ..wgrad import storage_bytes
+    from ..runtime.wgrad import storage_bytes
 
     return storage_bytes((p.untyped_storage().data_ptr(), p.untyped_storage().nbytes())
                          for p in module.parameters() if p.requires_grad)

@@ -361,7 +361,7 @@ def pipeline_module_layer_infos(module_or_layers, stages) -> list:
     """Names and kinds of a layer list's layers: the first is the `embedding` entry, the last the
     `output` entry (with the loss), the others `transformer` when they have parameters, else
     `other`. Names are `<index>.<class>` (the index is DeepSpeed's layer index)."""
-    from ..wgrad import storage_bytes
+    from ..runtime.wgrad import storage_bytes
     from .layers import LayerInfo
 
     specs = list(getattr(module_or_layers, "_layer_specs", module_or_layers))

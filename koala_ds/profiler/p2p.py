@@ -8,7 +8,7 @@ import time
 import warnings
 from dataclasses import dataclass
 
-from ..ir import KoalaError
+from ..core.ir import KoalaError
 
 #: The largest message the ping-pong sends (each of its two processes holds one buffer of it):
 #: 1 GiB, far above any stage-boundary tensor worth profiling on one machine.
@@ -94,9 +94,9 @@ def check_message(numel: int, dtype: str = "float32", flag: str = "--numel") -> 
 
 def measure_p2p(numel: int, dtype: str = "float32", iters: int = 50, timeout_s: float = 120.0) -> P2PCost:
     """Latency and CPU cost of a message of `numel` elements between two local gloo processes
-    (each iteration: one send and one receive per rank). Raises `koala_ds.spawn.SpawnError`
+    (each iteration: one send and one receive per rank). Raises `koala_ds.runtime.spawn.SpawnError`
     past `timeout_s`, and a KoalaError for a message that is too large (`check_message`)."""
-    from ..spawn import spawn
+    from ..runtime.spawn import spawn
 
     check_message(numel, dtype, flag="numel")
 

@@ -50,8 +50,9 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..ir import Placement
-from ..lowered import F, W, Lowered
+from ..core.ir import Placement
+from ..core.lowered import F, W, Lowered
+from ..sim.timing import costed
 from ..sim import CostProfile
 from ..sim.lower_bound import backward_durations
 from ..sim.simulator import MEMORY_RTOL
@@ -89,7 +90,7 @@ class Releases:
 def release_times(profile: CostProfile, placement: Placement, m: int, backward: str,
                   limits: Sequence[float | None]) -> Releases:
     """Release times and tails (steps 1-2 of the module docstring) for one placement."""
-    low = Lowered(placement, m, backward, profile)
+    low = costed(placement, m, backward, profile)
     # I/B: the least time of the step that passes the gradient on; W: of the rest of the backward
     # (the part of a B after it, when a split schedule runs a B; 0 with full backward)
     dF = [c.forward for c in low.costs]

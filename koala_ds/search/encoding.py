@@ -6,7 +6,7 @@ by the order, exactly as in the Koala language: the lowest microbatch of that st
 had that step yet (B and I share one counter). A rank's order in this form is its sequence of
 *choices*, one small integer per step::
 
-    choice = op_index * chunks + chunk        op index (koala_ds.ir.OpIndex): F = 0, B = 1, I = 2, W = 3
+    choice = op_index * chunks + chunk        op index (koala_ds.core.ir.OpIndex): F = 0, B = 1, I = 2, W = 3
 
 A schedule is one choice sequence per rank, so their product is the complete schedule space.
 Orders that take a microbatch out of turn (looped-bfs runs its backwards last microbatch first)
@@ -14,7 +14,7 @@ carry the exceptions explicitly (position -> microbatch), so that every schedule
 library schedule in particular, is exactly one point: ``decode(encode(s)) == s``.
 
 The search works on plain choice lists (no exceptions) and decodes them to action codes
-(`koala_ds.lowered`) with `OrderDecoder`, which also *repairs* them: a step that cannot run yet
+(`koala_ds.core.lowered`) with `OrderDecoder`, which also *repairs* them: a step that cannot run yet
 on its rank (a backward before its forward, a W before its I, a forward that would break the
 memory limit) is deferred until it can, so that every choice list decodes to a complete,
 locally ordered order.
@@ -25,10 +25,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..ir import OP_INDEX, OPS, Action, KoalaError, Placement, Schedule
-from ..lowered import B, F, I, W, Lowered, action_code
+from ..core.ir import OP_INDEX, OPS, Action, KoalaError, Placement, Schedule
+from ..core.lowered import B, F, I, W, Lowered, action_code
 
-#: The op indices under their older names (koala_ds.ir.OpIndex is the table).
+#: The op indices under their older names (koala_ds.core.ir.OpIndex is the table).
 F_K, B_K, I_K, W_K = F, B, I, W
 
 

@@ -46,8 +46,8 @@ import math
 import time
 from dataclasses import dataclass
 
-from ..ir import OP_INDEX, OPS, Action, Op, Schedule
-from ..lowered import Lowered
+from ..core.ir import OP_INDEX, OPS, Action, Op, Schedule
+from ..core.lowered import Lowered
 from ..sim import simulate
 from .bound import jackson_bound, release_times
 from .problem import PlacementProblem, SearchError, SearchProblem

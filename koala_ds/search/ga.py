@@ -29,8 +29,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
-from ..ir import Schedule
-from ..machine import max_processes_per_node, processes_bound_text
+from ..core.ir import Schedule
+from ..core.machine import max_processes_per_node, processes_bound_text
 from ..sim import SimResult, random_schedule, simulate
 from .greedy import greedy_orders, policies
 from .local import LocalSearch

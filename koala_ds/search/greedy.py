@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..lowered import B, F, W, action_code
+from ..core.lowered import B, F, W, action_code
 from .problem import PlacementProblem
 
 

@@ -22,7 +22,7 @@ search cross the plateaus where no single move shortens the makespan but one ran
 earlier, which gives the critical path slack. Both terms only decrease, so the search ends.
 
 The timeline is the simulator's asynchronous model, read from the configuration's lowered
-tables (`koala_ds.lowered`: durations, and the slot each action waits for with its latency).
+tables (`koala_ds.core.lowered`: durations, and the slot each action waits for with its latency).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ import random
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from ..lowered import W, Stall, action_code, split_code
+from ..core.lowered import W, Stall, action_code, split_code
 from .problem import PlacementProblem
 
 log = logging.getLogger(__name__)

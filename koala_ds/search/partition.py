@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .. import library
-from ..ir import KoalaError, Placement, Schedule
+from ..core.ir import KoalaError, Placement, Schedule
 from ..sim import CostProfile, ProfileError, lower_bound, simulate
 from ..sim.layers import LayerProfile, partition_text
 from .partition_bound import JointBound, joint_lower_bound, min_max_partition

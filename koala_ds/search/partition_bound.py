@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..ir import Placement
+from ..core.ir import Placement
 from ..sim.layers import LayerProfile
 
 

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from ..ir import KoalaError, Placement, Schedule, size_error
+from ..core.ir import KoalaError, Placement, Schedule, size_error
 from ..sim import CostProfile, Simulator, lower_bound
 from ..sim.simulator import Stall
 from ..sim.profile import MAX_PROFILE_NUMBER, ProfileError
@@ -364,7 +364,7 @@ class SearchProblem:
                               "decides)", "placements")
         for pl in placements:
             if not isinstance(pl, Placement):
-                raise SearchError(f"`placements` holds {pl!r}, not a koala_ds.ir.Placement", "placements")
+                raise SearchError(f"`placements` holds {pl!r}, not a koala_ds.core.ir.Placement", "placements")
             if (pl.p, pl.v) != (self.p, self.v):
                 raise SearchError(f"`placements`: {pl.describe()} is a placement of p={pl.p}, v={pl.v}; this "
                                   f"problem's p={self.p}, v={self.v}", "placements")

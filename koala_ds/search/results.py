@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from .. import library
-from ..ir import KoalaError, Schedule
+from ..core.ir import KoalaError, Schedule
 from ..sim import simulate
 from .problem import SearchProblem, relative_gap, weight_copies
 

@@ -47,7 +47,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ..ir import KoalaError, Op, Schedule
+from ..core.ir import KoalaError, Op, Schedule
 from .measured import Step, TracedRun, describe
 from .profile import CostProfile
 from .simulator import simulate

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..ir import Placement
-from ..json_input import NotJson, parse_json
+from ..core.ir import Placement
+from ..core.json_input import NotJson, parse_json
 from .profile import (PROFILE_VERSION, CostProfile, ProfileError, StageCost, _number, check_header,
                       check_latency_and_limit, resolve_profile, with_action_overhead)
 

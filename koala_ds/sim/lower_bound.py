@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..ir import Placement, Schedule, ScheduleError
+from ..core.ir import Placement, Schedule, ScheduleError
 from .profile import CostProfile, ProfileError, StageCost
 from .simulator import MEMORY_RTOL
 

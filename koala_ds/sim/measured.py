@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
-from ..ir import KoalaError, Schedule, ScheduleError
+from ..core.ir import KoalaError, Schedule, ScheduleError
 
 log = logging.getLogger(__name__)
 

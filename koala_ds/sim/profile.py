@@ -40,8 +40,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..ir import KoalaError
-from ..json_input import NotJson, parse_json
+from ..core.ir import KoalaError
+from ..core.json_input import NotJson, parse_json
 
 log = logging.getLogger(__name__)
 

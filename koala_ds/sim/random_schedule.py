@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 
-from ..ir import Action, Op, Placement, Schedule
+from ..core.ir import Action, Op, Placement, Schedule
 
 
 def random_schedule(placement: Placement, m: int, backward: str = "full", seed: int | random.Random | None = None,

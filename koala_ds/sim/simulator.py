@@ -3,7 +3,7 @@
 Model (see also docs/lower_bound.md):
 - Each rank runs its actions in its order, one at a time.
 - An action starts when its rank is free and every input has arrived. The inputs are the
-  data dependencies of `koala_ds.lowered` (the table the search and the validator read too):
+  data dependencies of `koala_ds.core.lowered` (the table the search and the validator read too):
   F(s) needs F(s-1); I/B(s) needs F(s) and the input gradient (I or B) of s+1; W(s) needs I(s). An input computed on
   another rank arrives `p2p_latency` after it is computed.
 - F costs `forward`, I `backward_input`, W `backward_weight`, B the stage's `backward` (the
@@ -41,9 +41,10 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from ..ir import Action, Placement, Schedule, ScheduleError
-from ..lowered import B, F, I, Lowered, Stall, W  # noqa: F401 (Stall: the search imports it from here)
+from ..core.ir import Action, Placement, Schedule, ScheduleError
+from ..core.lowered import B, F, I, Lowered, Stall, W  # noqa: F401 (Stall: the search imports it from here)
 from .profile import CostProfile, ProfileError
+from .timing import costed
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class Simulator:
     """
 
     def __init__(self, profile: CostProfile, placement: Placement, m: int, backward: str = "full") -> None:
-        self.lowered = Lowered(placement, m, backward, profile)
+        self.lowered = costed(placement, m, backward, profile)
         self.profile, self.placement, self.m, self.backward = profile, placement, m, backward
         self.num_stages = placement.num_stages
         self.p = placement.p

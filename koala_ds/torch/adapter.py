@@ -38,7 +38,7 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
-from ..ir import Action, Op, Schedule
+from ..core.ir import Action, Op, Schedule
 from ..resolve import TORCH, ScheduleFitError, Settings, _where, resolve
 
 log = logging.getLogger(__name__)

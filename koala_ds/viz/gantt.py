@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from ..ir import Action, KoalaError, Op, Schedule
-from ..outputs import atomic_open
+from ..core.ir import Action, KoalaError, Op, Schedule
+from ..core.outputs import atomic_open
 from ..sim.measured import Step, TracedRun
 from ..sim.profile import CostProfile
 from ..sim.simulator import SimResult, simulate

@@ -9,8 +9,8 @@ import json
 import os
 from pathlib import Path
 
-from ..ir import KoalaError, Op, Schedule
-from ..outputs import atomic_write
+from ..core.ir import KoalaError, Op, Schedule
+from ..core.outputs import atomic_write
 from ..sim.simulator import SimResult
 
 OP_NAMES = {Op.F: "forward", Op.B: "backward", Op.I: "backward-input", Op.W: "backward-weight"}

@@ -24,7 +24,7 @@ computes grad_input AND grad_weight on every call. So the split is made at the l
   hook or a post-accumulate-grad hook, or a GEMM in another dtype (autocast), still goes
   through autograd.
 - A full backward (B) outside `deferring()` computes everything at once, as before.
-- The hold policy (`prepare(model, max_hold=0.75)`, `koala_ds.wgrad_policy`): W may hold at
+- The hold policy (`prepare(model, max_hold=0.75)`, `koala_ds.runtime.wgrad_policy`): W may hold at
   most that fraction of the chunk's activation; the covered layers with the most held bytes per
   weight-gradient FLOP beyond it compute their weight gradient in I (planned on the chunk's
   first forward with autograd; `max_hold=None` defers every covered layer).
@@ -44,7 +44,7 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
-from .ir import Op
+from ..core.ir import Op
 from .wgrad_policy import DEFAULT, DEFAULT_MAX_HOLD, ForwardWatch, Plan, check_max_hold
 
 log = logging.getLogger(__name__)
@@ -255,7 +255,7 @@ def prepare(model: torch.nn.Module, max_hold=DEFAULT) -> "Prepared":
 
     `max_hold` (default `DEFAULT_MAX_HOLD`, 0.75): what W may hold after an I step, as a fraction
     of the chunk's activation; the covered layers beyond it compute their weight gradient in I
-    (`koala_ds.wgrad_policy`). None defers every covered layer. The first call's value stays:
+    (`koala_ds.runtime.wgrad_policy`). None defers every covered layer. The first call's value stays:
     call `prepare(chunk, max_hold=...)` before handing the chunk to a runtime to choose it."""
     default = isinstance(max_hold, str) and max_hold == DEFAULT
     found = getattr(model, "_koala_wgrad", None)
@@ -278,7 +278,7 @@ def prepare(model: torch.nn.Module, max_hold=DEFAULT) -> "Prepared":
 
 
 def _megatron_linears():
-    """`koala_ds._wgrad_megatron` when megatron-core's tensor-parallel layers are loaded, else
+    """`koala_ds.runtime._wgrad_megatron` when megatron-core's tensor-parallel layers are loaded, else
     None: a model holds one of those layers only once their module is imported, so preparing a
     plain-torch model does not import megatron-core (~5 s of CPU)."""
     if "megatron.core.tensor_parallel.layers" not in sys.modules:

@@ -114,7 +114,7 @@ class Op(str, enum.Enum):
 
 
 class OpIndex(enum.IntEnum):
-    """The one op table: each op's index in integer action codes (`koala_ds.lowered.action_code`)
+    """The one op table: each op's index in integer action codes (`koala_ds.core.lowered.action_code`)
     and in the search's choices (op index * chunks + chunk)."""
 
     F = 0

@@ -1,6 +1,6 @@
 """Which process group carries each channel (ordered pair of pipeline ranks) of a pipeline.
 
-Both engines post receives ahead of their consumers (koala_ds.lowering). On NCCL the two
+Both engines post receives ahead of their consumers (koala_ds.runtime.lowering). On NCCL the two
 directions between two ranks would share one communicator and one CUDA stream, where a pending
 receive blocks a later send to the same peer: every channel gets its own two-rank group then.
 On gloo one group serves every channel (gloo matches by source and tag). torch only.
@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .ir import Schedule
+from ..core.ir import Schedule
 
 log = logging.getLogger(__name__)
 

@@ -62,7 +62,7 @@ class DryRun:
 
 @functools.lru_cache(maxsize=8)
 def _unit_lowered(placement: Placement, m: int, backward: str) -> Lowered:
-    """Unit time, and an activation counts 1 (`koala_ds.lowered` without a profile)."""
+    """Unit time, and an activation counts 1 (`koala_ds.core.lowered` without a profile)."""
     return Lowered(placement, m, backward)
 
 

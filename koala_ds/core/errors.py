@@ -1,6 +1,6 @@
 """One-line user errors for training scripts launched on several ranks.
 
-    from koala_ds.errors import run_main
+    from koala_ds.core.errors import run_main
     if __name__ == "__main__":
         run_main(main)
 
@@ -15,7 +15,7 @@ the same bug) print theirs one after another, not mixed line by line or word by 
 `rank_zero_argument_errors(parser)` does the same for argparse errors (the koala flags'
 `add_arguments` applies it to the parser it extends). torchrun itself then prints its summary
 of the failed ranks (about 40 lines); `koala-run`, which takes torchrun's arguments
-(koala_ds/torchrun.py), leaves a user error at the one line.
+(koala_ds/runtime/torchrun.py), leaves a user error at the one line.
 
 torchrun (and the deepspeed launcher) stop the other ranks as soon as one exits: were rank 1 to
 exit first, rank 0 could be stopped before it printed the message. So the other ranks wait

@@ -1,4 +1,4 @@
-"""megatron-core's tensor-parallel linears with a deferrable weight gradient (see `koala_ds.wgrad`).
+"""megatron-core's tensor-parallel linears with a deferrable weight gradient (see `koala_ds.runtime.wgrad`).
 
 ColumnParallelLinear / RowParallelLinear call `self._forward_impl(...)`, which applies
 `LinearWithGradAccumulationAndAsyncCommunication`. `make_deferrable` points that instance

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .ir import Action, Op, Schedule, ScheduleError
+from ..core.ir import Action, Op, Schedule, ScheduleError
 
 ACT = "act"  # the input activation of `stage`
 GRAD = "grad"  # the gradient of the output of `stage`

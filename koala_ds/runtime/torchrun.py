@@ -8,7 +8,7 @@ that, and ends in a traceback of its own plus a `ChildFailedError` table (about 
 even when the script already said what to fix. Here:
 
 - the root cause exited with `USER_ERROR_EXIT` (2: a `KoalaError` reported by
-  `koala_ds.errors.run_main`, or an argument error): nothing more is printed, exit code 2;
+  `koala_ds.core.errors.run_main`, or an argument error): nothing more is printed, exit code 2;
 - any other failure: torchrun's failure table (which ranks, exit codes, error files), without
   the launcher's own traceback, and the root cause's exit code (1 for a signal);
 - a bad option, a bad `--nproc-per-node` or `--nnodes`, or a training script that does not
@@ -50,9 +50,9 @@ from collections.abc import Iterator
 from datetime import timedelta
 from typing import TextIO
 
-from .errors import USER_ERROR_EXIT, rank_zero_argument_errors, report_user_error
-from .ir import KoalaError
-from .machine import max_processes_per_node, processes_bound_text
+from ..core.errors import USER_ERROR_EXIT, rank_zero_argument_errors, report_user_error
+from ..core.ir import KoalaError
+from ..core.machine import max_processes_per_node, processes_bound_text
 
 #: torchrun's log lines about ending a failed run, which the exit code and table already say.
 _ENDING_MESSAGES = ("Sending process", "failed (exitcode")

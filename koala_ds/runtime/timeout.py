@@ -22,7 +22,7 @@ import math
 import os
 from typing import Mapping
 
-from .ir import KoalaError
+from ..core.ir import KoalaError
 
 log = logging.getLogger(__name__)
 

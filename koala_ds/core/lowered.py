@@ -4,17 +4,19 @@ An action is an integer *code* in the model, the search and the validator::
 
     code = (op index * S + stage) * m + microbatch     op index: F = 0, B = 1, I = 2, W = 3
 
-(`koala_ds.ir.OpIndex`, S the number of virtual stages). A rank's sequence of codes is its
+(`koala_ds.core.ir.OpIndex`, S the number of virtual stages). A rank's sequence of codes is its
 *order*; one order per rank are the *orders* of a schedule.
 
-`Lowered(placement, m, backward, profile)` holds, per code: its duration, its memory delta, its
-rank, and its data dependencies, each with whether it crosses ranks. Dependencies between stages
+`Lowered(placement, m, backward, costs, latency)` holds, per code: its duration, its memory delta,
+its rank, and its data dependencies, each with whether it crosses ranks. This module needs no
+cost model: `costs` are any per-stage records with the fields of `koala_ds.sim.StageCost` (the
+model's `koala_ds.sim.timing.costed` builds them from a profile). Dependencies between stages
 go through *slots*: slot `stage * m + mb` holds the output of the forward F(stage, mb) for the
 next stage, slot `S * m + stage * m + mb` the input gradient that I(stage, mb) or B(stage, mb)
 sends to the previous stage. Each code waits for at most one slot (`dep`) and fills at most one
 (`out`): F(s) needs F(prev(s)); I/B(s) needs F(s) (same rank) and the input gradient of
 next(s); W(s) needs I(s) (same rank). Dependencies within a rank are kept by the rank's order,
-so only the slots are timed. Without a profile every action lasts 1 and an activation counts 1
+so only the slots are timed. Without costs every action lasts 1 and an activation counts 1
 (F +1, I/B -1, W 0): the validator's unit-time dry run.
 
 `run_async` is the one timing loop (the simulator, the validator's dry run and the search run
@@ -29,14 +31,24 @@ from __future__ import annotations
 
 import functools
 from itertools import chain, compress
-from typing import TYPE_CHECKING, NamedTuple, Sequence
+from typing import NamedTuple, Protocol, Sequence
 
 import numpy as np
 
 from .ir import OP_INDEX, OPS, Action, OpIndex, Placement, Schedule, ScheduleError
 
-if TYPE_CHECKING:  # the profile lives in koala_ds.sim, which imports this module
-    from .sim.profile import CostProfile, StageCost
+
+class StageCosts(Protocol):
+    """What one virtual stage costs per microbatch (ms, MB): `koala_ds.sim.StageCost` is one."""
+
+    forward: float
+    backward_input: float
+    backward_weight: float
+    activation_mb: float
+    w_hold_mb: float
+
+    @property
+    def backward(self) -> float: ...
 
 #: The op indices as plain ints, for the loops that compare them often (an IntEnum compares slower).
 F, B, I, W = (int(k) for k in (OpIndex.F, OpIndex.B, OpIndex.I, OpIndex.W))  # noqa: E741
@@ -94,13 +106,14 @@ class _Unit(NamedTuple):
 
 
 class Lowered:
-    """One configuration (placement, m, backward kind, costs) lowered to per-code tables.
+    """One configuration (placement, m, backward kind; per-stage costs and the p2p latency, unit
+    times without them) lowered to per-code tables.
 
     Lists (not arrays) where the timing loops read one element at a time; numpy arrays where
     whole orders are gathered at once (`mem`, `rank_of`, `dur_np`)."""
 
     def __init__(self, placement: Placement, m: int, backward: str = "full",
-                 profile: "CostProfile | None" = None) -> None:
+                 costs: Sequence[StageCosts] | None = None, latency: float = 0.0) -> None:
         if backward not in BACKWARDS:
             raise ScheduleError(f"backward must be 'full' or 'split', got {backward!r}")
         if m < 1:
@@ -111,12 +124,10 @@ class Lowered:
         self.v = placement.v   # chunks per rank and pipeline
         S = self.num_stages = placement.num_stages
         self.ncodes, self.nslots = 4 * S * m, 2 * S * m
-        if profile is None:
-            self.costs: Sequence[StageCost | _Unit] = (_Unit(),) * S
-            self.latency = 0.0
-        else:
-            self.costs = profile.stage_costs(S, placement.pipelines, what=f"placement {placement.describe()}")
-            self.latency = float(profile.p2p_latency)
+        if costs is not None and len(costs) != S:
+            raise ScheduleError(f"got costs of {len(costs)} stages for a placement of {S} virtual stages")
+        self.costs: Sequence[StageCosts] = (_Unit(),) * S if costs is None else tuple(costs)
+        self.latency = float(latency)
         #: per stage, its previous and next stage in pipeline order (None at the ends)
         self.prev = [placement.prev_stage(s) for s in range(S)]
         self.next = [placement.next_stage(s) for s in range(S)]
@@ -334,7 +345,8 @@ class Lowered:
                      else 0.0 for order in codes)
 
 
-def lower(schedule: Schedule, profile: "CostProfile | None" = None) -> tuple[Lowered, list[list[int]]]:
-    """The lowered configuration of `schedule` and its orders as codes."""
-    lowered = Lowered(schedule.placement, schedule.m, schedule.backward, profile)
+def lower(schedule: Schedule) -> tuple[Lowered, list[list[int]]]:
+    """The lowered configuration of `schedule` (unit costs) and its orders as codes; with a
+    profile's costs: `koala_ds.sim.timing.lower`."""
+    lowered = Lowered(schedule.placement, schedule.m, schedule.backward)
     return lowered, lowered.encode(schedule.ranks)

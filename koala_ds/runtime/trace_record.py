@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Callable
 
-from .ir import KoalaError, Schedule
-from .outputs import check_output
-from .viz.trace import OP_COLOURS, OP_NAMES
+from ..core.ir import KoalaError, Schedule
+from ..core.outputs import check_output
+from ..viz.trace import OP_COLOURS, OP_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ _perf_ns = time.perf_counter_ns
 
 class TraceOpenError(KoalaError):
     """The trace file of this rank could not be opened or written. What one rank saw
-    (`rank_local`): that rank prints it (koala_ds.errors)."""
+    (`rank_local`): that rank prints it (koala_ds.core.errors)."""
 
     rank_local = True
 
@@ -66,7 +66,7 @@ def rank_path(file: str | os.PathLike, global_rank: int) -> Path:
 
 
 def check_trace_path(file: str | os.PathLike, setting: str) -> None:
-    """Before training: a KoalaError (koala_ds.outputs.OutputError) naming `setting` (the flag or
+    """Before training: a KoalaError (koala_ds.core.outputs.OutputError) naming `setting` (the flag or
     config key) when the per-rank files of FILE cannot be written (no such folder, not writable,
     FILE a folder)."""
     check_output(file, setting)

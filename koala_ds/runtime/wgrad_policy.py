@@ -1,4 +1,4 @@
-"""Which covered layers an I step defers: a bound on what W holds (see `koala_ds.wgrad`).
+"""Which covered layers an I step defers: a bound on what W holds (see `koala_ds.runtime.wgrad`).
 
 A deferred layer keeps its input and its output gradient alive from I until W. For a GPT layer
 that is about 16 x hidden values per token against an activation (what the forward saves for
@@ -39,7 +39,7 @@ def check_max_hold(max_hold) -> Optional[float]:
     if max_hold is None:
         return None
     if isinstance(max_hold, bool) or not isinstance(max_hold, (int, float)) or not 0 <= max_hold < float("inf"):
-        raise ValueError(f"koala wgrad: max_hold (koala_ds.wgrad.prepare) must be a finite number >= 0 "
+        raise ValueError(f"koala wgrad: max_hold (koala_ds.runtime.wgrad.prepare) must be a finite number >= 0 "
                          f"(a fraction of the activation) or None (defer every layer), got {max_hold!r}")
     return float(max_hold)
 

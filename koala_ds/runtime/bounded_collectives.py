@@ -14,7 +14,7 @@ call `all_gather` / `broadcast` through that module. Not covered: a module that 
 collective by `from torch.distributed import all_reduce` before the context was entered,
 functional collectives (`torch.distributed._functional_collectives`), and communication
 that does not go through torch.distributed at all (DeepSpeed's CPU shared-memory all-reduce:
-the DeepSpeed engine bounds deepspeed.comm's backend instead, see koala_ds.deepspeed.engine).
+the DeepSpeed engine bounds deepspeed.comm's backend instead, see koala_ds.deepspeed.comm).
 
 The patch is process-wide while the context is open (every thread sees it); nested contexts
 keep the outermost one. torch only: used by the Megatron runtime; `wait_work` by both engines.

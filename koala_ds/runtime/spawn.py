@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import glob
 import importlib
+import logging
 import os
 import pickle
 import socket
@@ -31,6 +32,16 @@ GRACE_AFTER_FAILURE_S = 15.0
 #: megatron-core warns, once per module, that Apex / Transformer Engine (CUDA kernels) are missing
 #: and it falls back to torch: on CPU that is expected, and it buries the output (7 warnings).
 MEGATRON_FALLBACK_WARNINGS = r".*(Apex is|Apex are) not installed"
+#: torch's CUDA wheels on a machine without a GPU log "No CUDA runtime is found, using CUDA_HOME=..."
+#: from this logger when megatron-core imports torch.utils.cpp_extension: on CPU that is expected too.
+CPP_EXTENSION_LOGGER = "torch.utils.cpp_extension"
+
+
+def quiet_megatron_imports() -> None:
+    """Leave out megatron-core's and torch's expected CPU fallback notices (warnings and log lines
+    about CUDA-only libraries missing); every other warning stays."""
+    warnings.filterwarnings("ignore", message=MEGATRON_FALLBACK_WARNINGS)
+    logging.getLogger(CPP_EXTENSION_LOGGER).setLevel(logging.ERROR)
 
 
 class SpawnError(RuntimeError):
@@ -70,7 +81,7 @@ def _entry(target: str, rank: int, world: int, port: int, spec: Any, out: str, p
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "LOCAL_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                        "OMP_NUM_THREADS": "1", **env})
-    warnings.filterwarnings("ignore", message=MEGATRON_FALLBACK_WARNINGS)
+    quiet_megatron_imports()
     try:
         import torch
 
