@@ -28,6 +28,15 @@ SKIP = {
         "docs/profiling.md: needs the traces of training runs (the torchrun lines before it)",
     "koala search --profile calibrated.json -m 8 --min-gain 3 -o best.koala":
         "docs/profiling.md: needs the calibrated profile of the line before",
+    "koala profile megatron-gpt --num-layers 8 --hidden-size 256 --num-attention-heads 4 --seq-length 64 "
+    "--micro-batch-size 2 -p 2 -o prof.json":
+        "README.md, 'From profile to a faster run': its path is benchmarks/fidelity.py's (a real profile of "
+        "a model that takes a minute here; the koala profile line above runs)",
+    "koala calibrate runs/1f1b.json runs/zb-h1.json --profile prof.json --skip-steps 2 -o calibrated.json "
+    "--gantt steps.png":
+        "README.md: needs the traces of the torchrun lines before it",
+    "koala search --profile calibrated.json -m 8 -o best.koala":
+        "README.md: needs the calibrated profile of the line before",
 }
 
 #: Added to every `koala search` that gives no budget of its own, and to --exact.

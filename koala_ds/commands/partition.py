@@ -100,7 +100,7 @@ def _check_auto(args: argparse.Namespace) -> None:
                              f"--partition to search the schedules of one split")
     if args.exact:
         raise KoalaError("--exact needs one split: give --partition N,N,... instead of auto")
-    if getattr(args, "min_gain", 0.0):
+    if getattr(args, "min_gain", None):  # given (its default applies to one split only)
         raise KoalaError("--min-gain needs one split: give --partition N,N,... instead of auto")
 
 

@@ -59,7 +59,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help=f"rounds run before measuring (default {DEFAULT_WARMUP}); a round runs every stage in turn, "
                         f"each one microbatch split (F, I, W) and one whole (F, B)")
     p.add_argument("--iters", type=int, default=DEFAULT_ITERS,
-                   help=f"rounds measured; the median counts, the interquartile range over it is the profile's "
+                   help=f"rounds measured; the median counts, and how precisely it is known is the profile's "
                         f"spread (written from {SPREAD_MIN_SAMPLES} rounds on; default {DEFAULT_ITERS})")
     p.add_argument("--p2p-latency", type=nonnegative_float, default=None, metavar="MS",
                    help="write this p2p latency instead of measuring it (2-process gloo ping-pong)")
@@ -170,23 +170,26 @@ def _with_overhead(args, data: dict, stage_forward_ms: list[float]) -> dict:
     return data
 
 
-#: A spread (interquartile range over the median) above this, in any stage time, means the machine
-#: was busy while it was measured: `koala profile` says so.
-BUSY_SPREAD = 0.10
+#: A spread above this, in any stage time, means the machine was busy while it was measured (with
+#: the default 40 rounds: the samples' interquartile range was above about 10% of the median):
+#: `koala profile` says so.
+BUSY_SPREAD = 0.02
 
 
 def _warn_if_busy(stages: list[dict]) -> None:
-    """One warning line when some stage time's spread is above BUSY_SPREAD."""
+    """One warning line when some stage time's spread (how precisely its value is known) is above
+    BUSY_SPREAD."""
     spreads = [(value, s, name) for s, st in enumerate(stages) for name, value in st.get("spread", {}).items()]
     if spreads and max(spreads)[0] > BUSY_SPREAD:
         value, s, name = max(spreads)
-        log.warning("the measurements varied by up to %.0f%% (stage %d %s: interquartile range over the median): the "
+        log.warning("the measured times are known to %.1f%% only (stage %d %s: the spread of its median): the "
                     "machine was busy, and koala search will take predicted gains below the spread they make as none; "
-                    "profile on a quiet machine for a sharper profile (docs/profiling.md, 'Spread')", 100 * value, s, name)
+                    "profile on a quiet machine, or with more --iters, for a sharper profile (docs/profiling.md, "
+                    "'Spread')", 100 * value, s, name)
 
 
 def _spread(stage: dict) -> str:
-    """The stage's largest spread (interquartile range over the median) of its times, in %."""
+    """The stage's largest spread (how precisely a time is known, over it) of its times, in %."""
     spread = stage.get("spread")
     return f"{'-':>6}" if not spread else f"{100 * max(spread.values()):>5.1f}%"
 
@@ -207,8 +210,8 @@ def _finish(args, result) -> int:
         print(f"{s:>5}  {st['forward']:>9.4g}  {st['backward_input']:>9.4g}  {st['backward_weight']:>9.4g}  "
               f"{b if b is not None else float('nan'):>9.4g}  {ratio}  {st['activation_mb']:>9.4g}  {st['w_hold_mb']:>10.4g}"
               f"  {_share(meta.get('w_flops_deferred'))}  {_spread(st)}")
-    print("spread: the largest of the stage's times' interquartile range over their median (the profile's "
-          "'spread'; koala search treats gains within it as no gain)")
+    print("spread: how precisely the stage's times are known, the largest (the profile's 'spread': the "
+          "interquartile range of a median over repeated measurements; koala search treats gains within it as none)")
     print(f"p2p latency {data['p2p_latency']:.4g} ms ({data['meta']['p2p_latency']}); timer: {data['meta']['timer']}"
           + (f"; action overhead {data['action_overhead']:g} ms (given)" if "action_overhead" in data else ""))
     print(f"wrote {args.output}; next: koala search --profile {args.output} -m <microbatches> -o best.koala"

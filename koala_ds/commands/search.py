@@ -71,6 +71,10 @@ def backward_line(result) -> str:
 
 #: --exact-time-limit's default (seconds).
 EXACT_TIME_LIMIT_S = 60.0
+#: --min-gain's default (%): the largest error of a predicted speedup over 1f1b that
+#: benchmarks/fidelity.py measured on real compute (0.047 over 8 schedules, CPU, both engines;
+#: docs/search.md, "Keeping the known schedule").
+DEFAULT_MIN_GAIN_PCT = 5.0
 
 
 def _check_args(args: argparse.Namespace) -> Path:
@@ -260,6 +264,8 @@ def _search(args: argparse.Namespace) -> int:
     profile = partition.load_model_profile(args)
     if isinstance(profile, LayerProfile) and args.partition == "auto":
         return partition.cmd_search_auto(args, profile, out)
+    if args.min_gain is None:
+        args.min_gain = DEFAULT_MIN_GAIN_PCT
     if args.partition == "auto":
         raise KoalaError(f"--partition auto needs a per-layer profile (field 'layers'); {profile.source} is a "
                          f"stage profile")
@@ -322,10 +328,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--exact-time-limit", type=positive_float, default=None, metavar="S",
                    help=f"time limit of --exact (default {EXACT_TIME_LIMIT_S:g} s); where it does not prove the optimum, a "
                         "relaxation bound gets as long again")
-    p.add_argument("--min-gain", type=nonnegative_float, default=0.0, metavar="PCT",
+    p.add_argument("--min-gain", type=nonnegative_float, default=None, metavar="PCT",
                    help="keep the known schedule (1f1b when it fits, else the fastest fitting predefined one) "
-                        "unless a schedule is predicted more than PCT%% faster (default 0; about the model's "
-                        "error on your hardware, e.g. 3). A profile with a measured spread (koala profile writes "
+                        f"unless a schedule is predicted more than PCT%% faster (default {DEFAULT_MIN_GAIN_PCT:g}: "
+                        "the largest error of a predicted speedup measured by benchmarks/fidelity.py on CPU; 0: "
+                        "the fastest answer; docs/search.md). A profile with a measured spread (koala profile writes "
                         "it) raises this to the spread it makes on the makespans compared (docs/search.md)")
     p.add_argument("--ignore-spread", action="store_true",
                    help="leave the profile's measured spread out of the rule above: --min-gain alone decides "

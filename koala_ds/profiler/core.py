@@ -10,8 +10,8 @@ and one run whole:
 The measurement is interleaved (`measurement_plan`): each round runs every stage in turn, split
 first in even rounds and whole first in odd ones, so that the machine's drift (other processes,
 its clock) hits every stage and both backward kinds alike. Times are the median over `iters`
-rounds after `warmup`; the profile's `spread` is their interquartile range over that median
-(`StageMeasurement.spread`). CUDA events on CUDA; on CPU the calling thread's CPU time
+rounds after `warmup`; the profile's `spread` is how precisely that median is known
+(`StageMeasurement.spread`, `koala_ds.sim.profile.value_spread`). CUDA events on CUDA; on CPU the calling thread's CPU time
 (`time.thread_time`) when torch runs one thread, else the wall clock (`resolve_clock`). The
 timed microbatches run without hooks; the memory is measured on one more microbatch, with every
 tensor autograd saves for backward recorded by `torch.autograd.graph.saved_tensors_hooks`.
@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from ..runtime.wgrad_policy import DEFAULT
+from ..sim.profile import value_spread
 
 MIB = float(1 << 20)
 #: Rounds run before measuring, and rounds measured (`koala profile --warmup / --iters`).
@@ -103,18 +104,14 @@ class StageMeasurement:
         return out
 
     def spread(self) -> dict[str, float] | None:
-        """Per time field of the profile, the interquartile range of its samples over its value
-        ((Q3 - Q1) / value; quartiles by `statistics.quantiles(method="inclusive")`; 0 where the
-        value is 0). None with fewer than SPREAD_MIN_SAMPLES rounds: too few to tell."""
+        """Per time field of the profile, how precisely its value (a median) is known:
+        `koala_ds.sim.profile.value_spread` of its samples (about 1.25 x their interquartile range
+        / sqrt(rounds), over the value; 0 where the value is 0). None with fewer than
+        SPREAD_MIN_SAMPLES rounds: too few to tell."""
         if len(self.forward) < SPREAD_MIN_SAMPLES:
             return None
         values = dict(zip(("forward", "backward_input", "backward_weight", "backward"), self.costs()))
-        out = {}
-        for name, xs in self.samples().items():
-            q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
-            value = values[name]
-            out[name] = round((q3 - q1) / value, 4) if value else 0.0
-        return out
+        return {name: round(value_spread(xs, values[name]), 4) for name, xs in self.samples().items()}
 
 
 class ProfileFile:
@@ -164,7 +161,7 @@ class ProfileResult(ProfileFile):
         timer = self.timer or ("cuda" if self.device.startswith("cuda") else "wall")
         meta = {"tool": "koala profile", "device": self.device, "timer": TIMERS[timer],
                 "statistic": "median per microbatch after warm-up, stages and backward kinds measured in turn; "
-                             "spread: interquartile range / median",
+                             "spread: the median's own interquartile range (value_spread) / median",
                 "memory_unit": "MiB (2**20 bytes) per microbatch, parameters excluded",
                 "p2p_latency": "measured (2-process ping-pong, one way)" if self.p2p_measured else "given / not measured",
                 "stages": [{"backward_full_ms": round(m.median("backward_full"), 6),

@@ -7,7 +7,7 @@ less the lowest and the highest 5%, see below):
 
 - stage times: per (stage, op), the typical compute of its actions (span less input wait): F
   gives `forward`, I `backward_input`, W `backward_weight`, B `backward`; and the stage's
-  `spread` of those fields, their interquartile range over their median. A field no trace
+  `spread` of those fields, how precisely the samples give them (`profile.value_spread`). A field no trace
   measured (I and W under full-backward schedules only, B under split ones) keeps the input
   profile's value, scaled by that stage's measured / profiled `forward` (and its spread); the
   result says so.
@@ -49,7 +49,7 @@ from typing import Any, Sequence
 
 from ..core.ir import KoalaError, Op, Schedule
 from .measured import Step, TracedRun, describe
-from .profile import CostProfile
+from .profile import CostProfile, value_spread
 from .simulator import simulate
 
 log = logging.getLogger(__name__)
@@ -80,8 +80,9 @@ def typical(samples: Sequence[float]) -> float:
 
 @dataclass(frozen=True)
 class Estimate:
-    """A fitted value (ms; None where nothing measured it), how many samples gave it and their
-    spread: interquartile range over median (None with fewer than 4 samples or a median of 0)."""
+    """A fitted value (ms; None where nothing measured it), how many samples gave it and its
+    spread: how precisely the samples give it (`koala_ds.sim.profile.value_spread` over their
+    median; None with fewer than 4 samples or a median of 0)."""
 
     value: float | None
     samples: int
@@ -95,8 +96,7 @@ class Estimate:
         mid = statistics.median(samples)
         spread = None
         if len(samples) >= 4 and mid > 0:
-            q1, _, q3 = statistics.quantiles(samples, n=4)
-            spread = (q3 - q1) / mid
+            spread = value_spread(samples, mid)
         return cls(max(0.0, typical(samples) - less), len(samples), spread)
 
 

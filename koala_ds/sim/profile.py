@@ -21,10 +21,12 @@ profile without `backward` gets B = I + W + action_overhead). `step_overhead` (o
 default 0) is what a training step costs beside the pipeline (the optimizer step, gradient
 reduction, the runtime's set-up and tear-down): the simulator adds it to every rank's finish,
 so to every makespan (= predicted step time). `koala calibrate` fits both from a measured run.
-A stage's optional `spread` (written by `koala profile`) gives, per time field, how much its
-measurements varied: their interquartile range over their median (`{"forward": 0.03, ...}`);
-`koala search` treats a predicted gain within the spread it makes on a makespan as no gain
-(`CostProfile.quartile_profiles`, docs/search.md). Without it everything is as before the field.
+A stage's optional `spread` (written by `koala profile` and `koala calibrate`) gives, per time
+field, how precisely the profile knows its value: the interquartile range the value itself would
+show over repeated measurements, over the value (`value_spread`: about sqrt(pi/2) x the samples'
+interquartile range / sqrt(samples); `{"forward": 0.01, ...}`); `koala search` treats a predicted
+gain within the spread it makes on a makespan as no gain (`CostProfile.quartile_profiles`,
+docs/search.md). Without it everything is as before the field.
 Loading validates everything; every error names the file and the field.
 """
 from __future__ import annotations
@@ -49,12 +51,31 @@ PROFILE_VERSION = 1
 STAGE_FIELDS = ("forward", "backward_input", "backward_weight", "activation_mb", "w_hold_mb")
 #: Optional per-stage fields: `backward`, the full backward's time (default I + W).
 OPTIONAL_STAGE_FIELDS = ("backward",)
-#: The time fields a stage's optional `spread` may give (its measurements' interquartile range over
-#: their median, a fraction); `backward` only where the stage gives `backward`.
+#: The time fields a stage's optional `spread` may give (`value_spread`, a fraction); `backward`
+#: only where the stage gives `backward`.
 SPREAD_FIELDS = ("forward", "backward_input", "backward_weight", "backward")
 TOP_FIELDS = ("version", "stages", "p2p_latency", "memory_limit_mb", "action_overhead", "step_overhead")
 #: Free-form top-level fields that are kept out of validation (the profiler writes its notes there).
 FREE_FIELDS = ("name", "description", "meta")
+
+
+#: The median of n samples varies, over repeated measurements, by about sqrt(pi / 2) / sqrt(n) times
+#: the samples' own spread (its standard error is sqrt(pi / 2) sigma / sqrt(n) for normal noise).
+MEDIAN_SPREAD_FACTOR = math.sqrt(math.pi / 2)
+
+
+def value_spread(samples: Sequence[float], value: float) -> float:
+    """The spread of a value measured as the median (or a trimmed mean) of `samples`: the
+    interquartile range the value itself would show over repeated measurements, about
+    MEDIAN_SPREAD_FACTOR x the samples' interquartile range / sqrt(len(samples)), over `value`
+    (0 for a value of 0). Needs 2 samples or more. Not one sample's spread: a profile of 40
+    microbatches that vary by 10% knows its median to about 2%."""
+    import statistics
+
+    if value <= 0:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+    return MEDIAN_SPREAD_FACTOR * (q3 - q1) / math.sqrt(len(samples)) / value
 
 
 class ProfileError(KoalaError):
@@ -93,9 +114,9 @@ class StageCost:
 
 @dataclass(frozen=True)
 class StageSpread:
-    """How much a stage's measured times varied, in ms: each field's interquartile range (the
-    profile's relative `spread` times the field's value as written, before any action_overhead);
-    0 where the profile gives none."""
+    """How precisely a stage's times are known, in ms: each field's spread (the profile's relative
+    `spread` times the field's value as written, before any action_overhead); 0 where the profile
+    gives none."""
 
     forward: float = 0.0
     backward_input: float = 0.0
@@ -229,9 +250,9 @@ class CostProfile:
         return out
 
     def quartile_profiles(self) -> tuple["CostProfile", "CostProfile"] | None:
-        """This profile with every stage time moved down, and up, by half its interquartile range
-        (`spread`; never below 0): about the measurements' lower and upper quartiles. None when the
-        profile gives no spread."""
+        """This profile with every stage time moved down, and up, by half its spread (never below
+        0): about the lower and upper quartiles of what repeated measurements would give. None
+        when the profile gives no spread."""
         if self.spread is None:
             return None
 
@@ -341,8 +362,8 @@ def _check_spread(entry: dict, where: str) -> None:
         return
     spread = entry["spread"]
     if not isinstance(spread, dict):
-        raise ProfileError(f"{where}.spread: expected an object such as {{\"forward\": 0.03}} (per time field, its "
-                           f"measurements' interquartile range over their median), got {type(spread).__name__}")
+        raise ProfileError(f"{where}.spread: expected an object such as {{\"forward\": 0.03}} (per time field, how "
+                           f"precisely its value is known, a fraction of it), got {type(spread).__name__}")
     for name, value in spread.items():
         if name not in SPREAD_FIELDS:
             raise ProfileError(f"{where}.spread: unknown field {name!r}; known fields: {', '.join(SPREAD_FIELDS)}")
