@@ -160,12 +160,13 @@ def torchtitan_worker(rank: int, world: int, spec: dict) -> dict:
 
 # -- the tests' side ------------------------------------------------------------------------
 def _searched(tmp_path: Path, profile: str, p: int, m: int, extra=()) -> str:
-    """A schedule `koala search` finds (2 chunks per rank), saved as a .koala file."""
+    """A schedule `koala search` finds (2 chunks per rank), saved as a .koala file (--min-gain 0:
+    the search's own order, not a predefined schedule kept by the default)."""
     from koala_ds.cli import main
 
     out = tmp_path / f"searched-{profile}-p{p}.koala"
     code = main(["search", "--profile", profile, "-p", str(p), "-v", "2", "-m", str(m), "--time-budget", "2",
-                 "--seed", "0", "--quiet", "-o", str(out), *extra])
+                 "--seed", "0", "--min-gain", "0", "--quiet", "-o", str(out), *extra])  # the search's own order
     assert code in (0, None) and out.exists()
     return str(out)
 
