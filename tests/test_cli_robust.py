@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_checks import one_line_error
 from koala_ds.cli import main
 from koala_ds.core.outputs import OutputError, atomic_open, atomic_write, check_output
 
@@ -20,12 +21,6 @@ def run(capsys, *argv):
     out = capsys.readouterr()
     return code, out.out, out.err
 
-
-def one_line_error(code, err, *needles):
-    assert code == 2, err
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
-    for needle in needles:
-        assert needle in err, err
 
 
 # -- output paths: checked before the work -------------------------------------------------------

@@ -294,7 +294,7 @@ def test_deepspeed_example_user_error_is_one_line_on_one_rank(tmp_path):
 
 
 @pytest.mark.parametrize("flags, says", [
-    (["--microbatches", "0"], "argument --microbatches: expected an integer >= 1, got '0'"),
+    (["--microbatches", "0"], "argument --microbatches: must be >= 1, got '0'"),
     (["--schedule", "zb-h3"], "--schedule: unknown schedule 'zb-h3' (did you mean 'zb-h2'?)"),
     (["--schedule", "zb-v", "--chunks", "2"], "use --chunks 2 --placement vshape."),
     (["--schedule", "zb-h2", "--microbatches", "2"], "m >= 2 * p - 1"),

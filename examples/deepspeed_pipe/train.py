@@ -32,6 +32,7 @@ import deepspeed
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule
 
+from koala_ds.commands import positive_int
 from koala_ds.core.errors import rank_zero_argument_errors, run_main
 from koala_ds.core.ir import KoalaError, Placement
 from koala_ds.core.outputs import atomic_write, check_output
@@ -83,17 +84,6 @@ def sample() -> torch.Tensor:
     return sample_input()
 
 
-def positive(text: str) -> int:
-    """An argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
-
-
 def check_flags(args, world: int) -> int:
     """The pipeline size, after checking the flags against each other and the schedule (one line
     naming the flag, before DeepSpeed starts)."""
@@ -119,12 +109,12 @@ def check_flags(args, world: int) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedule", default=None, help="Koala schedule: name, .koala or .json (default: launcher's)")
-    parser.add_argument("--pp", type=positive, default=None, help="pipeline ranks (default: all processes)")
-    parser.add_argument("--chunks", type=positive, default=1, help="model chunks per rank (2 for zb-v, dualpipe-v, ...)")
+    parser.add_argument("--pp", type=positive_int, default=None, help="pipeline ranks (default: all processes)")
+    parser.add_argument("--chunks", type=positive_int, default=1, help="model chunks per rank (2 for zb-v, dualpipe-v, ...)")
     parser.add_argument("--placement", default="interleaved", choices=["interleaved", "vshape"])
-    parser.add_argument("--steps", type=positive, default=5)
-    parser.add_argument("--microbatches", type=positive, default=8)
-    parser.add_argument("--dim", type=positive, default=64)
+    parser.add_argument("--steps", type=positive_int, default=5)
+    parser.add_argument("--microbatches", type=positive_int, default=8)
+    parser.add_argument("--dim", type=positive_int, default=64)
     parser.add_argument("--trace", default=None, metavar="FILE",
                         help='record each training step\'s timeline: FILE.rank<global rank>.json per process '
                              '(sets "pipeline.koala.trace"; needs a Koala schedule)')

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, schedules
 
+from koala_ds.commands import positive_int
 from koala_ds.core.errors import rank_zero_argument_errors, run_main
 from koala_ds.core.ir import KoalaError, Schedule
 from koala_ds.resolve import TORCH, Setting, resolve
@@ -53,17 +54,6 @@ class Plan:
     rank_stages: tuple[tuple[int, ...], ...]  # per pipeline rank, in stage order
     koala: Schedule | None  # None: torch's own class `torch_class`
     torch_class: str | None
-
-
-def positive(text: str) -> int:
-    """An argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
 
 
 def torch_plan(name: str, pp: int, chunks: int) -> tuple[tuple[int, ...], ...]:
@@ -188,13 +178,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedule", default="1f1b",
                         help="Koala schedule: name, .koala, .json or .csv; or torch:ClassName (torch's own)")
-    parser.add_argument("--chunks", type=positive, default=1, help="stages per rank (2 for zb-v, dualpipe-v, ...)")
-    parser.add_argument("--microbatches", type=positive, default=8)
-    parser.add_argument("--steps", type=positive, default=5)
-    parser.add_argument("--pp", type=positive, default=None, help="pipeline ranks (default: all processes)")
-    parser.add_argument("--layers", type=positive, default=8, help="blocks in the model (>= --pp x --chunks)")
-    parser.add_argument("--dim", type=positive, default=32)
-    parser.add_argument("--batch-size", type=positive, default=4, help="samples per microbatch")
+    parser.add_argument("--chunks", type=positive_int, default=1, help="stages per rank (2 for zb-v, dualpipe-v, ...)")
+    parser.add_argument("--microbatches", type=positive_int, default=8)
+    parser.add_argument("--steps", type=positive_int, default=5)
+    parser.add_argument("--pp", type=positive_int, default=None, help="pipeline ranks (default: all processes)")
+    parser.add_argument("--layers", type=positive_int, default=8, help="blocks in the model (>= --pp x --chunks)")
+    parser.add_argument("--dim", type=positive_int, default=32)
+    parser.add_argument("--batch-size", type=positive_int, default=4, help="samples per microbatch")
     parser.add_argument("--lr", type=float, default=0.05)
     return rank_zero_argument_errors(parser).parse_args(argv)  # a bad flag: one line on rank 0
 

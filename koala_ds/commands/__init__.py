@@ -39,15 +39,25 @@ def cli_words(text: str) -> str:
     return text.replace("`memory_limit`", "--memory-limit")
 
 
-def positive_int(text: str) -> int:
-    """An argparse `type`: a whole number >= 1 (argparse names the flag in its error)."""
+def _whole_number(text: str, low: int) -> int:
+    """A whole number >= `low` from an argparse argument (argparse names the flag in its error)."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a whole number >= {low}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be >= {low}, got {text!r}")
     return value
+
+
+def nonnegative_int(text: str) -> int:
+    """An argparse `type`: a whole number >= 0."""
+    return _whole_number(text, 0)
+
+
+def positive_int(text: str) -> int:
+    """An argparse `type`: a whole number >= 1."""
+    return _whole_number(text, 1)
 
 
 def dumps_json(data: Any, **kwargs: Any) -> str:

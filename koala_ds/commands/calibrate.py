@@ -19,22 +19,12 @@ from ..core.json_input import NotJson, parse_json
 from ..core.outputs import OutputError, atomic_write, check_output
 from ..sim import MODES, CostProfile, bundled_profiles, resolve_profile
 from ..sim.calibrate import (ERROR_WARN, Fit, RunCheck, calibrated_profile, check_fits, check_runs, fit,
-                             merged_timeline)
+                             matched_latency, merged_timeline)
 from ..sim.measured import load_runs
 from ..sim.profile import ProfileError
+from . import nonnegative_int
 from .model import GANTT_SUFFIXES
 from .table import format_table
-
-
-def skip_count(text: str) -> int:
-    """An argparse `type`: a whole number >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
-    return value
 
 
 def read_profile(name: str) -> tuple[dict, CostProfile]:
@@ -53,6 +43,20 @@ def read_profile(name: str) -> tuple[dict, CostProfile]:
     return data, CostProfile.from_dict(data, source)
 
 
+def _match_latency(runs, data: dict, calibrated: CostProfile, notes: list[str], args) -> CostProfile:
+    """The calibrated profile with the p2p latency matched to the runs' step times
+    (`matched_latency`); the waits' estimate stays in meta.calibration and a note."""
+    waits = calibrated.p2p_latency
+    latency = matched_latency(runs, calibrated, args.mode)
+    if round(latency, 6) == round(waits, 6):
+        return calibrated
+    data["p2p_latency"] = round(latency, 6)
+    data["meta"]["calibration"]["p2p_latency_from_waits"] = round(waits, 6)
+    notes.append(f"p2p_latency: {waits:.4g} ms from the waits for late messages, {latency:.4g} ms where the runs' "
+                 f"predicted step times are their measured ones on average (the profile's)")
+    return CostProfile.from_dict(data, source=str(args.output))
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     _check_outputs(args)
     raw, profile = read_profile(args.profile)
@@ -61,6 +65,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     fitted = fit(runs, profile.num_stages)
     data, notes = calibrated_profile(raw, fitted, runs, args.skip_steps, profile.source)
     calibrated = CostProfile.from_dict(data, source=str(args.output))
+    if fitted.p2p_latency.value is not None:
+        calibrated = _match_latency(runs, data, calibrated, notes, args)
     checks = check_runs(runs, profile, calibrated, args.mode)
     print(_runs_table(checks, profile))
     print()
@@ -139,7 +145,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--profile", required=True, metavar="P.json",
                    help=f"the stage profile to calibrate: a JSON file or a bundled name ({', '.join(bundled_profiles())})")
     p.add_argument("-o", "--output", required=True, metavar="OUT.json", help="write the calibrated profile here")
-    p.add_argument("--skip-steps", type=skip_count, default=1, metavar="N",
+    p.add_argument("--skip-steps", type=nonnegative_int, default=1, metavar="N",
                    help="leave out each run's first N steps (default 1: step 0 is the warm-up)")
     p.add_argument("--timeline", metavar="MERGED.json",
                    help="write a Chrome trace of the measured step beside the calibrated prediction (Perfetto)")

@@ -14,7 +14,9 @@ less the lowest and the highest 5%, see below):
 - `action_overhead`: the typical gap between consecutive actions of a rank (one action's end to
   the next one's start): the runtime's work between actions.
 - `p2p_latency`: over the actions that waited (more than WAIT_MIN_MS) for an input made on another
-  rank, the typical (start + wait) - the producer's end, less `action_overhead`.
+  rank, the typical (start + wait) - the producer's end, less `action_overhead`; then, in
+  `koala calibrate`, the nearest latency at which the runs' predicted step times are their
+  measured ones on average (`matched_latency`: the waits see only the late messages).
 - `step_overhead`: the typical (step time - pipeline span - `action_overhead`): what a step costs
   beside the pipeline. The pipeline starts when the first compute of a step starts (the
   simulator's time 0: a rank that entered the step earlier only waited); the step time is the
@@ -41,6 +43,7 @@ medians, and +3.6%, -4.3%, +12.1% and +42.7% with plain means (docs/profiling.md
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 from collections import defaultdict
@@ -240,6 +243,47 @@ def _stage_entries(raw_stages: list[dict], fitted: Fit) -> tuple[list[dict], lis
              f"(x{min(k for _, k in items):.3g}" + (f"-{max(k for _, k in items):.3g})" if len(items) > 1 else ")")
              for names, items in kept.items()]
     return out, notes
+
+
+def matched_latency(runs: Sequence[TracedRun], calibrated: CostProfile, mode: str = "async") -> float:
+    """The p2p latency closest to `calibrated`'s (the waits' estimate) at which the runs' mean
+    error, mean(predicted / measured - 1) of their step times, is 0: the waits' estimate sees
+    only the messages that arrived late (the ones whose latency was long), and one latency for
+    every message cannot be what each wait says; this one makes the model reproduce the runs on
+    average. A predicted step never shortens as the latency grows (an action starts at the
+    later of its rank's previous end and its inputs' arrival), so the mean error is a
+    nondecreasing function of it and a bisection finds the nearest latency where it changes sign;
+    0 where the runs are over-predicted even without latency. Unchanged where no run's step time
+    depends on it, or no run has a measured step."""
+    runs = [r for r in runs if r.measured_ms > 0]
+
+    def error(latency: float) -> float:
+        prof = dataclasses.replace(calibrated, p2p_latency=latency)
+        return statistics.fmean(simulate(r.schedule, prof, mode=mode, timeline=False).makespan / r.measured_ms - 1
+                                for r in runs)
+
+    start = float(calibrated.p2p_latency)
+    at_start = error(start) if runs else 0.0
+    if abs(at_start) <= 1e-9:  # already (rounding apart)
+        return start
+    over = at_start > 0
+    if over:  # the largest latency below start where the error is <= 0
+        if error(0.0) > 0:
+            return 0.0
+        low, high = 0.0, start
+    else:  # the smallest latency above start where the error is >= 0
+        low, high = start, max(2 * start, 1.0)
+        for _ in range(30):
+            if error(high) >= 0:
+                break
+            low, high = high, 2 * high
+        else:
+            return high
+    for _ in range(60):  # error(low) <= 0 < error(high) when over; error(low) < 0 <= error(high) else
+        mid = (low + high) / 2
+        below = error(mid) <= 0 if over else error(mid) < 0
+        low, high = (mid, high) if below else (low, mid)
+    return low if over else high
 
 
 # -- checking it ----------------------------------------------------------------------------
