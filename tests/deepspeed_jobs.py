@@ -59,8 +59,10 @@ def extensions_dir() -> Path:
 def lock_holders(path: str | os.PathLike) -> list[int] | None:
     """Ids of the processes that have `path` open, or None where that cannot be told (no /proc).
 
-    torch's build lock (torch.utils.file_baton.FileBaton) keeps the `lock` file open from the
-    moment it creates it until just before it removes it: an open descriptor is its owner."""
+    torch's build lock keeps the `lock` file open while it is held: in torch 2.13 a
+    torch.utils.file_baton.FileBaton, from the moment it creates the file until just before it
+    removes it; in torch 2.15 a filelock.FileLock (an flock on the file, which stays in place
+    after), until it unlocks it. An open descriptor is its owner."""
     proc = Path("/proc")
     if not proc.is_dir():
         return None
@@ -86,7 +88,13 @@ def lock_holders(path: str | os.PathLike) -> list[int] | None:
 def clear_stale_locks(ext_dir: str | os.PathLike | None = None, grace_s: float = 0.5) -> list[Path]:
     """Remove each `<ext_dir>/<extension>/lock` that no process holds open (its owner was killed
     mid-build); return the removed paths. A lock with a live owner is left alone, and so is every
-    lock where owners cannot be seen (no /proc)."""
+    lock where owners cannot be seen (no /proc).
+
+    In torch 2.13 the file's existence is the lock: one left behind makes every later build or
+    load wait forever. torch 2.15 flocks it instead (the kernel drops an flock whose owner dies)
+    and leaves the file in place after every build, so there an unheld file is free, and removing
+    it is harmless. It is still removed: the extensions dir is the checkout's, whichever torch runs
+    the tests, and a file torch 2.15 left would make a torch 2.13 process wait on it forever."""
     root = Path(ext_dir) if ext_dir is not None else extensions_dir()
     candidates = [lock for lock in root.glob("*/lock") if lock_holders(lock) == []]
     if not candidates:
