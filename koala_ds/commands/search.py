@@ -72,8 +72,9 @@ def backward_line(result) -> str:
 #: --exact-time-limit's default (seconds).
 EXACT_TIME_LIMIT_S = 60.0
 #: --min-gain's default (%): the largest error of a predicted speedup over 1f1b that
-#: benchmarks/fidelity.py measured on real compute (0.047 over 8 schedules, CPU, both engines;
-#: docs/search.md, "Keeping the known schedule").
+#: benchmarks/fidelity.py measured on real compute in its two quieter runs (0.047 over 8
+#: schedules, CPU, both engines; a noisier third run missed by up to 0.155, a miss the same pair
+#: timed again did not repeat: docs/search.md, "Keeping the known schedule").
 DEFAULT_MIN_GAIN_PCT = 5.0
 
 
