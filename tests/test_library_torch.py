@@ -3,8 +3,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from koala_ds.core.ir import Action, Op, Schedule  # noqa: E402
+from torch.distributed.pipelining.schedules import Schedule1F1B  # noqa: E402
+
+from koala_ds.core.ir import Schedule  # noqa: E402
 from koala_ds.library import get  # noqa: E402
+from koala_ds.torch.adapter import single_stage_orders  # noqa: E402  (what torch's own loops execute)
 
 CASES = {
     "zb-h1": [(p, m, 1) for p in (1, 2, 3, 4, 6) for m in (1, 2, 3, 5, 8, 12)],
@@ -32,25 +35,11 @@ def test_orders_equal_torch(name, torch_order):
         assert [list(r) for r in ours.ranks] == torch_order(name, p, m, v), (name, p, m, v)
 
 
-def _torch_executed_1f1b(p: int, m: int) -> list[list[Action]]:
-    """The order Schedule1F1B._step_microbatches executes: min(m, p - r) warm-up forwards,
-    then backward/forward pairs, then the remaining backwards."""
-    out = []
-    for r in range(p):
-        warm = min(m, p - r)
-        order = [Action(Op.F, r, i) for i in range(warm)]
-        for i in range(m - warm):
-            order += [Action(Op.B, r, i), Action(Op.F, r, warm + i)]
-        order += [Action(Op.B, r, i) for i in range(m - warm, m)]
-        out.append(order)
-    return out
-
-
 @pytest.mark.parametrize("p,m", [(2, 2), (2, 5), (4, 4), (4, 8), (3, 7), (8, 16)])
 def test_1f1b_and_zb_h1_csv_equal_torch(p, m, torch_order):
     ours = get("1f1b").compile(p, m)
     assert ours.to_torch_csv() == Schedule.from_torch_csv(
-        "".join(",".join(map(str, r)) + "\n" for r in _torch_executed_1f1b(p, m))).to_torch_csv()
+        "".join(",".join(map(str, r)) + "\n" for r in single_stage_orders(p, m)[Schedule1F1B])).to_torch_csv()
     # Schedule1F1B's own pipeline_order (used for its visualisation) agrees on every rank but
     # the last, where it starts the steady state at microbatch 1 instead of 0 (torch 2.13).
     listed = torch_order("1f1b", p, m, 1)

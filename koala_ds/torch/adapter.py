@@ -128,7 +128,7 @@ def stage_indices(spec, rank: int, p: int, m: int, v: int = 1, settings: Setting
 SINGLE_OPTIONS = frozenset({"args_chunk_spec", "kwargs_chunk_spec", "output_merge_spec", "scale_grads"})
 
 
-def _single_stage_orders(p: int, m: int) -> dict[type, list[list[Action]]]:
+def single_stage_orders(p: int, m: int) -> dict[type, list[list[Action]]]:
     """What ScheduleGPipe and Schedule1F1B execute on each rank (their `_step_microbatches`)."""
     gpipe = [[Action(Op.F, r, i) for i in range(m)] + [Action(Op.B, r, i) for i in range(m)] for r in range(p)]
     one_f_one_b = []
@@ -147,7 +147,7 @@ def own_loop_class(schedule: Schedule, options: dict) -> type[PipelineScheduleSi
             or set(options) - SINGLE_OPTIONS or schedule.placement.stage_ranks != tuple(range(schedule.p))):
         return None
     ranks = [list(r) for r in schedule.ranks]
-    for cls, order in _single_stage_orders(schedule.p, schedule.m).items():
+    for cls, order in single_stage_orders(schedule.p, schedule.m).items():
         if ranks == order and not (cls is Schedule1F1B and schedule.m < schedule.p):  # 1F1B's own limit
             return cls
     return None
