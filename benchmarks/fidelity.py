@@ -1,6 +1,6 @@
 """Predicted vs measured step time on real compute, through the user's own path.
 
-    python benchmarks/fidelity.py                 # both examples, two sizes each, p = 2 (~15 min on 2 cores)
+    python benchmarks/fidelity.py                 # both examples, two sizes each, p = 2 (~20 min on 2 cores)
     python benchmarks/fidelity.py --quick         # the examples' default sizes, v = 1, one round (~3 min)
     python benchmarks/fidelity.py --out benchmarks/results/fidelity.txt   # also write the report
     python benchmarks/fidelity.py --dry-run       # the plan and the commands, nothing run
@@ -31,8 +31,11 @@ v = 1 and 2 chunks per rank where the model has the layers, it runs what a user 
    median over every kept iteration of every round.
 
 The report: the exact command, the machine (cores, CPU model, load average before and after), the
-calibration used, one row per (example, schedule): predicted and measured step time, speedup over
-1f1b (predicted, measured) and the error (measured / predicted - 1), the per-round medians' range.
+calibration used, one row per (example, schedule): predicted and measured step time, the per-round
+medians' range, speedup over 1f1b (predicted, measured, and measured round by round: each round's
+1f1b median over its own), the speedup error (measured - predicted) and the step-time error
+(measured / predicted - 1); then, per searched schedule, the targets (speedup error within 0.05,
+at least 0.98x of 1f1b) and whether the rounds' speedups are narrow enough to tell.
 Printed; written (atomically) only with `--out FILE`. A failing step is one line naming the
 command and its log file; the work folder (`--work`, default a temporary one) keeps every
 profile, schedule and log.
@@ -44,6 +47,7 @@ drifts hit every schedule alike, and the per-round range shows what is left.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -362,14 +366,22 @@ class Row:
     round_medians: tuple[float, ...]
     speedup_predicted: float
     speedup_measured: float
+    #: per round: 1f1b's median / this schedule's median, both from that round (adjacent runs)
+    round_speedups: tuple[float, ...] = ()
 
     @property
     def error(self) -> float:
         return self.measured_ms / self.predicted_ms - 1
 
+    @property
+    def speedup_error(self) -> float:
+        return self.speedup_measured - self.speedup_predicted
+
 
 def rows_of(ex: Example, chosen: list[Candidate], times: dict[str, list[list[float]]]) -> list[Row]:
-    """One row per candidate; speedups over the 1f1b row (the first)."""
+    """One row per candidate; speedups over the 1f1b row (the first): of the medians over every
+    round, and round by round (the rounds alternate the schedules, so a round's runs are minutes
+    apart at most and a drift of the machine hits them alike)."""
     out = []
     for c in chosen:
         rounds = times[c.same_as or c.label]
@@ -378,22 +390,48 @@ def rows_of(ex: Example, chosen: list[Candidate], times: dict[str, list[list[flo
                        statistics.median(kept) if kept else float("nan"),
                        tuple(statistics.median(r) for r in rounds if r), 1.0, 1.0))
     one = out[0]
-    return [Row(r.example, r.schedule, r.v, r.predicted_ms, r.measured_ms, r.round_medians,
-                one.predicted_ms / r.predicted_ms, one.measured_ms / r.measured_ms) for r in out]
+    return [dataclasses.replace(r, speedup_predicted=one.predicted_ms / r.predicted_ms,
+                                speedup_measured=one.measured_ms / r.measured_ms,
+                                round_speedups=tuple(a / b for a, b in zip(one.round_medians, r.round_medians)))
+            for r in out]
 
 
 COLUMNS = ("example", "schedule", "v", "predicted ms", "measured ms", "rounds' medians", "speedup predicted",
-           "speedup measured", "error")
+           "speedup measured", "rounds' speedups", "speedup error", "error")
+#: the issue's targets: a searched schedule's measured speedup within this of the predicted one ...
+SPEEDUP_TOLERANCE = 0.05
+#: ... and never below this much of 1f1b's speed
+SEARCHED_FLOOR = 0.98
+
+
+def _range(values: tuple[float, ...], fmt: str) -> str:
+    return f"{min(values):{fmt}}-{max(values):{fmt}}" if values else "-"
 
 
 def format_table(rows: list[Row]) -> str:
     """The rows as a Markdown table (COLUMNS), one line per row."""
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in rows:
-        spread = f"{min(r.round_medians):.1f}-{max(r.round_medians):.1f}" if r.round_medians else "-"
-        lines.append(f"| {r.example} | {r.schedule} | {r.v} | {r.predicted_ms:.1f} | {r.measured_ms:.1f} | {spread} "
-                     f"| {r.speedup_predicted:.3f}x | {r.speedup_measured:.3f}x | {r.error:+.1%} |")
+        lines.append(f"| {r.example} | {r.schedule} | {r.v} | {r.predicted_ms:.1f} | {r.measured_ms:.1f} "
+                     f"| {_range(r.round_medians, '.1f')} | {r.speedup_predicted:.3f}x | {r.speedup_measured:.3f}x "
+                     f"| {_range(r.round_speedups, '.3f')} | {r.speedup_error:+.3f} | {r.error:+.1%} |")
     return "\n".join(lines)
+
+
+def verdict(rows: list[Row]) -> list[str]:
+    """The targets, row by row of the searched schedules: the speedup error within
+    SPEEDUP_TOLERANCE, the measured speedup at least SEARCHED_FLOOR; and whether the rounds'
+    speedups resolve that much (their range no wider than 2 x SPEEDUP_TOLERANCE)."""
+    out = []
+    for r in (r for r in rows if r.schedule.startswith("searched")):
+        width = max(r.round_speedups) - min(r.round_speedups) if r.round_speedups else float("nan")
+        out.append(f"{r.example}, {r.schedule}: speedup error {r.speedup_error:+.3f} "
+                   f"({'within' if abs(r.speedup_error) <= SPEEDUP_TOLERANCE else 'beyond'} {SPEEDUP_TOLERANCE}); "
+                   f"measured {r.speedup_measured:.3f}x of 1f1b "
+                   f"({'at least' if r.speedup_measured >= SEARCHED_FLOOR else 'below'} {SEARCHED_FLOOR}x); "
+                   f"the rounds' speedups span {width:.3f}"
+                   f"{'' if width <= 2 * SPEEDUP_TOLERANCE else ': wider than the target, this run cannot resolve it'}")
+    return out
 
 
 def machine() -> str:
@@ -434,11 +472,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--engines", nargs="+", choices=("megatron", "deepspeed"), default=["megatron", "deepspeed"])
     ap.add_argument("--chunks", default=None, help="v values to profile and search, comma-separated (default 1,2; "
                                                    "--quick: 1)")
-    ap.add_argument("--rounds", type=int, default=None, help="fresh torchruns per schedule (default 3; --quick: 1)")
-    ap.add_argument("--iterations", type=int, default=None, help="iterations per torchrun (default 12; --quick: 8)")
+    ap.add_argument("--rounds", type=int, default=None, help="fresh torchruns per schedule (default 4; --quick: 1)")
+    ap.add_argument("--iterations", type=int, default=None, help="iterations per torchrun (default 20; --quick: 8)")
     ap.add_argument("--warmup", type=int, default=None, help="first iterations dropped (default 4; --quick: 3)")
     ap.add_argument("--calib-iterations", type=int, default=None,
-                    help="iterations per traced calibration run (default 8; --quick: 6; cheap beside a "
+                    help="iterations per traced calibration run (default 16; --quick: 6; cheap beside a "
                          "torchrun's start)")
     ap.add_argument("--calib-skip", type=int, default=None,
                     help="first iterations of a calibration run that koala calibrate leaves out (--skip-steps; "
@@ -452,8 +490,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--dry-run", action="store_true", help="print the plan and the commands; run nothing")
     args = ap.parse_args(argv)
     q = args.quick
-    for name, full, quick in (("rounds", 3, 1), ("iterations", 12, 8), ("warmup", 4, 3), ("search_budget", 5.0, 2.0),
-                              ("calib_iterations", 8, 6), ("calib_skip", 2, 2)):
+    for name, full, quick in (("rounds", 4, 1), ("iterations", 20, 8), ("warmup", 4, 3), ("search_budget", 5.0, 2.0),
+                              ("calib_iterations", 16, 6), ("calib_skip", 2, 2)):
         if getattr(args, name) is None:
             setattr(args, name, quick if q else full)
     text = args.chunks or ("1" if q else "1,2")
@@ -521,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fidelity.py: {exc}", file=sys.stderr)
         return 1
     lines += [f"calibration: {c}" for c in calibrations]
-    lines += ["", format_table(rows), "", f"finished {time.strftime('%H:%M:%S')}; {load_average()} after; "
+    lines += ["", format_table(rows), "", *verdict(rows), "", f"finished {time.strftime('%H:%M:%S')}; {load_average()} after; "
               f"work folder {work_root}"]
     report = "\n".join(lines[len(header(argv, args)):])
     print(report, flush=True)

@@ -93,7 +93,7 @@ def test_full_plan_alternates_fresh_runs_and_profiles_each_v(tmp_path, fidelity)
     traced = [c for c in dim64 if " --trace " in c]  # calibration: per v a full and a split backward
     assert [c.split("--schedule ")[1].split()[0] for c in traced] == ["1f1b", "zb-h1", "interleaved-1f1b", "zb-v"]
     assert "--chunks 2 --placement interleaved" in traced[2] and "--chunks 2 --placement vshape" in traced[3]
-    assert all("--steps 8 " in c for c in traced)
+    assert all("--steps 16 " in c for c in traced)
     cal = [c for c in cmds if " calibrate " in c and "dim64" in c]
     assert len(cal) == 2 and "profile_v1.json" in cal[0] and "trace_interleaved-1f1b_v2.json" in cal[1] \
         and "trace_zb-v_v2.json --profile" in cal[1] \
@@ -142,8 +142,14 @@ def test_rows_give_speedups_over_1f1b_and_the_error(fidelity):
     table = fidelity.format_table(rows).splitlines()
     assert table[0] == "| " + " | ".join(fidelity.COLUMNS) + " |"
     assert len(table) == 2 + len(rows) and all(line.count("|") == len(fidelity.COLUMNS) + 1 for line in table)
-    assert table[3].startswith("| deepspeed dim64 p=2 | best predefined (zb-h1) | 1 | 80.0 | 97.5 | 95.0-297.5 | "
-                               "1.250x | 1.282x | +21.9% |")
+    assert rows[1].round_speedups == pytest.approx((120.0 / 95.0, 140.0 / 297.5))  # round by round
+    assert rows[1].speedup_error == pytest.approx(125.0 / 97.5 - 1.25)
+    assert table[3] == ("| deepspeed dim64 p=2 | best predefined (zb-h1) | 1 | 80.0 | 97.5 | 95.0-297.5 | "
+                        "1.250x | 1.282x | 0.471-1.263 | +0.032 | +21.9% |")
+    said = fidelity.verdict(rows)  # the searched row only: within 0.05, above 0.98x, rounds too far apart
+    assert len(said) == 1 and said[0].startswith("deepspeed dim64 p=2, searched (linear, v=1) = zb-h1: speedup "
+                                                 "error +0.032 (within 0.05); measured 1.282x of 1f1b (at least 0.98x)")
+    assert said[0].endswith("span 0.793: wider than the target, this run cannot resolve it")
 
 
 def test_each_example_runs_the_v_its_layers_allow(fidelity, monkeypatch):

@@ -18,7 +18,7 @@ from pathlib import Path
 from ..core.json_input import NotJson, parse_json
 from ..core.outputs import OutputError, atomic_write, check_output
 from ..sim import MODES, CostProfile, bundled_profiles, resolve_profile
-from ..sim.calibrate import (ERROR_WARN, Fit, RunCheck, calibrated_profile, check_fits, check_runs, fit,
+from ..sim.calibrate import (ERROR_WARN, NOISE_SPREADS, Fit, RunCheck, calibrated_profile, check_fits, check_runs, fit,
                              matched_latency, merged_timeline)
 from ..sim.measured import load_runs
 from ..sim.profile import ProfileError
@@ -74,10 +74,15 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     for line in [n for r in runs for n in r.notes] + notes:
         print(f"note: {line}")
     for c in checks:
-        if abs(c.calibrated_error) > ERROR_WARN:
+        if c.misses:
             print(f"warning: {c.run.name}: the calibrated profile predicts {c.calibrated_ms:.4g} ms, "
                   f"{c.calibrated_error:+.1%} off the measured {c.measured:.4g} ms: the model lacks a term this run "
                   f"pays (see docs/profiling.md, \"Calibrating from a measured run\")")
+        elif abs(c.calibrated_error) > ERROR_WARN:
+            print(f"note: {c.run.name}: the calibrated profile predicts {c.calibrated_ms:.4g} ms, "
+                  f"{c.calibrated_error:+.1%} off the measured {c.measured:.4g} ms, within {NOISE_SPREADS:g} x the "
+                  f"largest spread of the runs' medians (+-{c.noise:.1%}): their steps vary too much to tell a "
+                  f"missing term from noise; trace more steps")
     atomic_write(args.output, json.dumps(data, indent=1) + "\n", "-o")
     print(f"wrote calibrated profile {args.output}")
     if args.timeline:
@@ -109,13 +114,15 @@ def _check_outputs(args: argparse.Namespace) -> None:
 
 def _runs_table(checks: list[RunCheck], profile: CostProfile) -> str:
     rows = [(c.run.name, c.run.schedule.name, c.run.schedule.p, c.run.schedule.m, c.run.schedule.v,
-             len(c.run.steps), f"{c.measured:.4g}", f"{c.input_ms:.4g}", f"{c.input_error:+.1%}",
+             len(c.run.steps), f"{c.measured:.4g}", f"+-{c.spread:.1%}", f"{c.input_ms:.4g}", f"{c.input_error:+.1%}",
              f"{c.calibrated_ms:.4g}", f"{c.calibrated_error:+.1%}") for c in checks]
-    return format_table(rows, ("traced run", "schedule", "p", "m", "v", "steps", "measured ms", "input ms", "error",
-                               "calibrated ms", "error"), "<<>>>>>>>>>") + \
-        f"\n(measured: the median over the complete steps of the step time, from a step's first compute to the " \
-        f"next step's;\n predicted with the input profile {profile.source} and the calibrated one; error = " \
-        f"predicted / measured - 1)"
+    table = format_table(rows, ("traced run", "schedule", "p", "m", "v", "steps", "measured ms", "spread", "input ms",
+                                "error", "calibrated ms", "error"), "<<>>>>>>>>>>")
+    return table + (
+        "\n(measured: the median over the complete steps of the step time, from a step's first compute to the next "
+        "step's;\n spread: how precisely those steps give the median, sqrt(pi/2) x their interquartile range / "
+        f"sqrt(steps), as in a profile;\n predicted with the input profile {profile.source} and the calibrated one; "
+        "error = predicted / measured - 1)")
 
 
 def _fit_table(raw: dict, data: dict, fitted: Fit) -> str:

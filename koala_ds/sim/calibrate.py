@@ -66,8 +66,12 @@ TRIM = 0.05
 #: input was there, and the wait was the receive call's own time.
 WAIT_MIN_MS = 0.01
 #: A calibrated prediction further than this from the measured step time says the model lacks a
-#: term for the run (the command says so).
+#: term for the run (the command says so), unless the miss is within NOISE_SPREADS x the largest
+#: spread of the runs' measured medians (`RunCheck.noise`): the fit shares the stage times across
+#: the runs, so one run's noisy median moves every run's prediction.
 ERROR_WARN = 0.10
+#: 1.5 spreads (interquartile ranges of a median over repeated runs) ~ 2 standard errors.
+NOISE_SPREADS = 1.5
 
 
 class CalibrationError(KoalaError):
@@ -304,6 +308,23 @@ class RunCheck:
     def calibrated_error(self) -> float:
         return self.calibrated_ms / self.measured - 1 if self.measured > 0 else 0.0
 
+    @property
+    def spread(self) -> float:
+        """How precisely the run's steps give its median step time: `value_spread` of the step
+        times, a fraction of the median (0 with fewer than 2 steps)."""
+        times = self.run.step_times
+        return value_spread(times, self.measured) if len(times) >= 2 else 0.0
+
+    #: the largest `spread` among the runs fitted together (this one's included)
+    noise: float = 0.0
+
+    @property
+    def misses(self) -> bool:
+        """The calibrated prediction misses this run by more than ERROR_WARN and by more than the
+        measured medians' own noise (NOISE_SPREADS x noise)."""
+        miss = abs(self.calibrated_error)
+        return miss > ERROR_WARN and miss > NOISE_SPREADS * self.noise
+
 
 def check_runs(runs: Sequence[TracedRun], profile: CostProfile, calibrated: CostProfile,
                mode: str = "async") -> list[RunCheck]:
@@ -317,7 +338,8 @@ def check_runs(runs: Sequence[TracedRun], profile: CostProfile, calibrated: Cost
         except KoalaError as exc:
             raise CalibrationError(f"{run.name}: {exc}") from None
         out.append(RunCheck(run, run.measured_ms, before, after))
-    return out
+    noise = max((c.spread for c in out), default=0.0)
+    return [dataclasses.replace(c, noise=noise) for c in out]
 
 
 def merged_timeline(runs: Sequence[TracedRun], calibrated: CostProfile, mode: str = "async") -> dict:
