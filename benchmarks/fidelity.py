@@ -424,13 +424,14 @@ def verdict(rows: list[Row]) -> list[str]:
     speedups resolve that much (their range no wider than 2 x SPEEDUP_TOLERANCE)."""
     out = []
     for r in (r for r in rows if r.schedule.startswith("searched")):
-        width = max(r.round_speedups) - min(r.round_speedups) if r.round_speedups else float("nan")
+        width = max(r.round_speedups) - min(r.round_speedups) if len(r.round_speedups) > 1 else None
+        tell = ("one round: no spread to judge it by" if width is None else f"the rounds' speedups span {width:.3f}"
+                + ("" if width <= 2 * SPEEDUP_TOLERANCE else ": wider than the target, this run cannot resolve it"))
         out.append(f"{r.example}, {r.schedule}: speedup error {r.speedup_error:+.3f} "
                    f"({'within' if abs(r.speedup_error) <= SPEEDUP_TOLERANCE else 'beyond'} {SPEEDUP_TOLERANCE}); "
                    f"measured {r.speedup_measured:.3f}x of 1f1b "
                    f"({'at least' if r.speedup_measured >= SEARCHED_FLOOR else 'below'} {SEARCHED_FLOOR}x); "
-                   f"the rounds' speedups span {width:.3f}"
-                   f"{'' if width <= 2 * SPEEDUP_TOLERANCE else ': wider than the target, this run cannot resolve it'}")
+                   f"{tell}")
     return out
 
 
@@ -559,8 +560,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fidelity.py: {exc}", file=sys.stderr)
         return 1
     lines += [f"calibration: {c}" for c in calibrations]
-    lines += ["", format_table(rows), "", *verdict(rows), "", f"finished {time.strftime('%H:%M:%S')}; {load_average()} after; "
-              f"work folder {work_root}"]
+    lines += ["", format_table(rows), "", *verdict(rows), "",
+              f"finished {time.strftime('%H:%M:%S')}; {load_average()} after; work folder {work_root}"]
     report = "\n".join(lines[len(header(argv, args)):])
     print(report, flush=True)
     if args.out and not args.dry_run:

@@ -150,6 +150,8 @@ def test_rows_give_speedups_over_1f1b_and_the_error(fidelity):
     assert len(said) == 1 and said[0].startswith("deepspeed dim64 p=2, searched (linear, v=1) = zb-h1: speedup "
                                                  "error +0.032 (within 0.05); measured 1.282x of 1f1b (at least 0.98x)")
     assert said[0].endswith("span 0.793: wider than the target, this run cannot resolve it")
+    one_round = fidelity.rows_of(ex, chosen, {k: v[:1] for k, v in times.items()})
+    assert fidelity.verdict(one_round)[0].endswith("one round: no spread to judge it by")
 
 
 def test_each_example_runs_the_v_its_layers_allow(fidelity, monkeypatch):

@@ -18,7 +18,7 @@ from pathlib import Path
 from ..core.json_input import NotJson, parse_json
 from ..core.outputs import OutputError, atomic_write, check_output
 from ..sim import MODES, CostProfile, bundled_profiles, resolve_profile
-from ..sim.calibrate import (ERROR_WARN, NOISE_SPREADS, Fit, RunCheck, calibrated_profile, check_fits, check_runs, fit,
+from ..sim.calibrate import (NOISE_SPREADS, Fit, RunCheck, calibrated_profile, check_fits, check_runs, fit,
                              matched_latency, merged_timeline)
 from ..sim.measured import load_runs
 from ..sim.profile import ProfileError
@@ -78,7 +78,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             print(f"warning: {c.run.name}: the calibrated profile predicts {c.calibrated_ms:.4g} ms, "
                   f"{c.calibrated_error:+.1%} off the measured {c.measured:.4g} ms: the model lacks a term this run "
                   f"pays (see docs/profiling.md, \"Calibrating from a measured run\")")
-        elif abs(c.calibrated_error) > ERROR_WARN:
+        elif c.off:
             print(f"note: {c.run.name}: the calibrated profile predicts {c.calibrated_ms:.4g} ms, "
                   f"{c.calibrated_error:+.1%} off the measured {c.measured:.4g} ms, within {NOISE_SPREADS:g} x the "
                   f"largest spread of the runs' medians (+-{c.noise:.1%}): their steps vary too much to tell a "

@@ -299,6 +299,8 @@ class RunCheck:
     measured: float
     input_ms: float
     calibrated_ms: float
+    #: the largest `spread` among the runs fitted together (this one's included)
+    noise: float = 0.0
 
     @property
     def input_error(self) -> float:
@@ -315,15 +317,15 @@ class RunCheck:
         times = self.run.step_times
         return value_spread(times, self.measured) if len(times) >= 2 else 0.0
 
-    #: the largest `spread` among the runs fitted together (this one's included)
-    noise: float = 0.0
+    @property
+    def off(self) -> bool:
+        """The calibrated prediction is more than ERROR_WARN off this run."""
+        return abs(self.calibrated_error) > ERROR_WARN
 
     @property
     def misses(self) -> bool:
-        """The calibrated prediction misses this run by more than ERROR_WARN and by more than the
-        measured medians' own noise (NOISE_SPREADS x noise)."""
-        miss = abs(self.calibrated_error)
-        return miss > ERROR_WARN and miss > NOISE_SPREADS * self.noise
+        """`off`, and by more than the measured medians' own noise (NOISE_SPREADS x noise)."""
+        return self.off and abs(self.calibrated_error) > NOISE_SPREADS * self.noise
 
 
 def check_runs(runs: Sequence[TracedRun], profile: CostProfile, calibrated: CostProfile,
