@@ -15,9 +15,10 @@ v = 1 and 2 chunks per rank where the model has the layers, it runs what a user 
    for another --dim), one profile per v (DeepSpeed cuts p x v parts anew);
 2. `calibrate()`: per v, short traced runs of library schedules on the real engine (v = 1: 1f1b
    and zb-h1; v = 2: interleaved-1f1b and zb-v; `--calib-iterations` each, Megatron --koala-trace FILE,
-   DeepSpeed --trace FILE), then `koala calibrate TRACE... --profile profile_v{v}.json -o
-   calibrated_v{v}.json`: the stage times as they ran in the engine, the per-action, per-step
-   and p2p costs; what it printed goes into the report;
+   DeepSpeed --trace FILE), `--calib-rounds` fresh runs of each, alternating, then `koala calibrate
+   TRACE... --profile profile_v{v}.json -o calibrated_v{v}.json` over all of them: the stage times
+   as they ran in the engine, the per-action, per-step and p2p costs, averaged over the machine's
+   drift between runs; what it printed goes into the report;
 3. on the CALIBRATED profiles, `koala compare --json` per v: 1f1b and the best predefined
    schedule (the fastest that fits the memory limit and that the engines run: one pipeline),
    and `koala search --min-gain 0 --ignore-spread` per v: the searched schedule (the faster v's;
@@ -33,16 +34,21 @@ v = 1 and 2 chunks per rank where the model has the layers, it runs what a user 
 The report: the exact command, the machine (cores, CPU model, load average before and after), the
 calibration used, one row per (example, schedule): predicted and measured step time, the per-round
 medians' range, speedup over 1f1b (predicted, measured, and measured round by round: each round's
-1f1b median over its own), the speedup error (measured - predicted) and the step-time error
-(measured / predicted - 1); then, per searched schedule, the targets (speedup error within 0.05,
-at least 0.98x of 1f1b) and whether the rounds' speedups are narrow enough to tell.
+1f1b median over its own; their standard error), the speedup error (measured - predicted) and the
+step-time error (measured / predicted - 1); then, per searched schedule, the targets (speedup
+error within 0.05, at least 0.98x of 1f1b) and whether the rounds resolve that much (2 standard
+errors of their speedups within 0.05).
 Printed; written (atomically) only with `--out FILE`. A failing step is one line naming the
 command and its log file; the work folder (`--work`, default a temporary one) keeps every
 profile, schedule and log.
 
 THE MACHINE IS SHARED: ranks that sleep or wait give their core to other processes, and a busy
 machine changes a step's time by tens of percent within minutes; the alternation makes such
-drifts hit every schedule alike, and the per-round range shows what is left.
+drifts hit every schedule alike, and the per-round range shows what is left. Measured on the
+2-core VM (2026-12-06, DeepSpeed dim 1024, 1f1b and zb-h1 in 12 alternating pairs of fresh runs,
+20 iterations each): one schedule's run medians 113-144 ms, a pair's speedup 0.92-1.18x; hence
+several calibration rounds and 8 measured rounds by default, and the standard error beside
+the speedups.
 """
 from __future__ import annotations
 
@@ -234,18 +240,21 @@ CALIBRATION_SCHEDULES = {1: (("1f1b", "linear"), ("zb-h1", "linear")),
 
 def calibrate(ex: Example, profiles: dict[int, Path], args, work: Path, say) -> tuple[dict[int, Path], str]:
     """The user's calibration: per v, trace short runs of the library schedules of that v
-    (CALIBRATION_SCHEDULES) on the real engine, then `koala calibrate TRACE... --profile
-    profile_v{v}.json -o calibrated_v{v}.json`. The calibrated profiles, and what koala calibrate
+    (CALIBRATION_SCHEDULES) on the real engine, `args.calib_rounds` fresh runs of each, the
+    order rotated every round, then `koala calibrate TRACE... --profile profile_v{v}.json -o
+    calibrated_v{v}.json` over all of them. The calibrated profiles, and what koala calibrate
     printed (its table: measured vs predicted per traced run, the fitted values)."""
     out, printed = {}, []
     for v, prof in profiles.items():
         traces = []
-        for name, placement in CALIBRATION_SCHEDULES.get(v, ()):
-            trace = work / f"trace_{name}_v{v}.json"
-            log = work / f"calib_{name}_v{v}"
-            run(ex.run_cmd(Candidate(name, name, v, placement), args.calib_iterations, log.with_suffix(".json"),
-                           trace), log.with_suffix(".log"), ex.env(work), ROOT, args.dry_run, say)
-            traces.append(trace)
+        named = list(CALIBRATION_SCHEDULES.get(v, ()))
+        for r in range(args.calib_rounds if named else 0):
+            for name, placement in named[r % len(named):] + named[:r % len(named)]:
+                trace = work / f"trace_{name}_v{v}_r{r}.json"
+                log = work / f"calib_{name}_v{v}_r{r}"
+                run(ex.run_cmd(Candidate(name, name, v, placement), args.calib_iterations, log.with_suffix(".json"),
+                               trace), log.with_suffix(".log"), ex.env(work), ROOT, args.dry_run, say)
+                traces.append(trace)
         if not traces:
             out[v] = prof
             printed.append(f"v={v}: no library schedule to trace; the profile as measured")
@@ -255,7 +264,8 @@ def calibrate(ex: Example, profiles: dict[int, Path], args, work: Path, say) -> 
                     "--skip-steps", str(args.calib_skip), "-o", str(out[v])], work / f"calibrate_v{v}.log",
                    ex.env(work), work, args.dry_run, say)
         printed.append(f"v={v}: koala calibrate {' '.join(t.stem for t in traces)} "
-                       f"({args.calib_iterations} iterations each, the first {args.calib_skip} skipped):\n"
+                       f"({args.calib_rounds} round(s), {args.calib_iterations} iterations each, the first "
+                       f"{args.calib_skip} skipped):\n"
                        + "\n".join("    " + line for line in text.splitlines() if not line.startswith("wrote ")))
     return out, "\n  ".join(["koala calibrate per v, on traced runs of library schedules", *printed])
 
@@ -377,6 +387,13 @@ class Row:
     def speedup_error(self) -> float:
         return self.speedup_measured - self.speedup_predicted
 
+    @property
+    def speedup_se(self) -> float | None:
+        """The standard error of the rounds' mean speedup (their standard deviation / sqrt(rounds));
+        None with fewer than 2 rounds."""
+        n = len(self.round_speedups)
+        return statistics.stdev(self.round_speedups) / n ** 0.5 if n > 1 else None
+
 
 def rows_of(ex: Example, chosen: list[Candidate], times: dict[str, list[list[float]]]) -> list[Row]:
     """One row per candidate; speedups over the 1f1b row (the first): of the medians over every
@@ -397,7 +414,7 @@ def rows_of(ex: Example, chosen: list[Candidate], times: dict[str, list[list[flo
 
 
 COLUMNS = ("example", "schedule", "v", "predicted ms", "measured ms", "rounds' medians", "speedup predicted",
-           "speedup measured", "rounds' speedups", "speedup error", "error")
+           "speedup measured", "rounds' speedups", "their SE", "speedup error", "error")
 #: the issue's targets: a searched schedule's measured speedup within this of the predicted one ...
 SPEEDUP_TOLERANCE = 0.05
 #: ... and never below this much of 1f1b's speed
@@ -414,19 +431,22 @@ def format_table(rows: list[Row]) -> str:
     for r in rows:
         lines.append(f"| {r.example} | {r.schedule} | {r.v} | {r.predicted_ms:.1f} | {r.measured_ms:.1f} "
                      f"| {_range(r.round_medians, '.1f')} | {r.speedup_predicted:.3f}x | {r.speedup_measured:.3f}x "
-                     f"| {_range(r.round_speedups, '.3f')} | {r.speedup_error:+.3f} | {r.error:+.1%} |")
+                     f"| {_range(r.round_speedups, '.3f')} | {'-' if r.speedup_se is None else f'{r.speedup_se:.3f}'} "
+                     f"| {r.speedup_error:+.3f} | {r.error:+.1%} |")
     return "\n".join(lines)
 
 
 def verdict(rows: list[Row]) -> list[str]:
     """The targets, row by row of the searched schedules: the speedup error within
-    SPEEDUP_TOLERANCE, the measured speedup at least SEARCHED_FLOOR; and whether the rounds'
-    speedups resolve that much (their range no wider than 2 x SPEEDUP_TOLERANCE)."""
+    SPEEDUP_TOLERANCE, the measured speedup at least SEARCHED_FLOOR; and whether the rounds
+    resolve that much (2 standard errors of their speedups within SPEEDUP_TOLERANCE)."""
     out = []
     for r in (r for r in rows if r.schedule.startswith("searched")):
-        width = max(r.round_speedups) - min(r.round_speedups) if len(r.round_speedups) > 1 else None
-        tell = ("one round: no spread to judge it by" if width is None else f"the rounds' speedups span {width:.3f}"
-                + ("" if width <= 2 * SPEEDUP_TOLERANCE else ": wider than the target, this run cannot resolve it"))
+        se = r.speedup_se
+        tell = ("one round: no spread to judge it by" if se is None else
+                f"the rounds' speedups span {max(r.round_speedups) - min(r.round_speedups):.3f}, their mean "
+                f"+-{2 * se:.3f} (2 standard errors)"
+                + ("" if 2 * se <= SPEEDUP_TOLERANCE else ": wider than the target, this run cannot resolve it"))
         out.append(f"{r.example}, {r.schedule}: speedup error {r.speedup_error:+.3f} "
                    f"({'within' if abs(r.speedup_error) <= SPEEDUP_TOLERANCE else 'beyond'} {SPEEDUP_TOLERANCE}); "
                    f"measured {r.speedup_measured:.3f}x of 1f1b "
@@ -458,8 +478,8 @@ def load_average() -> str:
 def header(argv: list[str], args) -> list[str]:
     return [f"$ {shlex.join(['python', 'benchmarks/fidelity.py', *argv])}",
             f"machine: {machine()}; {load_average()} before",
-            f"started {time.strftime('%Y-%m-%d %H:%M:%S')}; {args.rounds} round(s), each a fresh torchrun per "
-            f"schedule, "
+            f"started {time.strftime('%Y-%m-%d %H:%M:%S')}; calibration: {args.calib_rounds} round(s) of traced runs; "
+            f"{args.rounds} measured round(s), each a fresh torchrun per schedule, "
             f"{args.iterations} iterations of {MICROBATCHES} microbatches, the first {args.warmup} dropped; "
             f"measured = median of the kept iterations' step periods (--loss-log period_ms, from one iteration's "
             f"start to the next's, as koala calibrate measures a step; Megatron: the last pipeline rank, "
@@ -473,7 +493,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--engines", nargs="+", choices=("megatron", "deepspeed"), default=["megatron", "deepspeed"])
     ap.add_argument("--chunks", default=None, help="v values to profile and search, comma-separated (default 1,2; "
                                                    "--quick: 1)")
-    ap.add_argument("--rounds", type=int, default=None, help="fresh torchruns per schedule (default 4; --quick: 1)")
+    ap.add_argument("--rounds", type=int, default=None, help="fresh torchruns per schedule (default 8; --quick: 1)")
+    ap.add_argument("--calib-rounds", type=int, default=None,
+                    help="fresh traced runs per calibration schedule, alternating (default 3; --quick: 1)")
     ap.add_argument("--iterations", type=int, default=None, help="iterations per torchrun (default 20; --quick: 8)")
     ap.add_argument("--warmup", type=int, default=None, help="first iterations dropped (default 4; --quick: 3)")
     ap.add_argument("--calib-iterations", type=int, default=None,
@@ -491,7 +513,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--dry-run", action="store_true", help="print the plan and the commands; run nothing")
     args = ap.parse_args(argv)
     q = args.quick
-    for name, full, quick in (("rounds", 4, 1), ("iterations", 20, 8), ("warmup", 4, 3), ("search_budget", 5.0, 2.0),
+    for name, full, quick in (("rounds", 8, 1), ("calib_rounds", 3, 1), ("iterations", 20, 8), ("warmup", 4, 3), ("search_budget", 5.0, 2.0),
                               ("calib_iterations", 16, 6), ("calib_skip", 2, 2)):
         if getattr(args, name) is None:
             setattr(args, name, quick if q else full)
@@ -502,9 +524,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ap.error(f"--chunks {text!r}: expected comma-separated integers, e.g. 1,2")
     if any(v < 1 for v in args.chunks) or 1 not in args.chunks:
         ap.error(f"--chunks {text}: each v >= 1, and 1 among them (1f1b is the baseline)")
-    for name in ("rounds", "iterations"):
+    for name in ("rounds", "calib_rounds", "iterations"):
         if getattr(args, name) < 1:
-            ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 <= args.calib_skip < args.calib_iterations - 1:
         ap.error(f"--calib-skip {args.calib_skip} must be >= 0 and leave at least 2 of --calib-iterations "
                  f"{args.calib_iterations} (koala calibrate times a step up to the next one's start)")

@@ -69,7 +69,7 @@ def test_dry_run_calibrates_on_traced_library_runs_before_choosing(tmp_path):
                 for c in traced] == ["1f1b", "zb-h1"]
         assert all("torchrun" in c and ("--train-iters 6 " in c or "--steps 6 " in c) for c in traced)
         cal = [c for c in cmds if " calibrate " in c]
-        assert cal == [f"{Path(cal[0].split()[0])} calibrate {work}/trace_1f1b_v1.json {work}/trace_zb-h1_v1.json "
+        assert cal == [f"{Path(cal[0].split()[0])} calibrate {work}/trace_1f1b_v1_r0.json {work}/trace_zb-h1_v1_r0.json "
                        f"--profile {work}/profile_v1.json --skip-steps 2 -o {work}/calibrated_v1.json"]
         order = [cmds.index(c) for c in (traced[0], traced[1], cal[0])]
         assert order == sorted(order) and all(" profile " not in c for c in cmds[order[-1]:])
@@ -90,13 +90,17 @@ def test_full_plan_alternates_fresh_runs_and_profiles_each_v(tmp_path, fidelity)
     runs = [c.split("--schedule ")[1].split()[0] for c in dim64 if " --trace " not in c]
     assert len(runs) == 2 * 3  # two rounds of three schedules, a fresh torchrun each
     assert runs[:3] != runs[3:] and sorted(runs[:3]) == sorted(runs[3:])  # the order rotates
-    traced = [c for c in dim64 if " --trace " in c]  # calibration: per v a full and a split backward
-    assert [c.split("--schedule ")[1].split()[0] for c in traced] == ["1f1b", "zb-h1", "interleaved-1f1b", "zb-v"]
-    assert "--chunks 2 --placement interleaved" in traced[2] and "--chunks 2 --placement vshape" in traced[3]
+    traced = [c for c in dim64 if " --trace " in c]  # calibration: per v a full and a split backward,
+    # in 3 rounds of fresh runs, the order rotated
+    assert [c.split("--schedule ")[1].split()[0] for c in traced] == \
+        ["1f1b", "zb-h1", "zb-h1", "1f1b", "1f1b", "zb-h1",
+         "interleaved-1f1b", "zb-v", "zb-v", "interleaved-1f1b", "interleaved-1f1b", "zb-v"]
+    assert "--chunks 2 --placement interleaved" in traced[6] and "--chunks 2 --placement vshape" in traced[7]
     assert all("--steps 16 " in c for c in traced)
+    assert len({c.split("--trace ")[1].split()[0] for c in traced}) == len(traced)  # a file per run
     cal = [c for c in cmds if " calibrate " in c and "dim64" in c]
-    assert len(cal) == 2 and "profile_v1.json" in cal[0] and "trace_interleaved-1f1b_v2.json" in cal[1] \
-        and "trace_zb-v_v2.json --profile" in cal[1] \
+    assert len(cal) == 2 and "profile_v1.json" in cal[0] and "trace_interleaved-1f1b_v2_r2.json" in cal[1] \
+        and cal[1].count(".json") == 6 + 2 and "trace_zb-v_v2_r2.json --profile" in cal[1] \
         and f"--profile {tmp_path / 'w' / 'deepspeed-dim64-p2' / 'profile_v2.json'}" in cal[1] \
         and "calibrated_v2.json" in cal[1] and "--skip-steps 2" in cal[1]
 
@@ -106,6 +110,7 @@ def test_full_plan_alternates_fresh_runs_and_profiles_each_v(tmp_path, fidelity)
     (["--chunks", "2"], "--chunks 2: each v >= 1, and 1 among them"),
     (["--chunks", "one"], "--chunks 'one': expected comma-separated integers"),
     (["--rounds", "0"], "--rounds must be >= 1"),
+    (["--calib-rounds", "0"], "--calib-rounds must be >= 1"),
     (["--search-budget", "0"], "--search-budget must be > 0"),
     (["--calib-iterations", "3", "--calib-skip", "2"], "--calib-skip 2 must be >= 0 and leave at least 2"),
     (["--engines", "torch"], "invalid choice: 'torch'"),
@@ -144,14 +149,21 @@ def test_rows_give_speedups_over_1f1b_and_the_error(fidelity):
     assert len(table) == 2 + len(rows) and all(line.count("|") == len(fidelity.COLUMNS) + 1 for line in table)
     assert rows[1].round_speedups == pytest.approx((120.0 / 95.0, 140.0 / 297.5))  # round by round
     assert rows[1].speedup_error == pytest.approx(125.0 / 97.5 - 1.25)
+    se = abs(120.0 / 95.0 - 140.0 / 297.5) / 2  # two rounds: stdev / sqrt(2) = half their difference
+    assert rows[1].speedup_se == pytest.approx(se) and rows[0].speedup_se == 0.0
     assert table[3] == ("| deepspeed dim64 p=2 | best predefined (zb-h1) | 1 | 80.0 | 97.5 | 95.0-297.5 | "
-                        "1.250x | 1.282x | 0.471-1.263 | +0.032 | +21.9% |")
+                        f"1.250x | 1.282x | 0.471-1.263 | {se:.3f} | +0.032 | +21.9% |")
     said = fidelity.verdict(rows)  # the searched row only: within 0.05, above 0.98x, rounds too far apart
     assert len(said) == 1 and said[0].startswith("deepspeed dim64 p=2, searched (linear, v=1) = zb-h1: speedup "
                                                  "error +0.032 (within 0.05); measured 1.282x of 1f1b (at least 0.98x)")
-    assert said[0].endswith("span 0.793: wider than the target, this run cannot resolve it")
+    assert said[0].endswith(f"span 0.793, their mean +-{2 * se:.3f} (2 standard errors): wider than the target, "
+                            "this run cannot resolve it")
     one_round = fidelity.rows_of(ex, chosen, {k: v[:1] for k, v in times.items()})
+    assert one_round[1].speedup_se is None and "| - |" in fidelity.format_table(one_round)
     assert fidelity.verdict(one_round)[0].endswith("one round: no spread to judge it by")
+    steady = {"1f1b": [[120.0]] * 4 + [[121.0]] * 4, "best predefined (zb-h1)": [[100.0]] * 8}
+    said = fidelity.verdict(fidelity.rows_of(ex, chosen, steady))[0]  # 8 close rounds resolve the target
+    assert said.endswith("(2 standard errors)") and "cannot resolve" not in said
 
 
 def test_each_example_runs_the_v_its_layers_allow(fidelity, monkeypatch):
