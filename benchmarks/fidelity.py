@@ -239,22 +239,25 @@ CALIBRATION_SCHEDULES = {1: (("1f1b", "linear"), ("zb-h1", "linear")),
 
 
 def calibrate(ex: Example, profiles: dict[int, Path], args, work: Path, say) -> tuple[dict[int, Path], str]:
-    """The user's calibration: per v, trace short runs of the library schedules of that v
-    (CALIBRATION_SCHEDULES) on the real engine, `args.calib_rounds` fresh runs of each, the
-    order rotated every round, then `koala calibrate TRACE... --profile profile_v{v}.json -o
-    calibrated_v{v}.json` over all of them. The calibrated profiles, and what koala calibrate
-    printed (its table: measured vs predicted per traced run, the fitted values)."""
+    """The user's calibration: trace short runs of the library schedules of each v
+    (CALIBRATION_SCHEDULES) on the real engine, `args.calib_rounds` rounds of a fresh run of each,
+    every v's schedules in one rotation (the order rotated every round), so that the calibrations
+    of v = 1 and v = 2 see the same moments of a drifting machine: a searched v = 2 schedule's
+    speedup over 1f1b compares the two. Then, per v, `koala calibrate TRACE... --profile
+    profile_v{v}.json -o calibrated_v{v}.json` over all its runs. The calibrated profiles, and
+    what koala calibrate printed (its table: measured vs predicted per traced run, the fitted values)."""
     out, printed = {}, []
+    named = [(v, name, placement) for v in profiles for name, placement in CALIBRATION_SCHEDULES.get(v, ())]
+    traced: dict[int, list[Path]] = {v: [] for v in profiles}
+    for r in range(args.calib_rounds if named else 0):
+        for v, name, placement in named[r % len(named):] + named[:r % len(named)]:
+            trace = work / f"trace_{name}_v{v}_r{r}.json"
+            log = work / f"calib_{name}_v{v}_r{r}"
+            run(ex.run_cmd(Candidate(name, name, v, placement), args.calib_iterations, log.with_suffix(".json"),
+                           trace), log.with_suffix(".log"), ex.env(work), ROOT, args.dry_run, say)
+            traced[v].append(trace)
     for v, prof in profiles.items():
-        traces = []
-        named = list(CALIBRATION_SCHEDULES.get(v, ()))
-        for r in range(args.calib_rounds if named else 0):
-            for name, placement in named[r % len(named):] + named[:r % len(named)]:
-                trace = work / f"trace_{name}_v{v}_r{r}.json"
-                log = work / f"calib_{name}_v{v}_r{r}"
-                run(ex.run_cmd(Candidate(name, name, v, placement), args.calib_iterations, log.with_suffix(".json"),
-                               trace), log.with_suffix(".log"), ex.env(work), ROOT, args.dry_run, say)
-                traces.append(trace)
+        traces = traced[v]
         if not traces:
             out[v] = prof
             printed.append(f"v={v}: no library schedule to trace; the profile as measured")

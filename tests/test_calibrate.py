@@ -577,3 +577,33 @@ def test_a_miss_beyond_ten_percent_is_a_warning_only_beyond_the_runs_own_noise(c
     flagged = [line for line in text.splitlines() if re.match(r"(warning|note): .*\.json: the calibrated", line)]
     assert len(flagged) == 2 and all(line.startswith(says) for line in flagged), flagged
     assert ("lacks a term" in text) == (says == "warning") and ("trace more steps" in text) == (says == "note")
+
+
+def test_runs_of_one_schedule_say_how_far_apart_the_machine_put_them(capsys, tmp_path, two_runs):
+    """Fresh runs of one schedule on a drifting machine measure different step times: the
+    output gives their range (the fit averages them); with one run per schedule, it advises
+    tracing each in several alternating runs."""
+    stages, runs = two_runs
+    slower = [dataclasses.replace(s, forward=s.forward * 1.3, backward_full=s.backward_full * 1.3) for s in stages]
+    write_trace(tmp_path / "1f1b-again.json", load_schedule("1f1b", 4, 8, 1), slower)
+    prof = input_profile(tmp_path, stages)
+    code, text, err = run(capsys, "calibrate", *runs, tmp_path / "1f1b-again.json", "--profile", prof,
+                          "-o", tmp_path / "cal.json")
+    assert code == 0, err
+    measured = {line.split()[0]: float(line.split()[6]) for line in text.splitlines()
+                if line.startswith(str(tmp_path))}
+    first, again = measured[str(runs[0])], measured[str(tmp_path / "1f1b-again.json")]
+    assert again > first * 1.1
+    drift = [line for line in text.splitlines() if line.startswith("note: 1f1b's 2 runs measured")]
+    assert drift == [f"note: 1f1b's 2 runs measured {first:.4g}-{again:.4g} ms ({again / first - 1:.1%} apart): "
+                     f"the fit averages them"]
+    assert "zb-h1's" not in text and "one run per schedule" not in text
+    # the fit sits between the two 1f1b runs, over 10% off the slower: drift between runs, not a missing term
+    drifted = [line for line in text.splitlines() if line.endswith("the machine's speed drifted between them")]
+    assert len(drifted) == 1 and drifted[0].startswith(f"note: {tmp_path / '1f1b-again.json'}: the calibrated") \
+        and f"within the {first:.4g}-{again:.4g} ms that the 2 runs of 1f1b measured" in drifted[0], text
+    assert not any(line.startswith("warning: ") and "1f1b" in line for line in text.splitlines())
+    code, text, err = run(capsys, "calibrate", *runs, "--profile", prof, "-o", tmp_path / "cal2.json")
+    assert code == 0, err
+    assert [line for line in text.splitlines() if "one run per schedule" in line][0].endswith(
+        "trace each schedule in 2-3 runs, alternating, and give them all")

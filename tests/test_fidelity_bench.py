@@ -91,11 +91,12 @@ def test_full_plan_alternates_fresh_runs_and_profiles_each_v(tmp_path, fidelity)
     assert len(runs) == 2 * 3  # two rounds of three schedules, a fresh torchrun each
     assert runs[:3] != runs[3:] and sorted(runs[:3]) == sorted(runs[3:])  # the order rotates
     traced = [c for c in dim64 if " --trace " in c]  # calibration: per v a full and a split backward,
-    # in 3 rounds of fresh runs, the order rotated
+    # every v's in one rotation (v = 1 and v = 2 calibrated over the same moments), 3 rounds of fresh runs
     assert [c.split("--schedule ")[1].split()[0] for c in traced] == \
-        ["1f1b", "zb-h1", "zb-h1", "1f1b", "1f1b", "zb-h1",
-         "interleaved-1f1b", "zb-v", "zb-v", "interleaved-1f1b", "interleaved-1f1b", "zb-v"]
-    assert "--chunks 2 --placement interleaved" in traced[6] and "--chunks 2 --placement vshape" in traced[7]
+        ["1f1b", "zb-h1", "interleaved-1f1b", "zb-v", "zb-h1", "interleaved-1f1b", "zb-v", "1f1b",
+         "interleaved-1f1b", "zb-v", "1f1b", "zb-h1"]
+    assert "--chunks 2 --placement interleaved" in traced[2] and "--chunks 2 --placement vshape" in traced[3]
+    assert " --chunks " not in traced[0] + traced[1]
     assert all("--steps 16 " in c for c in traced)
     assert len({c.split("--trace ")[1].split()[0] for c in traced}) == len(traced)  # a file per run
     cal = [c for c in cmds if " calibrate " in c and "dim64" in c]
