@@ -15,7 +15,8 @@ v = 1 and 2 chunks per rank where the model has the layers, it runs what a user 
    for another --dim), one profile per v (DeepSpeed cuts p x v parts anew);
 2. `calibrate()`: per v, short traced runs of library schedules on the real engine (v = 1: 1f1b
    and zb-h1; v = 2: interleaved-1f1b and zb-v; `--calib-iterations` each, Megatron --koala-trace FILE,
-   DeepSpeed --trace FILE), `--calib-rounds` fresh runs of each, alternating, then `koala calibrate
+   DeepSpeed --trace FILE), `--calib-rounds` fresh runs of each, every v's schedules alternating in
+   one rotation (v = 1 and v = 2 calibrated over the same moments), then `koala calibrate
    TRACE... --profile profile_v{v}.json -o calibrated_v{v}.json` over all of them: the stage times
    as they ran in the engine, the per-action, per-step and p2p costs, averaged over the machine's
    drift between runs; what it printed goes into the report;
