@@ -71,9 +71,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     print(_runs_table(checks, profile))
     print()
     print(_fit_table(raw, data, fitted))
-    for line in [n for r in runs for n in r.notes] + notes + drift_notes(checks):
+    ranges = schedule_ranges(checks)
+    for line in [n for r in runs for n in r.notes] + notes + drift_notes(ranges, len(checks)):
         print(f"note: {line}")
-    for line in miss_lines(checks):
+    for line in miss_lines(checks, ranges):
         print(line)
     atomic_write(args.output, json.dumps(data, indent=1) + "\n", "-o")
     print(f"wrote calibrated profile {args.output}")
@@ -88,11 +89,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def miss_lines(checks: list[RunCheck]) -> list[str]:
+def miss_lines(checks: list[RunCheck], ranges: dict[str, tuple[float, float, int]]) -> list[str]:
     """A warning per run the calibrated profile misses by more than 10% beyond the runs' noise
     (the model lacks a term that run pays); a note instead where the miss is within that noise,
-    or within the range the runs of its schedule measured (the machine drifted between them)."""
-    out, ranges = [], _schedule_ranges(checks)
+    or within the range the runs of its schedule measured (`ranges`: the machine drifted between them)."""
+    out = []
     for c in checks:
         lo, hi, n = ranges[c.run.schedule.name]
         head = (f"{c.run.name}: the calibrated profile predicts {c.calibrated_ms:.4g} ms, "
@@ -110,7 +111,7 @@ def miss_lines(checks: list[RunCheck]) -> list[str]:
     return out
 
 
-def _schedule_ranges(checks: list[RunCheck]) -> dict[str, tuple[float, float, int]]:
+def schedule_ranges(checks: list[RunCheck]) -> dict[str, tuple[float, float, int]]:
     """Per traced schedule: (lowest, highest measured step time, runs)."""
     by_schedule: dict[str, list[float]] = {}
     for c in checks:
@@ -118,16 +119,16 @@ def _schedule_ranges(checks: list[RunCheck]) -> dict[str, tuple[float, float, in
     return {name: (min(times), max(times), len(times)) for name, times in by_schedule.items()}
 
 
-def drift_notes(checks: list[RunCheck]) -> list[str]:
+def drift_notes(ranges: dict[str, tuple[float, float, int]], runs: int) -> list[str]:
     """Per schedule traced in several runs, how far apart their measured step times are (the
-    machine's drift between runs, which the fit averages); where every schedule is one run, the
-    advice to trace each in several alternating runs."""
+    machine's drift between runs, which the fit averages; `ranges`: `schedule_ranges`); where
+    every schedule is one of `runs` > 1 runs, the advice to trace each in several alternating runs."""
     out = []
-    for name, (lo, hi, n) in _schedule_ranges(checks).items():
+    for name, (lo, hi, n) in ranges.items():
         if n > 1 and lo > 0:
             out.append(f"{name}'s {n} runs measured {lo:.4g}-{hi:.4g} ms ({hi / lo - 1:.1%} apart): "
                        f"the fit averages them")
-    if not out and len(checks) > 1:
+    if not out and runs > 1:
         out.append("one run per schedule: where the machine's speed drifts between runs (on a shared 2-core VM "
                    "one schedule's fresh runs measured up to 28% apart), trace each schedule in 2-3 runs, "
                    "alternating, and give them all")
