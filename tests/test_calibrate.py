@@ -73,7 +73,7 @@ def _step_events(schedule, res, c: float, pre: float, post: float, t0: float, n:
                            "ts": (t0 + prev) * 1e3, "dur": (end - prev) * 1e3, "cname": OP_COLOURS[a.op],
                            "args": {"stage": a.stage, "microbatch": a.microbatch, "op": OP_NAMES[a.op],
                                     "chunk": schedule.placement.chunk_of(a.stage), "index": t.index, "step": n,
-                                    "wait_ms": t.start - prev}})
+                                    "wait_ms": max(0.0, t.start - prev)}})
             prev = t.end
         finish = t0 + prev + post
         events.append({"name": "step", "cat": "step", "ph": "X", "pid": 0, "tid": r, "ts": (t0 - pre) * 1e3,

@@ -171,10 +171,16 @@ def _fit_table(raw: dict, data: dict, fitted: Fit) -> str:
         mark = "" if (i, name) in fitted.stages else "*"
         return f"{was:.4g} -> {now:.4g}{mark}"
 
-    rows = [(i, *(cell(i, b, a, n) for n in ("forward", "backward_input", "backward_weight", "backward")))
-            for i, (b, a) in enumerate(zip(raw["stages"], data["stages"]))]
-    table = format_table(rows, ("stage", "F ms", "I ms", "W ms", "B ms"), "<>>>>")
-    lines = [table, "(profile -> calibrated; * not measured: scaled from the profile)"]
+    def switch(i: int, before: dict, after: dict) -> str:
+        est = fitted.switch.get(i)
+        return (f"{before.get('switch', 0.0):.4g} -> {after.get('switch', 0.0):.4g}"
+                + (f" ({est.samples})" if est is not None else "*"))
+
+    rows = [(i, *(cell(i, b, a, n) for n in ("forward", "backward_input", "backward_weight", "backward")),
+             switch(i, b, a)) for i, (b, a) in enumerate(zip(raw["stages"], data["stages"]))]
+    table = format_table(rows, ("stage", "F ms", "I ms", "W ms", "B ms", "switch ms"), "<>>>>>")
+    lines = [table, "(profile -> calibrated; * not measured: scaled from the profile, a switch kept; switch: the "
+                    "extra time of an action after one of another stage on its rank, (its samples))"]
     for name, what in (("p2p_latency", "waits"), ("action_overhead", "gaps"), ("step_overhead", "steps")):
         est = getattr(fitted, name)
         lines.append(f"{name:<16} {raw.get(name, 0.0):.4g} -> {data.get(name, 0.0):.4g} ms"

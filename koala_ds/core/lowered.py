@@ -17,7 +17,9 @@ sends to the previous stage. Each code waits for at most one slot (`dep`) and fi
 (`out`): F(s) needs F(prev(s)); I/B(s) needs F(s) (same rank) and the input gradient of
 next(s); W(s) needs I(s) (same rank). Dependencies within a rank are kept by the rank's order,
 so only the slots are timed. Without costs every action lasts 1 and an activation counts 1
-(F +1, I/B -1, W 0): the validator's unit-time dry run.
+(F +1, I/B -1, W 0): the validator's unit-time dry run. A stage's `switch` cost (the profile's,
+0 by default) is added to an action whose rank's previous action was of another stage: the one
+duration that depends on the order and not on the code alone (`durations`).
 
 `run_async` is the one timing loop (the simulator, the validator's dry run and the search run
 it). Blocking sends (the simulator's rendezvous mode) run through it too, as two steps added
@@ -46,6 +48,7 @@ class StageCosts(Protocol):
     backward_weight: float
     activation_mb: float
     w_hold_mb: float
+    switch: float
 
     @property
     def backward(self) -> float: ...
@@ -92,6 +95,8 @@ class Steps(NamedTuple):
     out: list[int]
     out_lat: list[float]
     nslots: int
+    code_stage: list[int]                 # per code, its stage; -1 for a step that is no action
+    switch: list[float] | None            # per stage, its switch cost; None where every one is 0
 
 
 class _Unit(NamedTuple):
@@ -103,6 +108,7 @@ class _Unit(NamedTuple):
     backward: float = 1.0
     activation_mb: float = 1.0
     w_hold_mb: float = 0.0
+    switch: float = 0.0
 
 
 class Lowered:
@@ -165,6 +171,10 @@ class Lowered:
         self.dur_np = np.asarray(self.dur)
         deltas = [(c.activation_mb, -c.activation_mb, -(c.activation_mb - c.w_hold_mb), -c.w_hold_mb)
                   for c in self.costs]
+        switch = [float(c.switch) for c in self.costs]
+        #: per stage its switch cost, None where every stage's is 0 (the timing loop skips the term)
+        self.switch: list[float] | None = switch if any(switch) else None
+        self.code_stage: list[int] = np.tile(np.repeat(np.arange(S), m), 4).tolist()
         self.mem = np.repeat(np.array([[deltas[s][k] for s in range(S)] for k in range(4)]).ravel(), m)
         self.rank_of = np.tile(np.repeat(ranks, m), 4)
         self.passes = np.zeros((S, m), dtype=bool)
@@ -238,6 +248,16 @@ class Lowered:
         return self.latency if ranks[a] != ranks[b] else 0.0
 
     # -- timing -------------------------------------------------------------------------
+    def durations(self, order: Sequence[int]) -> list[float]:
+        """Per position of one rank's order, how long its action runs: its code's duration, plus
+        its stage's switch cost where the previous action was of another stage."""
+        dur = self.dur
+        if self.switch is None:
+            return [dur[c] for c in order]
+        stage, sw = self.code_stage, self.switch
+        return [dur[c] + (sw[stage[c]] if i and stage[c] != stage[order[i - 1]] else 0.0)
+                for i, c in enumerate(order)]
+
     def run_async(self, codes: Sequence[Sequence[int]], record: bool, steps: Steps | None = None
                   ) -> tuple[list[float], list[list[float]], list[int], list[float]]:
         """Time orders with non-blocking sends: (finish of each rank, start of each action per
@@ -249,11 +269,13 @@ class Lowered:
         # The one event loop of the package: keep it lean (the search's inner loop runs it).
         low = self if steps is None else steps
         dur, dep, out, olat = low.dur, low.dep, low.out, low.out_lat
+        sw, stage = low.switch, low.code_stage
         p = len(codes)
         avail = [-1.0] * low.nslots  # when the slot's data is at its consumer's rank
         waiter = [-1] * low.nslots
         pos = [0] * p
         free = [0.0] * p
+        lasts = [-1] * p  # the stage of each rank's last action so far (switch costs)
         starts: list[list[float]] = [[] for _ in range(p)]
         stack = list(range(p - 1, -1, -1))
         pop, push = stack.pop, stack.append
@@ -263,6 +285,7 @@ class Lowered:
             n = len(order)
             i = pos[r]
             t = free[r]
+            last = lasts[r]
             rec = starts[r].append if record else None
             while i < n:
                 c = order[i]
@@ -276,6 +299,12 @@ class Lowered:
                         t = a
                 if rec is not None:
                     rec(t)
+                if sw is not None:
+                    s = stage[c]
+                    if s != last and s >= 0:  # a step that is no action (-1) keeps the last stage
+                        if last >= 0:
+                            t += sw[s]
+                        last = s
                 t += dur[c]
                 o = out[c]
                 if o >= 0:
@@ -286,6 +315,7 @@ class Lowered:
                 i += 1
             pos[r] = i
             free[r] = t
+            lasts[r] = last
         return free, starts, pos, avail
 
     @functools.cached_property
@@ -299,7 +329,8 @@ class Lowered:
         n, k = self.ncodes, self.nslots
         out = [-1 if cross else o for o, cross in zip(self.out, self.out_cross)]
         return Steps(self.dur + [self.latency] * k + [0.0] * k, self.dep + list(range(k, 2 * k)) + [-1] * k,
-                     out + list(range(2 * k)), [0.0] * (n + 2 * k), 2 * k)
+                     out + list(range(2 * k)), [0.0] * (n + 2 * k), 2 * k, self.code_stage + [-1] * (2 * k),
+                     self.switch)
 
     @functools.cached_property
     def _with_steps(self) -> tuple[list[tuple[int, ...]], list[bool]]:

@@ -94,7 +94,8 @@ class LocalSearch:
     # -- moves --------------------------------------------------------------------------
     def critical_moves(self, codes: list[list[int]], starts: list[list[float]], free: list[float]) -> list[Move]:
         low = self.lowered
-        dur, dep, lat, out = low.dur, low.dep, low.dep_lat, low.out
+        dep, lat, out = low.dep, low.dep_lat, low.out
+        dur = [low.durations(order) for order in codes]  # per rank and position (switch costs)
         filled = {}   # slot -> (rank, index) of the action that fills it
         for r, order in enumerate(codes):
             for i, c in enumerate(order):
@@ -109,12 +110,12 @@ class LocalSearch:
             steps += 1
             c = codes[r][i]
             st = starts[r][i]
-            prev_end = starts[r][i - 1] + dur[codes[r][i - 1]] if i > 0 else 0.0
+            prev_end = starts[r][i - 1] + dur[r][i - 1] if i > 0 else 0.0
             d = dep[c]
             arrival = -1.0
             if d >= 0 and d in filled:
                 q, j = filled[d]
-                arrival = starts[q][j] + dur[codes[q][j]] + lat[c]
+                arrival = starts[q][j] + dur[q][j] + lat[c]
             if d >= 0 and arrival >= prev_end - EPS and arrival >= st - EPS:
                 r, i = filled[d]     # dependency-bound: the path continues at the producer
                 continue
@@ -130,11 +131,11 @@ class LocalSearch:
         return moves
 
     def gap_moves(self, codes: list[list[int]], starts: list[list[float]]) -> list[Move]:
-        dur = self.lowered.dur
         moves: list[Move] = []
         for r, order in enumerate(codes):
+            dur = self.lowered.durations(order)
             for i in range(1, len(order)):
-                if starts[r][i] > starts[r][i - 1] + dur[order[i - 1]] + EPS:
+                if starts[r][i] > starts[r][i - 1] + dur[i - 1] + EPS:
                     for k in range(1, self.gap_reach + 1):
                         if i + k < len(order):
                             moves.append((r, i + k, i))

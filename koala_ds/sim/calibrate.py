@@ -11,6 +11,14 @@ less the lowest and the highest 5%, see below):
   measured (I and W under full-backward schedules only, B under split ones) keeps the input
   profile's value, scaled by that stage's measured / profiled `forward` (and its spread); the
   result says so.
+- `switch` per stage (the extra time of an action whose rank's previous action was of another
+  stage: with v >= 2, the rank's other chunk): per (stage, op), each such action's compute less
+  the typical compute of that op's actions after one of the same stage, pooled over the stage's
+  ops, their typical value, at least 0 (the bound's durations stay lower bounds). A stage time
+  is then the typical compute of its actions after the same stage and that of its actions after
+  a switch less the stage's `switch`, weighted by their numbers, so that the calibrated model
+  gives the traced schedules the compute they measured. Only stages with actions after a switch and after the same stage get
+  one; a trace of one chunk per rank measures none (the profile's is kept).
 - `action_overhead`: the typical gap between consecutive actions of a rank (one action's end to
   the next one's start): the runtime's work between actions.
 - `p2p_latency`: over the actions that waited (more than WAIT_MIN_MS) for an input made on another
@@ -115,6 +123,8 @@ class Fit:
     action_overhead: Estimate
     p2p_latency: Estimate
     step_overhead: Estimate
+    #: per profile stage entry, its fitted switch cost (stages without samples left out)
+    switch: dict[int, Estimate] = dataclasses.field(default_factory=dict)
 
 
 def entry_of(stage: int, schedule: Schedule, entries: int) -> int:
@@ -142,7 +152,8 @@ def check_fits(runs: Sequence[TracedRun], profile: CostProfile, meta: dict | Non
 def fit(runs: Sequence[TracedRun], entries: int) -> Fit:
     """The fit of the module docstring over every complete step of `runs`, for a profile of
     `entries` stage entries."""
-    compute: dict[tuple[int, str], list[float]] = defaultdict(list)
+    same: dict[tuple[int, str], list[float]] = defaultdict(list)  # after an action of the same stage (or first)
+    after: dict[tuple[int, str], list[float]] = defaultdict(list)  # after an action of another stage
     gaps: list[float] = []
     arrivals: list[float] = []
     beside: list[float] = []
@@ -153,14 +164,39 @@ def fit(runs: Sequence[TracedRun], entries: int) -> Fit:
                 order = schedule.ranks[r]
                 for span in spans:
                     a = order[span.index]
-                    compute[(entry_of(a.stage, schedule, entries), FIELDS[a.op])].append(span.compute)
+                    switched = span.index > 0 and order[span.index - 1].stage != a.stage
+                    (after if switched else same)[(entry_of(a.stage, schedule, entries), FIELDS[a.op])].append(
+                        span.compute)
                 gaps += [b.start - a.end for a, b in zip(spans, spans[1:])]
             arrivals += _arrivals(schedule, step)
         beside += [step.time - step.span for step in run.timed_steps]
     overhead = Estimate.of(gaps)
     c = overhead.value or 0.0
-    return Fit({key: Estimate.of(values) for key, values in compute.items()}, overhead,
-               Estimate.of(arrivals, c), Estimate.of(beside, c))
+    switch = _switch_costs(same, after)
+    stages = {key: _stage_time(same[key], after[key], switch[key[0]].value if key[0] in switch else None)
+              for key in same.keys() | after.keys()}
+    return Fit(stages, overhead, Estimate.of(arrivals, c), Estimate.of(beside, c), switch)
+
+
+def _stage_time(same: list[float], after: list[float], switch: float | None) -> Estimate:
+    """A (stage, op)'s time without the switch cost: the typical compute of its actions after one
+    of the same stage and of those after a switch less `switch`, weighted by their numbers (the
+    samples' spread is all of them)."""
+    whole = Estimate.of(same + after)
+    parts = [(len(x), typical(x) - less) for x, less in ((same, 0.0), (after, switch or 0.0)) if x]
+    return dataclasses.replace(whole, value=max(0.0, sum(n * v for n, v in parts) / sum(n for n, _ in parts)))
+
+
+def _switch_costs(same: dict[tuple[int, str], list[float]], after: dict[tuple[int, str], list[float]]
+                  ) -> dict[int, Estimate]:
+    """Per stage entry with actions both after a switch and after the same stage: the typical
+    extra compute after a switch (module docstring)."""
+    extra: dict[int, list[float]] = defaultdict(list)
+    for key, samples in after.items():
+        if same.get(key):
+            base = typical(same[key])
+            extra[key[0]] += [x - base for x in samples]
+    return {entry: Estimate.of(values) for entry, values in sorted(extra.items())}
 
 
 def _arrivals(schedule: Schedule, step: Step) -> list[float]:
@@ -210,7 +246,8 @@ def calibrated_profile(raw: dict, fitted: Fit, runs: Sequence[TracedRun], skip_s
                   "pipelines": len({s.pipeline for s in r.steps}),
                   "measured_step_ms": round(r.measured_ms, 6)} for r in runs],
         "samples": {"action_overhead": fitted.action_overhead.samples, "p2p_latency": fitted.p2p_latency.samples,
-                    "step_overhead": fitted.step_overhead.samples},
+                    "step_overhead": fitted.step_overhead.samples,
+                    "switch": {str(i): est.samples for i, est in fitted.switch.items()}},
         "not_measured": notes}
     data["meta"] = meta
     return data, notes
@@ -239,6 +276,9 @@ def _stage_entries(raw_stages: list[dict], fitted: Fit) -> tuple[list[dict], lis
                 scaled.append(name)
         if spread:
             new["spread"] = {n: x for n, x in spread.items() if n != "backward" or "backward" in new}
+        est = fitted.switch.get(i)
+        if est is not None and est.value is not None:
+            new["switch"] = round(est.value, 6)
         if scaled:
             kept[tuple(scaled)].append((i, k))
         out.append(new)

@@ -20,7 +20,10 @@ messages): loading adds it to every F, I, W and B (B is one action: it gets it o
 profile without `backward` gets B = I + W + action_overhead). `step_overhead` (optional, ms,
 default 0) is what a training step costs beside the pipeline (the optimizer step, gradient
 reduction, the runtime's set-up and tear-down): the simulator adds it to every rank's finish,
-so to every makespan (= predicted step time). `koala calibrate` fits both from a measured run.
+so to every makespan (= predicted step time). A stage's optional `switch` (ms, default 0) is what
+one of its actions costs extra when its rank's previous action was of another stage (a rank's
+other chunk: the weights and activations it reads are no longer in the caches); the first action
+of a rank's order pays none. `koala calibrate` fits the three from a measured run.
 A stage's optional `spread` (written by `koala profile` and `koala calibrate`) gives, per time
 field, how precisely the profile knows its value: the interquartile range the value itself would
 show over repeated measurements, over the value (`value_spread`: about sqrt(pi/2) x the samples'
@@ -49,8 +52,9 @@ log = logging.getLogger(__name__)
 
 PROFILE_VERSION = 1
 STAGE_FIELDS = ("forward", "backward_input", "backward_weight", "activation_mb", "w_hold_mb")
-#: Optional per-stage fields: `backward`, the full backward's time (default I + W).
-OPTIONAL_STAGE_FIELDS = ("backward",)
+#: Optional per-stage fields: `backward`, the full backward's time (default I + W); `switch`, the
+#: extra time of an action whose rank's previous action was of another stage (default 0).
+OPTIONAL_STAGE_FIELDS = ("backward", "switch")
 #: The time fields a stage's optional `spread` may give (`value_spread`, a fraction); `backward`
 #: only where the stage gives `backward`.
 SPREAD_FIELDS = ("forward", "backward_input", "backward_weight", "backward")
@@ -92,6 +96,7 @@ class StageCost:
     activation_mb: float = 0.0
     w_hold_mb: float = 0.0
     backward_full: float | None = None  # the profile's `backward`; None: B = I + W
+    switch: float = 0.0  # the profile's `switch`: added to an action after one of another stage
 
     @property
     def backward(self) -> float:
@@ -109,6 +114,8 @@ class StageCost:
         out = {name: getattr(self, name) for name in STAGE_FIELDS}
         if self.backward_full is not None:
             out["backward"] = self.backward_full
+        if self.switch:
+            out["switch"] = self.switch
         return out
 
 
@@ -135,7 +142,7 @@ def _stage_spreads(entries: Sequence[dict]) -> tuple[StageSpread, ...] | None:
 def with_action_overhead(cost: StageCost, overhead: float) -> StageCost:
     """`cost` with `overhead` ms added to each action: F, I, W and B (once: B is one action)."""
     return StageCost(cost.forward + overhead, cost.backward_input + overhead, cost.backward_weight + overhead,
-                     cost.activation_mb, cost.w_hold_mb, cost.backward + overhead)
+                     cost.activation_mb, cost.w_hold_mb, cost.backward + overhead, cost.switch)
 
 
 #: The largest time (ms) or size (MB) a profile may give: 1e12 ms is 31 years, 1e12 MB an
@@ -207,7 +214,8 @@ class CostProfile:
         """Validate a parsed profile. Errors name `source` and the field (`stages[3].forward`)."""
         _check(data, source)
         stages = tuple(StageCost(*(float(entry[name]) for name in STAGE_FIELDS),
-                                 backward_full=float(entry["backward"]) if "backward" in entry else None)
+                                 backward_full=float(entry["backward"]) if "backward" in entry else None,
+                                 switch=float(entry.get("switch", 0.0)))
                        for entry in data["stages"])
         overhead = float(data.get("action_overhead", 0.0))
         if overhead:

@@ -7,7 +7,8 @@ Model (see also docs/lower_bound.md):
   F(s) needs F(s-1); I/B(s) needs F(s) and the input gradient (I or B) of s+1; W(s) needs I(s). An input computed on
   another rank arrives `p2p_latency` after it is computed.
 - F costs `forward`, I `backward_input`, W `backward_weight`, B the stage's `backward` (the
-  profile's field when given, else I + W).
+  profile's field when given, else I + W); an action whose rank's previous action was of another
+  stage costs its stage's `switch` more (0 unless the profile gives it).
 - Memory per rank: F allocates `activation_mb`, I frees `activation_mb - w_hold_mb`, W frees
   `w_hold_mb`, B frees `activation_mb`. The peak is the maximum over the rank's order (it does
   not depend on timing, because a rank runs one action at a time).
@@ -211,20 +212,18 @@ class Simulator:
             self.check(codes)
         free, starts = self._times(codes, mode, record=timeline)
         makespan = max(free)
-        dur = self.lowered.dur_np
-        busy = tuple((float(dur[np.asarray(o, dtype=np.int64)].sum()) if o else 0.0) + self.step_overhead
-                     for o in codes)
+        durations = [self.lowered.durations(o) for o in codes]
+        busy = tuple(sum(d) + self.step_overhead for d in durations)
         idle = tuple(max(0.0, makespan - b) for b in busy)  # no -5e-12 where a rank is never idle
         bubble = (sum(idle) / (self.p * makespan)) if makespan > 0 else 0.0
         peaks = self.lowered.peaks(codes)
         events = None
         if timeline:
-            d = self.lowered.dur
             as_actions = bool(ranks) and bool(ranks[0]) and isinstance(ranks[0][0], Action)
             timed: list[TimedAction] = []
             for r, (order, rank_starts) in enumerate(zip(codes, starts)):
                 acts = ranks[r] if as_actions else [self.decode(c) for c in order]
-                ends = [st + d[c] for c, st in zip(order, rank_starts)]
+                ends = [st + d for d, st in zip(durations[r], rank_starts)]
                 timed.extend(map(TimedAction, repeat(r), count(), acts, rank_starts, ends))
             events = tuple(timed)
         if v is None:
