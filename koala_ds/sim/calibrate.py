@@ -17,8 +17,9 @@ less the lowest and the highest 5%, see below):
   ops, their typical value, at least 0 (the bound's durations stay lower bounds). A stage time
   is then the typical compute of its actions after the same stage and that of its actions after
   a switch less the stage's `switch`, weighted by their numbers, so that the calibrated model
-  gives the traced schedules the compute they measured. Only stages with actions after a switch and after the same stage get
-  one; a trace of one chunk per rank measures none (the profile's is kept).
+  gives the traced schedules the compute they measured. Only stages with actions after a switch
+  and after the same stage get one; a trace of one chunk per rank measures none (the profile's
+  is kept).
 - `action_overhead`: the typical gap between consecutive actions of a rank (one action's end to
   the next one's start): the runtime's work between actions.
 - `p2p_latency`: over the actions that waited (more than WAIT_MIN_MS) for an input made on another
@@ -174,7 +175,7 @@ def fit(runs: Sequence[TracedRun], entries: int) -> Fit:
     c = overhead.value or 0.0
     switch = _switch_costs(same, after)
     stages = {key: _stage_time(same[key], after[key], switch[key[0]].value if key[0] in switch else None)
-              for key in same.keys() | after.keys()}
+              for key in sorted(same.keys() | after.keys())}
     return Fit(stages, overhead, Estimate.of(arrivals, c), Estimate.of(beside, c), switch)
 
 
