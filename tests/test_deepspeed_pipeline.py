@@ -120,7 +120,7 @@ def _assert_clipping_acted(results: list[dict], clipped: str, unclipped: str) ->
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("name,p,v", [("1f1b", 4, 1), ("gpipe", 2, 1), ("zb-h1", 4, 1), ("zb-h2", 2, 1),
                                       ("interleaved-1f1b", 2, 2), ("zb-v", 4, 2), ("dualpipe-v", 2, 2)])
-@pytest.mark.parametrize("lookahead", [0, 2])
+@pytest.mark.parametrize("lookahead", [0, 2, None])
 def test_instruction_streams_follow_the_lowered_schedule(name, p, v, lookahead):
     schedule = load_schedule(name, p, 8, v)
     peaks = validate(schedule).peak_in_flight

@@ -8,8 +8,9 @@ import pytest
 from koala_ds import library
 from koala_ds.resolve import load_schedule
 from koala_ds.core.ir import Action, Op, Placement, ScheduleError, schedule_from_ranks
-from koala_ds.runtime.lowering import (ACT, COMPUTE, GRAD, RECV, SEND, Lowered, Message, Step, check_lowered, lower,
-                               received_message)
+from koala_ds.runtime.lowering import (ACT, COMPUTE, GRAD, RECV, RECV_LOOKAHEAD, SEND, LookaheadSettingError,
+                                      Lowered, Message, Step, check_lowered, lower, received_message,
+                                      recv_lookahead)
 from koala_ds.sim.random_schedule import random_schedule
 from koala_ds.core.validate import validate
 
@@ -26,7 +27,7 @@ def _library_cases():
 def _check_all(schedule) -> None:
     """Channel orders agree, each compute is preceded by the receive of its input, the streams run."""
     for forward_only in (False, True):
-        for lookahead in (0, 1, 2):
+        for lookahead in (0, 1, 2, None):
             lowered = lower(schedule, forward_only, lookahead)
             _check_shape(lowered)
             check_lowered(lowered)
@@ -171,3 +172,28 @@ def test_the_lowering_does_not_import_torch():
 
     code = "import sys, koala_ds.runtime.lowering; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+# -- how far ahead the engines post their receives -----------------------------------------
+@pytest.mark.parametrize("name,p,v", [("1f1b", 4, 1), ("zb-v", 2, 2), ("interleaved-1f1b", 2, 2)])
+def test_lookahead_none_posts_every_receive_before_the_first_compute(name, p, v):
+    schedule = load_schedule(name, p, 8, v)
+    lowered = lower(schedule, lookahead=None)
+    check_lowered(lowered)
+    for rank, steps in enumerate(lowered.ranks):
+        first = next(i for i, st in enumerate(steps) if st.kind == COMPUTE)
+        receives = [i for i, st in enumerate(steps) if st.kind == RECV]
+        assert receives and max(receives) < first, rank
+        assert len(receives) == len([st for st in lower(schedule).ranks[rank] if st.kind == RECV])
+
+
+def test_recv_lookahead_is_all_on_gloo_and_the_environment_overrides_it():
+    assert recv_lookahead(True, {}) is None
+    assert recv_lookahead(False, {}) == RECV_LOOKAHEAD
+    assert recv_lookahead(False, {"KOALA_RECV_LOOKAHEAD": "all"}) is None
+    assert recv_lookahead(True, {"KOALA_RECV_LOOKAHEAD": " 3 "}) == 3
+    assert recv_lookahead(True, {"KOALA_RECV_LOOKAHEAD": ""}) is None
+    for bad in ("-1", "two", "1.5"):
+        with pytest.raises(LookaheadSettingError) as err:
+            recv_lookahead(True, {"KOALA_RECV_LOOKAHEAD": bad})
+        assert str(err.value).startswith(f"KOALA_RECV_LOOKAHEAD={bad!r}") and "\n" not in str(err.value)

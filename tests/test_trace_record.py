@@ -170,9 +170,11 @@ def test_deepspeed_config_key_and_environment_variable(tmp_path):
 
 
 @pytest.mark.parametrize("name,p,v", [("zb-h1", 2, 1), ("1f1b", 4, 1), ("zb-v", 2, 2), ("interleaved-1f1b", 2, 2)])
-def test_megatron_spans_cover_each_action_once_with_its_send(name, p, v):
+@pytest.mark.parametrize("lookahead", [2, None])
+def test_megatron_spans_cover_each_action_once_with_its_send(name, p, v, lookahead):
     """Each compute action's span in the interpreter's program: in the rank's order, disjoint,
-    holding that action's compute and the SEND right after it, and the receives posted before it."""
+    holding that action's compute and the SEND right after it, and the receives posted before it
+    (lookahead None, gloo's: every receive in the first action's span)."""
     pytest.importorskip("torch")
     from koala_ds.megatron.runtime import KoalaForwardBackward, _StepRunner, _traced
 
@@ -180,8 +182,10 @@ def test_megatron_spans_cover_each_action_once_with_its_send(name, p, v):
     compute = {R._forward, R._backward_full, R._backward_input, R._backward_weight}
     schedule = load_schedule(name, p, 2 * p, v)
     for rank in range(p):
-        prep = KoalaForwardBackward(schedule)._prepare(schedule, rank, False)
+        prep = KoalaForwardBackward(schedule)._prepare(schedule, rank, False, lookahead)
         program, spans = prep.program, prep.spans
+        posts = [k for k, (fn, _) in enumerate(program) if fn is R._post]
+        assert posts and (lookahead is not None or max(posts) < spans[0][1])
         assert len(spans) == len(schedule.ranks[rank])
         assert all(a < b <= c for (a, b), (c, _) in zip(spans, spans[1:] + ((len(program), 0),)))
         for (first, end), action in zip(spans, schedule.ranks[rank]):

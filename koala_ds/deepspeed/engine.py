@@ -55,7 +55,7 @@ from deepspeed.runtime.pipe.module import PipelineModule
 from ..core.ir import KoalaError, Placement, Schedule
 from ..resolve import DEEPSPEED, check_profile_stages, load_profile, resolve
 from ..runtime import wgrad
-from ..runtime.lowering import ACT, GRAD, Message
+from ..runtime.lowering import ACT, GRAD, Message, recv_lookahead
 from ..runtime.trace_record import TraceRecorder, timed_wait
 from ..runtime.wgrad import WeightGradQueue
 from .checkpoint import CheckpointLayout
@@ -170,9 +170,10 @@ class KoalaPipelineEngine(PipeComm, CheckpointLayout, PipelineEngine):
         # the forwards of microbatches whose backward is a full B run as an unprepared model would
         self._plain_forwards = wgrad.full_backward_forwards(schedule, self.stage_id) if self._wgrad else frozenset()
         # the first step learns the messages' shapes at their first receive, so its receives come
-        # right before their consumers; later steps post them early (koala_ds.runtime.lowering)
+        # right before their consumers; later steps post them early (koala_ds.runtime.lowering:
+        # on gloo all at the step's start, recv_lookahead)
         self._first_sched = KoalaPipeSchedule(schedule, self.stage_id, lookahead=0)
-        self._train_sched = KoalaPipeSchedule(schedule, self.stage_id)
+        self._train_sched = KoalaPipeSchedule(schedule, self.stage_id, lookahead=recv_lookahead(self._koala_gloo))
         self._shapes_known = False
         self._inference_scheds: dict[int, KoalaInferenceSchedule] = {}
         self._programs: dict[int, tuple] = {}

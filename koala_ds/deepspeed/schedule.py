@@ -118,7 +118,7 @@ def _compile(schedule: Schedule, rank: int, steps: tuple[Step, ...], slot: dict)
     return out
 
 
-def _compile_train(schedule: Schedule, rank: int, lookahead: int) -> tuple[list[list[PipeInstruction]], int]:
+def _compile_train(schedule: Schedule, rank: int, lookahead: int | None) -> tuple[list[list[PipeInstruction]], int]:
     slot, buffers = _slots(schedule.ranks[rank])
     steps = _compile(schedule, rank, lower(schedule, lookahead=lookahead).ranks[rank], slot)
     steps.append([WaitSends(), ReduceTiedGrads(), ReduceGrads(), OptimizerStep()])
@@ -150,10 +150,10 @@ class KoalaPipeSchedule(PipeSchedule):
     `stages` is the number of pipeline ranks (DeepSpeed's meaning), `micro_batches` the
     gradient accumulation steps; both must equal the schedule's p and m. `lookahead`: of the
     lowering (0: every receive right before its consumer, as a step that must first learn a
-    message's shape needs).
+    message's shape needs; None: every receive at the step's start).
     """
 
-    def __init__(self, schedule: Schedule, stage_id: int, lookahead: int = RECV_LOOKAHEAD) -> None:
+    def __init__(self, schedule: Schedule, stage_id: int, lookahead: int | None = RECV_LOOKAHEAD) -> None:
         super().__init__(schedule.m, schedule.p, stage_id)
         self.schedule = schedule
         self.lookahead = lookahead

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ..runtime.bounded_collectives import bounded_collectives
 from ..core.ir import KoalaError, Op, Schedule
-from ..runtime.lowering import ACT, COMPUTE, GRAD, RECV, Message, lower
+from ..runtime.lowering import ACT, COMPUTE, GRAD, RECV, Message, lower, recv_lookahead
 from ..runtime.timeout import timeout_setting
 from ..runtime.trace_record import TraceRecorder, check_trace_path, timed_wait
 from . import resolve as _resolve
@@ -74,14 +74,16 @@ class _Prepared:
     traced_program: tuple | None = None  # program with the trace recorder's marks (_traced), when asked
 
 
-def _program(schedule: Schedule, rank: int, forward_only: bool, stages: dict) -> tuple[tuple, tuple]:
+def _program(schedule: Schedule, rank: int, forward_only: bool, stages: dict, lookahead: int | None
+             ) -> tuple[tuple, tuple]:
     """This rank's lowered stream (koala_ds.runtime.lowering) as (function, arguments) pairs, so that the
     interpreter's work per step is the call: RECV posts a receive, a compute action runs with its
     messages and stage facts at hand, SEND sends the tensor the compute before it produced. With
     backward, the grad sync of a chunk brackets its last action producing weight gradients.
     Also each compute action's span in it, (first, end) positions: from the end of the
-    action before (its receives posted ahead included) through its SEND (`_traced`)."""
-    steps = lower(schedule, forward_only).ranks[rank]
+    action before (its receives posted ahead included) through its SEND (`_traced`). `lookahead`:
+    the lowering's (`recv_lookahead`)."""
+    steps = lower(schedule, forward_only, lookahead).ranks[rank]
     pl = schedule.placement
     last_w = {}
     if not forward_only:
@@ -351,12 +353,12 @@ class KoalaForwardBackward:
         # -- everything that can be wrong is checked here, before any communication --
         schedule = _resolve.resolve(self.schedule_spec, p, num_microbatches, v)
         self._check_setup(schedule, models, config, forward_only, pp_group, waiter)
-        prep = self._prepare(schedule, rank, forward_only)
+        dtype, gloo, model_device, comm_device = _comm_setting(config, pp_group, models[0])
+        prep = self._prepare(schedule, rank, forward_only, recv_lookahead(gloo))
         self.last_schedule = schedule
 
         shape = _message_shape(config, decoder_seq_length or seq_length, micro_batch_size, cp_group.size(),
                                tp_group.size(), adjust_tensor_shapes_fn)
-        dtype, gloo, model_device, comm_device = _comm_setting(config, pp_group, models[0])
         if recorder is not None:  # training steps only; the trace's rows are the schedule's actions
             recorder = self._begin_step(recorder, prep, forward_only, rank, pg_collection, step_start, model_device)
         with bounded_collectives(waiter):
@@ -459,8 +461,8 @@ class KoalaForwardBackward:
         if problems:
             raise MegatronScheduleError("koala schedule runtime: " + "; ".join(problems))
 
-    def _prepare(self, schedule: Schedule, rank: int, forward_only: bool) -> _Prepared:
-        key = (id(schedule), rank, forward_only)
+    def _prepare(self, schedule: Schedule, rank: int, forward_only: bool, lookahead: int | None) -> _Prepared:
+        key = (id(schedule), rank, forward_only, lookahead)
         if key in self._prepared and self._prepared[key].schedule is schedule:
             return self._prepared[key]
         pl = schedule.placement
@@ -473,7 +475,7 @@ class KoalaForwardBackward:
             prev, nxt = pl.prev_stage(stage), pl.next_stage(stage)
             stages[stage] = _StageInfo(chunk, prev, None if prev is None else pl.rank_of(prev),
                                        nxt, None if nxt is None else pl.rank_of(nxt), nxt is None)
-        prep = _Prepared(schedule, tuple(reading), stages, *_program(schedule, rank, forward_only, stages))
+        prep = _Prepared(schedule, tuple(reading), stages, *_program(schedule, rank, forward_only, stages, lookahead))
         self._prepared[key] = prep
         return prep
 
