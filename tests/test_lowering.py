@@ -197,3 +197,20 @@ def test_recv_lookahead_is_all_on_gloo_and_the_environment_overrides_it():
         with pytest.raises(LookaheadSettingError) as err:
             recv_lookahead(True, {"KOALA_RECV_LOOKAHEAD": bad})
         assert str(err.value).startswith(f"KOALA_RECV_LOOKAHEAD={bad!r}") and "\n" not in str(err.value)
+
+
+def test_a_bad_recv_lookahead_stops_both_engines_before_training(monkeypatch):
+    """One line naming KOALA_RECV_LOOKAHEAD, from DeepSpeed's config reading and Megatron's launch check."""
+    pytest.importorskip("torch")
+    import argparse
+
+    from koala_ds.deepspeed.config import KoalaConfigError, KoalaPipelineConfig
+    from koala_ds.megatron import MegatronScheduleError, add_arguments, install
+
+    with pytest.raises(KoalaConfigError, match=r"^KOALA_RECV_LOOKAHEAD='soon': .*'all'"):
+        KoalaPipelineConfig.from_pipeline_section({}, env={"KOALA_RECV_LOOKAHEAD": "soon"})
+    assert KoalaPipelineConfig.from_pipeline_section({}, env={"KOALA_RECV_LOOKAHEAD": "all"}).schedule is None
+    monkeypatch.setenv("KOALA_RECV_LOOKAHEAD", "-2")
+    args = add_arguments(argparse.ArgumentParser()).parse_args(["--pipeline-schedule", "koala", "--koala-schedule", "1f1b"])
+    with pytest.raises(MegatronScheduleError, match=r"^KOALA_RECV_LOOKAHEAD='-2'"):
+        install(args)

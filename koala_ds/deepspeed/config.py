@@ -11,6 +11,7 @@ from deepspeed.runtime.pipe.module import PipelineModule
 from ..core.ir import KoalaError, Placement, Schedule
 from ..core.validate import validate
 from ..resolve import DEEPSPEED, ScheduleFitError, check_fit, load
+from ..runtime.lowering import LookaheadSettingError, recv_lookahead
 from ..runtime.timeout import DEFAULT_TIMEOUT_S, ENV_TIMEOUT, TimeoutSettingError, timeout_setting
 from ..runtime.trace_record import check_trace_path
 
@@ -70,6 +71,10 @@ class KoalaPipelineConfig:
             raise KoalaConfigError(f'DeepSpeed config "pipeline.koala.schedule" is {schedule!r}: give a library '
                                    f'name, a .koala / .json / .csv file, or drop the key (default 1f1b)')
         trace, trace_source = _trace_setting(koala.get("trace"), env)
+        try:  # read by the engine (koala_ds.runtime.lowering.recv_lookahead); checked before training
+            recv_lookahead(True, env)
+        except LookaheadSettingError as exc:
+            raise KoalaConfigError(str(exc)) from None
         return cls(schedule or env.get(ENV_KOALA_SCHEDULE) or None, profile, timeout, source,
                    koala.get("parts"), profile_source, trace, trace_source)
 

@@ -21,6 +21,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..core.errors import rank_zero_argument_errors
+from ..runtime.lowering import LookaheadSettingError, recv_lookahead
 from ..runtime.timeout import TimeoutSettingError, check_timeout
 from ..runtime.trace_record import check_trace_path
 from .. import library
@@ -94,6 +95,10 @@ def schedule_from_args(args, chunks: str = "megatron") -> str | None:
             check_timeout(timeout, "--koala-p2p-timeout")
         except TimeoutSettingError as exc:
             raise MegatronScheduleError(str(exc)) from None
+    try:  # read by the runtime (koala_ds.runtime.lowering.recv_lookahead); checked before training
+        recv_lookahead(True)
+    except LookaheadSettingError as exc:
+        raise MegatronScheduleError(str(exc)) from None
     trace = getattr(args, "koala_trace", None)
     if trace is not None:  # checked now: an unwritable FILE is found before training, not at its first step
         try:

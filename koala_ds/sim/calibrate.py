@@ -169,7 +169,7 @@ def fit(runs: Sequence[TracedRun], entries: int) -> Fit:
                     (after if switched else same)[(entry_of(a.stage, schedule, entries), FIELDS[a.op])].append(
                         span.compute)
                 gaps += [b.start - a.end for a, b in zip(spans, spans[1:])]
-            arrivals += _arrivals(schedule, step)
+            arrivals += message_delays(schedule, step)
         beside += [step.time - step.span for step in run.timed_steps]
     overhead = Estimate.of(gaps)
     c = overhead.value or 0.0
@@ -200,7 +200,7 @@ def _switch_costs(same: dict[tuple[int, str], list[float]], after: dict[tuple[in
     return {entry: Estimate.of(values) for entry, values in sorted(extra.items())}
 
 
-def _arrivals(schedule: Schedule, step: Step) -> list[float]:
+def message_delays(schedule: Schedule, step: Step) -> list[float]:
     """Per action that waited for an input from another rank: its arrival less the producer's end."""
     pl = schedule.placement
     made: dict[tuple[str, int, int], tuple[int, float]] = {}  # (kind, stage, mb) -> (rank, end)
