@@ -200,8 +200,9 @@ def _switch_costs(same: dict[tuple[int, str], list[float]], after: dict[tuple[in
     return {entry: Estimate.of(values) for entry, values in sorted(extra.items())}
 
 
-def message_delays(schedule: Schedule, step: Step) -> list[float]:
-    """Per action that waited for an input from another rank: its arrival less the producer's end."""
+def message_delays(schedule: Schedule, step: Step, min_wait: float = WAIT_MIN_MS) -> list[float]:
+    """Per action that waited more than `min_wait` ms for an input from another rank: its arrival
+    less the producer's end."""
     pl = schedule.placement
     made: dict[tuple[str, int, int], tuple[int, float]] = {}  # (kind, stage, mb) -> (rank, end)
     for r, spans in enumerate(step.ranks):
@@ -212,7 +213,7 @@ def message_delays(schedule: Schedule, step: Step) -> list[float]:
     out = []
     for r, spans in enumerate(step.ranks):
         for span in spans:
-            if span.wait <= WAIT_MIN_MS:
+            if span.wait <= min_wait:
                 continue
             a = schedule.ranks[r][span.index]
             src = pl.prev_stage(a.stage) if a.op is Op.F else pl.next_stage(a.stage) if a.op in (Op.B, Op.I) else None
