@@ -58,12 +58,12 @@ class LookaheadSettingError(ScheduleError, ValueError):
 def recv_lookahead(gloo: bool, env: dict | None = None) -> int | None:
     """The lookahead of an engine's training steps: KOALA_RECV_LOOKAHEAD where set (a number of
     compute actions, or "all": None); else, on gloo, None (every receive of the step at its
-    start; DeepSpeed example, dim 1024, p = 2, v = 2, 2-core CPU, 7 alternating rounds of fresh
-    runs against lookahead 2: of the waits for a message, those that ended more than 2 ms after
-    its sender's compute fell from 14-17% to 7%, the mean lateness from 1.0-1.2 to 0.2-0.4 ms,
-    and the searched v = 2 schedule's step by 10% (geometric mean of the rounds' ratios; zb-v's
-    by 2%, within the rounds' noise)); else RECV_LOOKAHEAD (NCCL: a receive posted early holds
-    its buffer, so on a GPU posting all at once costs memory)."""
+    start; benchmarks/results/recv_lookahead.txt: DeepSpeed example, dim 1024, p = 2, v = 2,
+    2-core CPU, 7 alternating rounds of fresh runs against lookahead 2: of the waits for a
+    message, those that ended more than 2 ms after its sender's compute fell from 12.5-13.7% to
+    7.3-7.7%, the mean lateness from 0.8-1.3 to 0.3-0.4 ms, the step by 11-12%); else
+    RECV_LOOKAHEAD (NCCL: a receive posted early holds its buffer, so on a GPU posting all at
+    once costs memory)."""
     raw = (os.environ if env is None else env).get(ENV_RECV_LOOKAHEAD, "").strip()
     if not raw:
         return None if gloo else RECV_LOOKAHEAD
