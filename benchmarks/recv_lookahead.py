@@ -12,8 +12,7 @@ lookahead the rounds' median step periods (--loss-log period_ms, the first --war
 dropped), the geometric mean over the rounds of all / 2, and from the traces (koala_ds.sim.measured,
 the first 2 steps skipped) the waits longer than WAIT_MS for a message from the other rank: how
 many, the share of them that ended more than LATE_MS after the sender's compute ended, and their
-mean lateness
-(koala_ds.sim.calibrate.message_delays).
+mean lateness (koala_ds.sim.calibrate.message_delays).
 """
 from __future__ import annotations
 

@@ -345,7 +345,7 @@ def solve_exact(problem: SearchProblem, part: PlacementProblem | None = None, hi
     if name == "optimal":
         bound = obj
         slack = sum(map(len, ranks)) / sc  # the rounding of the scaled durations, at most
-        if any(c.switch for c in problem.search_profile.stages) and simres.makespan > obj + slack:
+        if sim.lowered.switch is not None and simres.makespan > obj + slack:
             name = "feasible"  # the profile's switch costs, which the model leaves out, made it longer
     log.info("exact: %s, objective %.6g ms (simulated %.6g), bound %.6g, %.1f s", name, obj, simres.makespan,
              bound, wall)
@@ -391,7 +391,7 @@ def relaxed_bound(problem: SearchProblem, part: PlacementProblem | None = None, 
         log.info("relaxation on ranks %s: %.6g ms; overlaps %s", sorted(machines), best, overlap)
         if not overlap:
             # a schedule of the model without the profile's switch costs: optimal only where it has none
-            tight = not any(c.switch for c in problem.search_profile.stages)
+            tight = part.sim.lowered.switch is None
             return RelaxedBound(best, tuple(sorted(machines)), tight, time.perf_counter() - t0)
         machines.add(max(overlap, key=lambda r: (overlap[r], -r)))
     return RelaxedBound(best, tuple(sorted(machines)), False, time.perf_counter() - t0)
