@@ -691,6 +691,32 @@ def test_a_search_worker_killed_mid_search_leaves_the_same_answer(monkeypatch, c
     assert (result.makespan, result.schedule.to_dict()) == (alone.makespan, alone.schedule.to_dict())
 
 
+@pytest.mark.slow  # worker processes
+def test_a_ctrl_c_while_the_search_starts_its_workers_is_not_lost(monkeypatch):
+    """Ctrl-C reaching the search while its workers were being created was dropped (SIGINT was
+    ignored meanwhile, so the workers would inherit that) and the search ran on to its end."""
+    import os
+    import signal
+
+    from koala_ds.search import pool
+
+    submit = pool.Evaluator._submit_one_each
+
+    def ctrl_c_then_submit(self):
+        os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C in a terminal does to this process
+        submit(self)
+
+    monkeypatch.setattr(pool.Evaluator, "_submit_one_each", ctrl_c_then_submit)
+    evaluator = pool.Evaluator(_problem(4, 8), 2)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            evaluator._start_workers()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    finally:
+        evaluator.close()
+
+
 def _ends_heavy(limit):
     """4 stages whose first and last hold 200 MB per activation, the middle ones 100: on 2 ranks
     (v = 2) the V-shape puts both 200 MB stages on rank 0 (400 MB whatever the schedule), the

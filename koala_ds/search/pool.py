@@ -86,17 +86,29 @@ class Evaluator:
             self.started = False
 
     def _start_workers(self) -> None:
-        """Start every worker now, with SIGINT ignored while they are created: they inherit that,
-        so a Ctrl-C while they import is not theirs either (no worker tracebacks)."""
+        """Start every worker now, with SIGINT blocked while they are created: they inherit the
+        mask, so a Ctrl-C while they import stays pending until their initializer ignores it (no
+        worker tracebacks); this process gets it once the workers are started (a Ctrl-C then was
+        lost while SIGINT was ignored here instead: the search ran on to its end)."""
         self.started = True
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set in the main thread; the initializer still ignores SIGINT
-        old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if not hasattr(signal, "pthread_sigmask"):  # pragma: no cover - Windows
+            old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            try:
+                self._submit_one_each()
+            finally:
+                signal.signal(signal.SIGINT, old)
+            return
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
-            for _ in range(self.workers):
-                self.pool.submit(os.getpid)
+            self._submit_one_each()
         finally:
-            signal.signal(signal.SIGINT, old)
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a pending SIGINT is delivered here
+
+    def _submit_one_each(self) -> None:
+        for _ in range(self.workers):
+            self.pool.submit(os.getpid)
 
     def __call__(self, jobs: list[tuple[int, list[list[int]]]], out_of_time: Callable[[], bool] | None = None
                  ) -> list[tuple[float, float, list[list[int]]]]:
