@@ -78,6 +78,7 @@ MEGATRON_SIZES = {"gpt-4L-h64-s32": {"num-layers": 4, "hidden-size": 64, "num-at
                                       "micro-batch-size": 2}}
 DEEPSPEED_DIMS = (64, 1024)  # train.py --dim: its default and a size whose layers cost more than the runtime
 DEEPSPEED_LAYERS = 9  # train.py's build_layers: 8 blocks and a head
+DEEPSPEED_SEED_LAYERS = True  # train.py's SEED_LAYERS: its PipelineModule reseeds per layer (koala profile --seed-layers)
 STEP_TIMEOUT_S = 600  # every subprocess (a profile, a search, one torchrun)
 
 
@@ -126,8 +127,9 @@ class Example:
             flags = [x for k, val in self.size.items() for x in (f"--{k}", str(val))]
             return [koala, "profile", "megatron-gpt", *flags, "-p", str(self.p), "-v", str(v), "-o", str(out), *rounds]
         module = self.layers_module(work)
+        seed = ["--seed-layers"] if DEEPSPEED_SEED_LAYERS else []
         return [koala, "profile", "deepspeed", "--layers", f"{module}:layers", "--input", f"{module}:sample",
-                "--partition-method", "uniform", "-p", str(self.p), "-v", str(v), "-o", str(out), *rounds]
+                "--partition-method", "uniform", *seed, "-p", str(self.p), "-v", str(v), "-o", str(out), *rounds]
 
     def layers_module(self, work: Path) -> str:
         """The module `koala profile deepspeed` imports: the example itself at its default --dim,

@@ -203,6 +203,15 @@ def test_the_example_builds_its_layer_list_for_any_dim(example):
     assert len(example.layers()) == 9 and example.sample().shape == (example.MICRO_BATCH, 64)
 
 
+def test_the_profile_reseeds_per_layer_as_the_examples_pipeline_module_does(example, fidelity, tmp_path):
+    """The example builds PipelineModule(seed_layers=SEED_LAYERS): DeepSpeed then reseeds before
+    every layer of every forward, which the benchmark's profile must measure (--seed-layers)."""
+    ex = fidelity.Example("deepspeed", "dim64", 2, {"dim": 64})
+    cmd = ex.profile_cmd(1, tmp_path / "p.json", tmp_path, quick=True)
+    assert fidelity.DEEPSPEED_SEED_LAYERS is example.SEED_LAYERS
+    assert ("--seed-layers" in cmd) is example.SEED_LAYERS
+
+
 def test_the_examples_loss_log_is_checked_before_deepspeed_starts(example, monkeypatch, capsys, tmp_path):
     from koala_ds.core.errors import run_main
 

@@ -60,6 +60,11 @@ class Block(torch.nn.Module):
 
 #: Rows of one microbatch.
 MICRO_BATCH = 4
+#: PipelineModule(seed_layers=...): DeepSpeed reseeds Python's, numpy's and torch's generators
+#: before every layer of every forward (on the CPU about 0.3-0.5 ms a layer here, more than the
+#: layers' compute: torch records the Python stack for each device it defers the seed to), so
+#: a profile of these layers needs `koala profile deepspeed --seed-layers` (docs/profiling.md).
+SEED_LAYERS = True
 
 
 def build_layers(dim: int = 64) -> list:
@@ -74,8 +79,9 @@ def sample_input(dim: int = 64) -> torch.Tensor:
 
 def layers() -> list:
     """The layer list at the default --dim: `koala profile deepspeed --layers train:layers --input
-    train:sample --partition-method uniform -p 2 -o prof.json`, run with this folder on PYTHONPATH
-    (docs/profiling.md); another --dim: a module of your own returning build_layers(dim)."""
+    train:sample --partition-method uniform --seed-layers -p 2 -o prof.json`, run with this folder
+    on PYTHONPATH (docs/profiling.md; --seed-layers: main() builds the PipelineModule with
+    seed_layers=SEED_LAYERS); another --dim: a module of your own returning build_layers(dim)."""
     return build_layers()
 
 
@@ -128,7 +134,8 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo" if os.environ.get("DS_ACCELERATOR") == "cpu" else None)
     torch.manual_seed(0)
     layers = build_layers(args.dim)
-    common = dict(num_stages=pp, loss_fn=torch.nn.functional.mse_loss, partition_method="uniform", seed_layers=True)
+    common = dict(num_stages=pp, loss_fn=torch.nn.functional.mse_loss, partition_method="uniform",
+                  seed_layers=SEED_LAYERS)
     if args.chunks > 1:
         from koala_ds.deepspeed import KoalaPipelineModule  # also registers the Koala engine
 

@@ -394,6 +394,14 @@ def _method_for(layers: Any, args) -> str | None:
     return method
 
 
+def _check_seed_layers(layers: Any, args) -> None:
+    """--seed-layers with a PipelineModule built without seed_layers: one line (its own counts)."""
+    if args.seed_layers and getattr(layers, "seed_layers", None) is False:
+        raise KoalaError(f"--seed-layers: --layers {args.layers!r} returned a PipelineModule built with "
+                         f"seed_layers=False, which DeepSpeed runs without reseeding: drop --seed-layers, or "
+                         f"build the module with seed_layers=True")
+
+
 def _sample(returned: Any, ref: str) -> Any:
     """What --input returned: one microbatch's input (None is refused)."""
     if returned is None:
@@ -446,7 +454,8 @@ def _deepspeed_layers(args, layers: Any, sample: Any, device: str, p2p: bool | f
     from ..profiler.models import profile_pipeline_module_layers
 
     result = profile_pipeline_module_layers(
-        layers, sample, device=device, warmup=args.warmup, iters=args.iters, p2p=p2p,
+        layers, sample, seed_layers=args.seed_layers, device=device, warmup=args.warmup, iters=args.iters,
+        p2p=p2p,
         p2p_timeout_s=args.p2p_timeout, memory_limit_mb=args.memory_limit,
         optimizer_bytes_per_param_byte=args.optimizer_bytes_per_param_byte,
         progress=_progress(device, args, "layer"), max_hold=args.max_w_hold, clock=args.clock)
@@ -458,7 +467,8 @@ def _deepspeed_stages(args, layers: Any, sample: Any, device: str, p2p: bool | f
     from ..profiler.models import profile_pipeline_module
 
     result = profile_pipeline_module(layers, sample, args.p * args.v, partition_method=args.partition_method,
-                                     device=device, warmup=args.warmup, iters=args.iters, p2p=p2p,
+                                     seed_layers=args.seed_layers, device=device, warmup=args.warmup,
+                                     iters=args.iters, p2p=p2p,
                                      p2p_timeout_s=args.p2p_timeout, memory_limit_mb=args.memory_limit,
                                      progress=_progress(device, args), max_hold=args.max_w_hold, clock=args.clock)
     result.extra_meta.update({"p": args.p, "v": args.v})
@@ -471,6 +481,7 @@ def cmd_deepspeed(args) -> int:
     device, p2p = _setup(args)
     layers = _layer_list(_call(layers_fn, args.layers, "--layers"), args)
     args.partition_method = _method_for(layers, args)
+    _check_seed_layers(layers, args)
     sample = _sample(_call(input_fn, args.input, "--input"), args.input)
     profile = _deepspeed_layers if args.per_layer else _deepspeed_stages
     with _p2p_deadline("--p2p-timeout", args.p2p_timeout, P2P_LATENCY_HINT), _model_errors(args):
@@ -525,6 +536,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--partition-method", type=partition_method, default=None,
                    help="uniform, parameters or type:REGEX (default parameters; a PipelineModule's own otherwise)")
     _common(d)
+    d.add_argument("--seed-layers", action="store_true",
+                   help="the layers run in a PipelineModule(seed_layers=True): reseed before each layer of each "
+                        "forward, as DeepSpeed does (host time in every F); a returned PipelineModule: its own")
     d.set_defaults(func=cmd_deepspeed)
     q = kinds.add_parser("p2p", help="only the p2p latency (2-process gloo ping-pong)")
     q.add_argument("--numel", type=_count, required=True,

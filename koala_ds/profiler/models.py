@@ -2,6 +2,8 @@
 examples/megatron_gpt) and the layers of a DeepSpeed PipelineModule."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -238,15 +240,48 @@ def gpt_layer_specs(num_layers: int, hidden: int, heads: int, seq: int, vocab: i
 
 
 # -- DeepSpeed PipelineModule -------------------------------------------------------------------
+@dataclass(frozen=True)
+class LayerSeeding:
+    """A PipelineModule's `seed_layers=True`: DeepSpeed reseeds before every layer of every
+    forward (`seed_fn(seed)`, else deepspeed.runtime.utils.set_random_seed: Python's, numpy's and
+    torch's generators), with seed base_seed x (forwards so far + 1) + the layer's index. That is
+    host time in each F that the layers alone do not show; a profiled stage pays it too."""
+
+    base_seed: int = 1234  # PipelineModule's default
+    seed_fn: Callable[[int], Any] | None = None
+
+    @classmethod
+    def of(cls, module_or_layers, seed_layers: bool | None = None) -> "LayerSeeding | None":
+        """A PipelineModule's own seeding (`seed_layers`, `base_seed`, `seed_fn`); for a layer
+        list, `seed_layers` (True: DeepSpeed's defaults)."""
+        own = getattr(module_or_layers, "seed_layers", None)
+        if own is not None:
+            return cls(module_or_layers.base_seed, module_or_layers.seed_fn) if own else None
+        return cls() if seed_layers else None
+
+    def reseed(self, forwards: int, layer: int) -> None:
+        seed = self.base_seed * (forwards + 1) + layer
+        if self.seed_fn is not None:
+            self.seed_fn(seed)
+        else:
+            from deepspeed.runtime import utils as ds_utils
+
+            ds_utils.set_random_seed(seed)
+
+
 class _Layers(torch.nn.Module):
-    def __init__(self, funcs: list):
+    def __init__(self, funcs: list, seeding: LayerSeeding | None = None, first_layer: int = 0):
         super().__init__()
         self.funcs = funcs
         self.mods = torch.nn.ModuleList([f for f in funcs if isinstance(f, torch.nn.Module)])
+        self.seeding, self.first_layer, self.forwards = seeding, first_layer, 0
 
     def forward(self, *args):
         x = args[0] if len(args) == 1 else args  # a tuple input: the first layer's one argument, as DeepSpeed
-        for f in self.funcs:
+        self.forwards += 1
+        for i, f in enumerate(self.funcs):
+            if self.seeding is not None:
+                self.seeding.reseed(self.forwards, self.first_layer + i)
             x = f(x)
         return x
 
@@ -266,10 +301,13 @@ def layer_type_names(specs) -> list[str]:
     return [name(spec) for spec in specs]
 
 
-def pipeline_module_stages(module_or_layers, num_stages: int, partition_method: str = "parameters"):
+def pipeline_module_stages(module_or_layers, num_stages: int, partition_method: str = "parameters",
+                           seed_layers: bool | None = None):
     """Build the stages of a DeepSpeed pipeline model in this process: the layer list (LayerSpec,
     TiedLayerSpec, modules, callables) of a `PipelineModule` (its `_layer_specs`) or a list,
-    partitioned as PipelineModule partitions it (uniform, parameters, type:REGEX)."""
+    partitioned as PipelineModule partitions it (uniform, parameters, type:REGEX); each stage's
+    forward reseeds per layer as DeepSpeed's does where the module has `seed_layers` (a list:
+    where `seed_layers` is True; LayerSeeding)."""
     import re
 
     from deepspeed.runtime import utils as ds_utils
@@ -307,11 +345,11 @@ def pipeline_module_stages(module_or_layers, num_stages: int, partition_method: 
                                             num_parts=num_stages)
     else:
         raise ValueError(f"partition method {method!r}: use uniform, parameters or type:REGEX")
-    stages = []
+    stages, seeding = [], LayerSeeding.of(module_or_layers, seed_layers)
     for s in range(num_stages):
         funcs = built[parts[s]:parts[s + 1]]
         mods = [f if isinstance(f, torch.nn.Module) else getattr(f, "module", None) for f in funcs]
-        layer = _Layers(funcs)
+        layer = _Layers(funcs, seeding, int(parts[s]))
         layer.extra = torch.nn.ModuleList([m for m in mods if m is not None and not isinstance(m, type(None))
                                            and m not in list(layer.mods)])
         stages.append(layer)
@@ -332,13 +370,14 @@ def _on_device(module_or_layers, stages, sample_input, loss_fn, kwargs):
 
 
 def profile_pipeline_module(module_or_layers, sample_input, num_stages: int, partition_method: str = "parameters",
-                            loss_fn=None, **kwargs):
+                            loss_fn=None, seed_layers: bool | None = None, **kwargs):
     """Profile a DeepSpeed pipeline model (a `PipelineModule` or its layer list) split into
     `num_stages` virtual stages; `loss_fn(output)` (default: the module's `loss_fn` applied to
-    `(output, labels)` is not known here, so the mean of the output)."""
+    `(output, labels)` is not known here, so the mean of the output); `seed_layers`: a layer
+    list's forwards reseed per layer as PipelineModule(seed_layers=True) does (a module: its own)."""
     from .core import profile_stages
 
-    stages = pipeline_module_stages(module_or_layers, num_stages, partition_method)
+    stages = pipeline_module_stages(module_or_layers, num_stages, partition_method, seed_layers)
     stages, sample_input, loss_fn = _on_device(module_or_layers, stages, sample_input, loss_fn, kwargs)
     kwargs.setdefault("name", f"deepspeed-pipeline-S{num_stages}")
     kwargs.setdefault("direct_wgrad", True)  # W as the DeepSpeed runtime runs it
@@ -376,16 +415,18 @@ def pipeline_module_layer_infos(module_or_layers, stages) -> list:
     return infos
 
 
-def profile_pipeline_module_layers(module_or_layers, sample_input, loss_fn=None, **kwargs):
+def profile_pipeline_module_layers(module_or_layers, sample_input, loss_fn=None, seed_layers: bool | None = None,
+                                   **kwargs):
     """Per-layer profile of a DeepSpeed pipeline model: one entry per entry of its layer list
     (DeepSpeed's layer indices, so a partition maps to `KoalaPipelineModule(parts=...)`).
-    A tied layer's parameters count where the tied module is built first."""
+    A tied layer's parameters count where the tied module is built first; `seed_layers` as
+    `profile_pipeline_module`."""
     from .layers import profile_layers
 
     specs = list(getattr(module_or_layers, "_layer_specs", module_or_layers))
     if len(specs) < 2:
         raise ValueError(f"a per-layer profile needs at least 2 layers; the layer list has {len(specs)}")
-    stages = pipeline_module_stages(module_or_layers, len(specs), "uniform")
+    stages = pipeline_module_stages(module_or_layers, len(specs), "uniform", seed_layers)
     infos = pipeline_module_layer_infos(module_or_layers, stages)
     stages, sample_input, loss_fn = _on_device(module_or_layers, stages, sample_input, loss_fn, kwargs)
     kwargs.setdefault("name", f"deepspeed-pipeline-{len(specs)}-layers")
