@@ -30,7 +30,15 @@ v = 1 and 2 chunks per rank where the model has the layers, it runs what a user 
    order, `--iterations` iterations each, the first `--warmup` dropped; the examples' own
    per-iteration step periods (`--loss-log FILE`: period_ms, from one iteration's start to the
    next's, the step koala calibrate fits; Megatron: the last pipeline rank, DeepSpeed: rank 0),
-   median over every kept iteration of every round.
+   median over every kept iteration of every round. Every measured run also records its
+   trace, as every schedule alike (the DeepSpeed example's traced steps vs untraced ones in one
+   run: +0.72 and -0.42 ms of a 35 ms step, each +-0.6-0.8 ms, benchmarks/trace_overhead.py
+   --deepspeed 600); `--untraced` leaves it off, and step 5 with it;
+5. `recalibrate()`: per v, `koala calibrate` on the measured runs' traces of that v (every
+   schedule, the searched one too) and `koala simulate` of each schedule on that profile: the
+   step time the model gives each schedule when calibrated on the same minutes of the machine
+   as the measurement (step 2's calibration is minutes older, and a busy machine drifts by tens
+   of percent in minutes).
 
 The report: the exact command, the machine (cores, CPU model, load average before and after), the
 calibration used, one row per (example, schedule): predicted and measured step time, the per-round
@@ -78,7 +86,8 @@ MEGATRON_SIZES = {"gpt-4L-h64-s32": {"num-layers": 4, "hidden-size": 64, "num-at
                                       "micro-batch-size": 2}}
 DEEPSPEED_DIMS = (64, 1024)  # train.py --dim: its default and a size whose layers cost more than the runtime
 DEEPSPEED_LAYERS = 9  # train.py's build_layers: 8 blocks and a head
-DEEPSPEED_SEED_LAYERS = True  # train.py's SEED_LAYERS: its PipelineModule reseeds per layer (koala profile --seed-layers)
+#: train.py's SEED_LAYERS: its PipelineModule reseeds before every layer (koala profile --seed-layers)
+DEEPSPEED_SEED_LAYERS = True
 STEP_TIMEOUT_S = 600  # every subprocess (a profile, a search, one torchrun)
 
 
@@ -310,8 +319,8 @@ def choose(ex: Example, profiles: dict[int, Path], budget: float, work: Path, dr
 def predict(ex: Example, cand: Candidate, profile: Path, work: Path, dry: bool, say) -> tuple[float, str]:
     """(simulated step time in ms, placement style) of `cand` under `profile` (koala simulate)."""
     res = koala_json(["simulate", cand.schedule, "-p", str(ex.p), "-m", str(MICROBATCHES), "-v", str(cand.v),
-                      "--profile", str(profile)], work / f"simulate_{Path(cand.schedule).stem}_v{cand.v}.log",
-                     ex, work, dry, say)
+                      "--profile", str(profile)],
+                     work / f"simulate_{Path(cand.schedule).stem}_v{cand.v}_{profile.stem}.log", ex, work, dry, say)
     if dry:
         return float("nan"), cand.placement
     return float(res["makespan"]), schedule_json(ex, cand, work, dry, say).get("placement", {}).get("style", "linear")
@@ -357,18 +366,45 @@ def read_times(ex: Example, log: Path) -> list[float]:
         raise BenchError(f"{log}: no iteration times ({exc})") from None
 
 
-def measure(ex: Example, chosen: list[Candidate], args, work: Path, say) -> dict[str, list[list[float]]]:
+def measure(ex: Example, chosen: list[Candidate], args, work: Path,
+            say) -> tuple[dict[str, list[list[float]]], dict[str, list[Path]]]:
     """Per distinct candidate label, the kept iteration times of each round: `args.rounds` rounds,
-    each a fresh torchrun of every distinct schedule, the order rotated by one every round."""
+    each a fresh torchrun of every distinct schedule, the order rotated by one every round; and
+    the runs' traces (none with --untraced)."""
     runs = [c for c in chosen if c.same_as is None]
     times: dict[str, list[list[float]]] = {c.label: [] for c in runs}
+    traces: dict[str, list[Path]] = {c.label: [] for c in runs}
     for r in range(args.rounds):
         for c in runs[r % len(runs):] + runs[:r % len(runs)]:
             log = work / f"times_round{r}_{runs.index(c)}.json"
-            run(ex.run_cmd(c, args.iterations, log), log.with_suffix(".log"), ex.env(work), ROOT, args.dry_run, say)
+            trace = None if args.untraced else work / f"measured_round{r}_{runs.index(c)}.json"
+            run(ex.run_cmd(c, args.iterations, log, trace), log.with_suffix(".log"), ex.env(work), ROOT,
+                args.dry_run, say)
+            if trace is not None:
+                traces[c.label].append(trace)
             if not args.dry_run:
                 times[c.label].append(read_times(ex, log)[args.warmup:])
-    return times
+    return times, traces
+
+
+def recalibrate(ex: Example, chosen: list[Candidate], traces: dict[str, list[Path]], profiles: dict[int, Path],
+                args, work: Path, say) -> dict[str, float]:
+    """Per candidate label, its step time simulated on the profile `koala calibrate` fits to the
+    measured runs' traces of its v (all its schedules; the dropped warm-up iterations skipped),
+    from the measured `profiles` (profile_v{v}.json): the model against the same minutes of the
+    machine as the measurement."""
+    out: dict[str, float] = {}
+    for v in sorted({c.v for c in chosen}):
+        files = [t for c in chosen if c.v == v and c.same_as is None for t in traces[c.label]]
+        if not files:
+            continue
+        fitted = work / f"recalibrated_v{v}.json"
+        run([str(venv_bin() / "koala"), "calibrate", *map(str, files), "--profile", str(profiles[v]),
+             "--skip-steps", str(args.warmup), "-o", str(fitted)], work / f"recalibrate_v{v}.log", ex.env(work),
+            work, args.dry_run, say)
+        for c in (c for c in chosen if c.v == v):
+            out[c.label] = predict(ex, c, fitted, work, args.dry_run, say)[0]
+    return out
 
 
 # -- the report ------------------------------------------------------------------------------------
@@ -384,6 +420,12 @@ class Row:
     speedup_measured: float
     #: per round: 1f1b's median / this schedule's median, both from that round (adjacent runs)
     round_speedups: tuple[float, ...] = ()
+    #: simulated on the profile koala calibrate fits to the measured runs' traces (recalibrate())
+    recalibrated_ms: float = float("nan")
+
+    @property
+    def recalibrated_error(self) -> float:
+        return self.measured_ms / self.recalibrated_ms - 1
 
     @property
     def error(self) -> float:
@@ -401,7 +443,8 @@ class Row:
         return statistics.stdev(self.round_speedups) / n ** 0.5 if n > 1 else None
 
 
-def rows_of(ex: Example, chosen: list[Candidate], times: dict[str, list[list[float]]]) -> list[Row]:
+def rows_of(ex: Example, chosen: list[Candidate], times: dict[str, list[list[float]]],
+            recalibrated: dict[str, float] | None = None) -> list[Row]:
     """One row per candidate; speedups over the 1f1b row (the first): of the medians over every
     round, and round by round (the rounds alternate the schedules, so a round's runs are minutes
     apart at most and a drift of the machine hits them alike)."""
@@ -411,7 +454,8 @@ def rows_of(ex: Example, chosen: list[Candidate], times: dict[str, list[list[flo
         kept = [x for r in rounds for x in r]
         out.append(Row(f"{ex.engine} {ex.label} p={ex.p}", c.label, c.v, c.predicted_ms,
                        statistics.median(kept) if kept else float("nan"),
-                       tuple(statistics.median(r) for r in rounds if r), 1.0, 1.0))
+                       tuple(statistics.median(r) for r in rounds if r), 1.0, 1.0,
+                       recalibrated_ms=(recalibrated or {}).get(c.label, float("nan"))))
     one = out[0]
     return [dataclasses.replace(r, speedup_predicted=one.predicted_ms / r.predicted_ms,
                                 speedup_measured=one.measured_ms / r.measured_ms,
@@ -420,15 +464,22 @@ def rows_of(ex: Example, chosen: list[Candidate], times: dict[str, list[list[flo
 
 
 COLUMNS = ("example", "schedule", "v", "predicted ms", "measured ms", "rounds' medians", "speedup predicted",
-           "speedup measured", "rounds' speedups", "their SE", "speedup error", "error")
+           "speedup measured", "rounds' speedups", "their SE", "speedup error", "error", "recalibrated ms",
+           "its error")
 #: the issue's targets: a searched schedule's measured speedup within this of the predicted one ...
 SPEEDUP_TOLERANCE = 0.05
-#: ... and never below this much of 1f1b's speed
+#: ... and never below this much of 1f1b's speed; after koala calibrate, every schedule's step
+#: time within this of the measured one
 SEARCHED_FLOOR = 0.98
+STEP_TOLERANCE = 0.10
 
 
 def _range(values: tuple[float, ...], fmt: str) -> str:
     return f"{min(values):{fmt}}-{max(values):{fmt}}" if values else "-"
+
+
+def _or_dash(value: float, fmt: str) -> str:
+    return "-" if value != value else f"{value:{fmt}}"
 
 
 def format_table(rows: list[Row]) -> str:
@@ -438,7 +489,8 @@ def format_table(rows: list[Row]) -> str:
         lines.append(f"| {r.example} | {r.schedule} | {r.v} | {r.predicted_ms:.1f} | {r.measured_ms:.1f} "
                      f"| {_range(r.round_medians, '.1f')} | {r.speedup_predicted:.3f}x | {r.speedup_measured:.3f}x "
                      f"| {_range(r.round_speedups, '.3f')} | {'-' if r.speedup_se is None else f'{r.speedup_se:.3f}'} "
-                     f"| {r.speedup_error:+.3f} | {r.error:+.1%} |")
+                     f"| {r.speedup_error:+.3f} | {r.error:+.1%} | {_or_dash(r.recalibrated_ms, '.1f')} "
+                     f"| {_or_dash(r.recalibrated_error, '+.1%')} |")
     return "\n".join(lines)
 
 
@@ -447,6 +499,13 @@ def verdict(rows: list[Row]) -> list[str]:
     SPEEDUP_TOLERANCE, the measured speedup at least SEARCHED_FLOOR; and whether the rounds
     resolve that much (2 standard errors of their speedups within SPEEDUP_TOLERANCE)."""
     out = []
+    for example in dict.fromkeys(r.example for r in rows):
+        errors = [r.recalibrated_error for r in rows if r.example == example]
+        if all(e == e for e in errors):  # no NaN: recalibrated (not --untraced)
+            worst = max(errors, key=abs)
+            out.append(f"{example}: after koala calibrate on the measured runs' traces, step-time errors "
+                       f"{min(errors):+.1%}..{max(errors):+.1%} "
+                       f"({'within' if abs(worst) <= STEP_TOLERANCE else 'beyond'} {STEP_TOLERANCE:.0%})")
     for r in (r for r in rows if r.schedule.startswith("searched")):
         se = r.speedup_se
         tell = ("one round: no spread to judge it by" if se is None else
@@ -490,7 +549,10 @@ def header(argv: list[str], args) -> list[str]:
             f"measured = median of the kept iterations' step periods (--loss-log period_ms, from one iteration's "
             f"start to the next's, as koala calibrate measures a step; Megatron: the last pipeline rank, "
             f"DeepSpeed: rank 0); predicted = koala simulate on the calibrated profile; searched = koala search "
-            f"--min-gain 0 --ignore-spread (the model's own pick)"]
+            f"--min-gain 0 --ignore-spread (the model's own pick); "
+            + ("measured runs untraced" if args.untraced else
+               "measured runs traced; recalibrated = koala simulate on the profile koala calibrate fits to the "
+               "measured runs' traces of the schedule's v")]
 
 
 # -- main ----------------------------------------------------------------------------------------
@@ -513,6 +575,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--search-budget", type=float, default=None, help="koala search --time-budget S (default 5; "
                                                                       "--quick: 2)")
     ap.add_argument("--quick", action="store_true", help="the examples' default sizes, v = 1, one round")
+    ap.add_argument("--untraced", action="store_true",
+                    help="measured runs without a trace, and so no calibration on them (recalibrated ms)")
     ap.add_argument("--work", default=None,
                     help="folder for profiles, schedules and logs (default: a new temporary one)")
     ap.add_argument("--out", default=None, help="also write the report to this file (atomically)")
@@ -551,10 +615,12 @@ def bench_one(ex: Example, args, work: Path, say) -> tuple[list[Row], str]:
         profiles[v] = work / f"profile_v{v}.json"
         run(ex.profile_cmd(v, profiles[v], work, args.quick), work / f"profile_v{v}.log", ex.env(work), work,
             args.dry_run, say)
+    measured = dict(profiles)
     profiles, how = calibrate(ex, profiles, args, work, say)
     chosen = choose(ex, profiles, args.search_budget, work, args.dry_run, say)
-    times = measure(ex, chosen, args, work, say)
-    return ([] if args.dry_run else rows_of(ex, chosen, times)), how
+    times, traces = measure(ex, chosen, args, work, say)
+    recalibrated = recalibrate(ex, chosen, traces, measured, args, work, say)
+    return ([] if args.dry_run else rows_of(ex, chosen, times, recalibrated)), how
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -64,18 +64,27 @@ def test_dry_run_calibrates_on_traced_library_runs_before_choosing(tmp_path):
     for engine, flag in (("megatron", "--koala-trace"), ("deepspeed", "--trace")):
         work = tmp_path / "w" / ("megatron-gpt-4L-h64-s32-p2" if engine == "megatron" else "deepspeed-dim64-p2")
         cmds = [c for c in _commands(res.stderr) if str(work) in c]
-        traced = [c for c in cmds if f" {flag} " in c]
+        traced = [c for c in cmds if f" {flag} " in c and "/trace_" in c]
         assert [c.split("--koala-schedule " if engine == "megatron" else "--schedule ")[1].split()[0]
                 for c in traced] == ["1f1b", "zb-h1"]
         assert all("torchrun" in c and ("--train-iters 6 " in c or "--steps 6 " in c) for c in traced)
-        cal = [c for c in cmds if " calibrate " in c]
+        cal = [c for c in cmds if " calibrate " in c and "recalibrated" not in c]
         assert cal == [f"{Path(cal[0].split()[0])} calibrate {work}/trace_1f1b_v1_r0.json {work}/trace_zb-h1_v1_r0.json "
                        f"--profile {work}/profile_v1.json --skip-steps 2 -o {work}/calibrated_v1.json"]
         order = [cmds.index(c) for c in (traced[0], traced[1], cal[0])]
         assert order == sorted(order) and all(" profile " not in c for c in cmds[order[-1]:])
-        chose = [c for c in cmds[order[-1]:] if " compare " in c or " search " in c or " simulate " in c]
+        first_run = next(i for i, c in enumerate(cmds) if i > order[-1] and "torchrun" in c)
+        chose = [c for c in cmds[order[-1]:first_run] if " compare " in c or " search " in c or " simulate " in c]
         assert chose and all(f"--profile {work}/calibrated_v1.json" in c for c in chose)
-        assert not any(flag in c for c in cmds[order[-1]:])  # the measured runs are not traced
+        measured = [c for c in cmds[order[-1]:] if "torchrun" in c]
+        assert measured and all(f" {flag} {work}/measured_round0_" in c for c in measured)
+        recal = [c for c in cmds if " calibrate " in c and "recalibrated" in c]
+        assert len(recal) == 1 and cmds.index(recal[0]) > cmds.index(measured[-1])
+        assert all(f"{work}/measured_round0_" in t for t in recal[0].split("calibrate ")[1].split(" --profile")[0]
+                   .split()), recal
+        assert f"--profile {work}/profile_v1.json --skip-steps 3 -o {work}/recalibrated_v1.json" in recal[0]
+        after = cmds[cmds.index(recal[0]) + 1:]
+        assert after and all(f"--profile {work}/recalibrated_v1.json" in c for c in after if " simulate " in c)
     assert "calibration: megatron gpt-4L-h64-s32 p=2: koala calibrate per v" in res.stdout
 
 
@@ -87,10 +96,10 @@ def test_full_plan_alternates_fresh_runs_and_profiles_each_v(tmp_path, fidelity)
     assert any("-v 2" in c for c in profiles) and any("-v 1" in c for c in profiles)
     assert any("fidelity_ds_dim1024:layers" in c for c in profiles)  # the other --dim: a module of its own
     dim64 = [c for c in cmds if "torchrun" in c and "--dim 64 " in c]
-    runs = [c.split("--schedule ")[1].split()[0] for c in dim64 if " --trace " not in c]
+    runs = [c.split("--schedule ")[1].split()[0] for c in dim64 if "/trace_" not in c]
     assert len(runs) == 2 * 3  # two rounds of three schedules, a fresh torchrun each
     assert runs[:3] != runs[3:] and sorted(runs[:3]) == sorted(runs[3:])  # the order rotates
-    traced = [c for c in dim64 if " --trace " in c]  # calibration: per v a full and a split backward,
+    traced = [c for c in dim64 if "/trace_" in c]  # calibration: per v a full and a split backward,
     # every v's in one rotation (v = 1 and v = 2 calibrated over the same moments), 3 rounds of fresh runs
     assert [c.split("--schedule ")[1].split()[0] for c in traced] == \
         ["1f1b", "zb-h1", "interleaved-1f1b", "zb-v", "zb-h1", "interleaved-1f1b", "zb-v", "1f1b",
@@ -99,7 +108,9 @@ def test_full_plan_alternates_fresh_runs_and_profiles_each_v(tmp_path, fidelity)
     assert " --chunks " not in traced[0] + traced[1]
     assert all("--steps 16 " in c for c in traced)
     assert len({c.split("--trace ")[1].split()[0] for c in traced}) == len(traced)  # a file per run
-    cal = [c for c in cmds if " calibrate " in c and "dim64" in c]
+    cal = [c for c in cmds if " calibrate " in c and "dim64" in c and "recalibrated" not in c]
+    recal = [c for c in cmds if " calibrate " in c and "dim64" in c and "recalibrated" in c]
+    assert len(recal) == 1 and recal[0].count("/measured_round") == 2 * 3
     assert len(cal) == 2 and "profile_v1.json" in cal[0] and "trace_interleaved-1f1b_v2_r2.json" in cal[1] \
         and cal[1].count(".json") == 6 + 2 and "trace_zb-v_v2_r2.json --profile" in cal[1] \
         and f"--profile {tmp_path / 'w' / 'deepspeed-dim64-p2' / 'profile_v2.json'}" in cal[1] \
@@ -153,7 +164,7 @@ def test_rows_give_speedups_over_1f1b_and_the_error(fidelity):
     se = abs(120.0 / 95.0 - 140.0 / 297.5) / 2  # two rounds: stdev / sqrt(2) = half their difference
     assert rows[1].speedup_se == pytest.approx(se) and rows[0].speedup_se == 0.0
     assert table[3] == ("| deepspeed dim64 p=2 | best predefined (zb-h1) | 1 | 80.0 | 97.5 | 95.0-297.5 | "
-                        f"1.250x | 1.282x | 0.471-1.263 | {se:.3f} | +0.032 | +21.9% |")
+                        f"1.250x | 1.282x | 0.471-1.263 | {se:.3f} | +0.032 | +21.9% | - | - |")
     said = fidelity.verdict(rows)  # the searched row only: within 0.05, above 0.98x, rounds too far apart
     assert len(said) == 1 and said[0].startswith("deepspeed dim64 p=2, searched (linear, v=1) = zb-h1: speedup "
                                                  "error +0.032 (within 0.05); measured 1.282x of 1f1b (at least 0.98x)")
@@ -165,6 +176,28 @@ def test_rows_give_speedups_over_1f1b_and_the_error(fidelity):
     steady = {"1f1b": [[120.0]] * 4 + [[121.0]] * 4, "best predefined (zb-h1)": [[100.0]] * 8}
     said = fidelity.verdict(fidelity.rows_of(ex, chosen, steady))[0]  # 8 close rounds resolve the target
     assert said.endswith("(2 standard errors)") and "cannot resolve" not in said
+
+
+def test_rows_give_the_step_time_after_calibrating_on_the_measured_runs(fidelity):
+    """recalibrated ms: the schedule simulated on the profile fitted to the measured runs' own
+    traces; the verdict says per example whether every schedule is within 10% of it."""
+    ex = fidelity.Example("deepspeed", "dim64", 2, {"dim": 64})
+    chosen = [fidelity.Candidate("1f1b", "1f1b", 1, predicted_ms=100.0),
+              fidelity.Candidate("best predefined (zb-h1)", "zb-h1", 1, predicted_ms=80.0),
+              fidelity.Candidate("searched (v=2)", "s.koala", 2, predicted_ms=70.0)]
+    times = {"1f1b": [[100.0]], "best predefined (zb-h1)": [[90.0]], "searched (v=2)": [[76.0]]}
+    rows = fidelity.rows_of(ex, chosen, times, {"1f1b": 104.0, "best predefined (zb-h1)": 88.0,
+                                                "searched (v=2)": 70.0})
+    assert [r.recalibrated_ms for r in rows] == [104.0, 88.0, 70.0]
+    assert [round(r.recalibrated_error, 4) for r in rows] == [round(100 / 104 - 1, 4), round(90 / 88 - 1, 4),
+                                                                   round(76 / 70 - 1, 4)]
+    assert fidelity.format_table(rows).splitlines()[4].endswith("| 70.0 | +8.6% |")
+    said = fidelity.verdict(rows)
+    assert said[0] == ("deepspeed dim64 p=2: after koala calibrate on the measured runs' traces, step-time errors "
+                       "-3.8%..+8.6% (within 10%)")
+    rows = fidelity.rows_of(ex, chosen, times, {"1f1b": 104.0, "best predefined (zb-h1)": 88.0,
+                                                "searched (v=2)": 68.0})
+    assert fidelity.verdict(rows)[0].endswith("-3.8%..+11.8% (beyond 10%)")
 
 
 def test_each_example_runs_the_v_its_layers_allow(fidelity, monkeypatch):

@@ -169,6 +169,45 @@ def test_deepspeed_config_key_and_environment_variable(tmp_path):
         read({"koala": {"trace": 3}}, env={})
 
 
+def test_a_recorded_deepspeed_step_runs_at_the_stack_depth_of_an_unrecorded_one(tmp_path, monkeypatch):
+    """The Koala engine's train_batch calls DeepSpeed's from the same frame with and without a
+    trace: a deeper stack costs every forward of a PipelineModule(seed_layers=True) more (torch
+    formats the stack per deferred device seed, ~10 us a frame), so a trace one frame deeper made
+    the DeepSpeed example's traced steps slower than the untraced ones it stood for."""
+    pytest.importorskip("deepspeed")
+    import contextlib
+    import types
+
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    from koala_ds.deepspeed.engine import KoalaPipelineEngine
+
+    depths: list[int] = []
+
+    def stock_train_batch(self, data_iter=None):  # DeepSpeed's, which runs the step: how deep it is called
+        frame, n = sys._getframe(), 0
+        while frame is not None:
+            frame, n = frame.f_back, n + 1
+        depths.append(n)
+        return 0.5
+
+    monkeypatch.setattr(PipelineEngine, "train_batch", stock_train_batch)
+    engine = object.__new__(KoalaPipelineEngine)  # the attributes train_batch reads, not a whole engine
+    recorder = TraceRecorder(str(tmp_path / "t.json"), "deepspeed", "-")
+    for name, value in {"_koala_recorder": None, "_koala_step_recorder": None, "stage_id": 0,
+                        "_koala_schedule": load_schedule("zb-h1", 2, 4),
+                        "grid": types.SimpleNamespace(data_parallel_id=0),
+                        "_bounded_collectives": contextlib.nullcontext}.items():
+        object.__setattr__(engine, name, value)
+    assert engine.train_batch() == 0.5
+    object.__setattr__(engine, "_koala_recorder", recorder)
+    assert engine.train_batch() == 0.5
+    recorder.close()
+    assert depths[0] == depths[1]
+    assert [e["name"] for e in read_trace(rank_path(tmp_path / "t.json", 0)) if e.get("ph") == "X"] == \
+        ["step", "after-pipeline"]  # the step was recorded
+
+
 @pytest.mark.parametrize("name,p,v", [("zb-h1", 2, 1), ("1f1b", 4, 1), ("zb-v", 2, 2), ("interleaved-1f1b", 2, 2)])
 @pytest.mark.parametrize("lookahead", [2, None])
 def test_megatron_spans_cover_each_action_once_with_its_send(name, p, v, lookahead):

@@ -338,26 +338,29 @@ class KoalaPipelineEngine(PipeComm, CheckpointLayout, PipelineEngine):
 
     # -- every collective of a step is bounded by the same timeout -----------------------
     def train_batch(self, data_iter=None):
+        """DeepSpeed's train_batch, every collective bounded; with a trace, recording its timeline:
+        the step (gradient reduction and optimizer step included), each action, and what follows
+        the last action (koala_ds.runtime.trace_record). Both run the step from this frame: a
+        deeper Python stack would cost every forward of a PipelineModule(seed_layers=True) more
+        (torch formats the stack per deferred device seed), so a trace would slow what it records."""
         recorder = self._koala_recorder
-        if recorder is None:
-            with self._bounded_collectives():
-                return super().train_batch(data_iter)
-        return self._recorded_train_batch(recorder, data_iter)
-
-    def _recorded_train_batch(self, recorder: TraceRecorder, data_iter):
-        """train_batch recording its timeline: the step (gradient reduction and optimizer step
-        included), each action, and what follows the last action (koala_ds.runtime.trace_record)."""
-        start = time.perf_counter_ns()
-        recording = recorder.begin_step(self._koala_schedule, self.stage_id, self.grid.data_parallel_id, start)
-        object.__setattr__(self, "_koala_step_recorder", recorder if recording else None)
+        recording = recorder is not None and self._begin_recorded_step(recorder)
         try:
             with self._bounded_collectives():
                 result = super().train_batch(data_iter)
         finally:
-            object.__setattr__(self, "_koala_step_recorder", None)
+            if recording:
+                object.__setattr__(self, "_koala_step_recorder", None)
         if recording:
             recorder.end_step()
         return result
+
+    def _begin_recorded_step(self, recorder: TraceRecorder) -> bool:
+        """Start recording a step (False: the recorder does not record this schedule's steps)."""
+        start = time.perf_counter_ns()
+        recording = recorder.begin_step(self._koala_schedule, self.stage_id, self.grid.data_parallel_id, start)
+        object.__setattr__(self, "_koala_step_recorder", recorder if recording else None)
+        return recording
 
     def close_trace(self) -> None:
         """End the trace file (also done by destroy() and at interpreter exit); a no-op without a trace."""
