@@ -89,6 +89,10 @@ DEEPSPEED_LAYERS = 9  # train.py's build_layers: 8 blocks and a head
 #: train.py's SEED_LAYERS: its PipelineModule reseeds before every layer (koala profile --seed-layers)
 DEEPSPEED_SEED_LAYERS = True
 STEP_TIMEOUT_S = 600  # every subprocess (a profile, a search, one torchrun)
+#: paired rounds: iterations of a schedule's turn in the run where the schedules take turns (the
+#: example's --alternate-block); the first of each turn is dropped, so that every kept step
+#: follows a step of its own schedule on every rank
+PAIRED_BLOCK = 2
 
 
 class BenchError(RuntimeError):
@@ -110,6 +114,12 @@ class Example:
     label: str
     p: int
     size: dict = field(default_factory=dict)  # Megatron flags, or {"dim": N}
+
+    @property
+    def alternates(self) -> bool:
+        """Whether the example can run several schedules taking turns in one run (Megatron's
+        --alternate-schedules; the DeepSpeed engine holds one schedule)."""
+        return self.engine == "megatron"
 
     @property
     def num_layers(self) -> int:
@@ -156,9 +166,11 @@ class Example:
             f"def sample():\n    return sample_input({dim})\n", encoding="utf-8")
         return name
 
-    def run_cmd(self, sched: "Candidate", iterations: int, log: Path, trace: Path | None = None) -> list[str]:
+    def run_cmd(self, sched: "Candidate", iterations: int, log: Path, trace: Path | None = None,
+                alternate: tuple = ()) -> list[str]:
         """The example's torchrun for `sched`; `trace`: also record the measured trace there
-        (Megatron --koala-trace FILE, the DeepSpeed example's --trace FILE)."""
+        (Megatron --koala-trace FILE, the DeepSpeed example's --trace FILE); `alternate`: candidates
+        taking turns with `sched` in the same run, PAIRED_BLOCK iterations each (`alternates`)."""
         torchrun = [str(venv_bin() / "torchrun"), "--standalone", "--nproc-per-node", str(self.p)]
         flag = "--koala-trace" if self.engine == "megatron" else "--trace"
         traced = [flag, str(trace)] if trace is not None else []
@@ -169,11 +181,20 @@ class Example:
             return [*torchrun, str(MEGATRON_EXAMPLE), "--pipeline-model-parallel-size", str(self.p), *chunks, *flags,
                     "--global-batch-size", str(gbs), "--train-iters", str(iterations), "--log-interval",
                     str(iterations), "--pipeline-schedule", "koala", "--koala-schedule", sched.schedule,
-                    "--loss-log", str(log), *traced]
+                    "--loss-log", str(log), *traced, *self._alternate_flags(alternate)]
         chunks = ["--chunks", str(sched.v), "--placement", sched.placement] if sched.v > 1 else []
         return [*torchrun, str(DEEPSPEED_EXAMPLE), "--dim", str(self.size["dim"]), "--microbatches",
                 str(MICROBATCHES), "--steps", str(iterations), "--schedule", sched.schedule, *chunks,
-                "--loss-log", str(log), *traced]
+                "--loss-log", str(log), *traced, *self._alternate_flags(alternate)]
+
+
+    def _alternate_flags(self, alternate: tuple) -> list[str]:
+        if not alternate:
+            return []
+        if not self.alternates:
+            raise BenchError(f"the {self.engine} example runs one schedule per run: no paired rounds")
+        return ["--alternate-schedules", ",".join(c.schedule for c in alternate), "--alternate-block",
+                str(PAIRED_BLOCK)]
 
 
 def plan(args) -> list[Example]:
@@ -387,6 +408,43 @@ def measure(ex: Example, chosen: list[Candidate], args, work: Path,
     return times, traces
 
 
+def paired_candidates(ex: Example, chosen: list[Candidate]) -> list[Candidate]:
+    """The distinct candidates that take turns with 1f1b in one run (the paired rounds): those
+    placing the stages as 1f1b does (v = 1, linear), where the example alternates schedules and
+    there is another beside 1f1b; else none."""
+    runs = [c for c in chosen if c.same_as is None and c.v == 1 and c.placement == "linear"]
+    return runs if ex.alternates and len(runs) > 1 else []
+
+
+def measure_paired(ex: Example, chosen: list[Candidate], args, work: Path, say) -> dict[str, list[list[float]]]:
+    """Per label of `paired_candidates`, the kept step periods of each paired round: one torchrun
+    per round in which the schedules take turns, PAIRED_BLOCK iterations each (the first schedule
+    rotated every round), so that a drift of the machine within the run hits them alike; kept:
+    after the first `args.warmup` iterations, every iteration but the first of its turn."""
+    runs = paired_candidates(ex, chosen)
+    times: dict[str, list[list[float]]] = {c.label: [] for c in runs}
+    for r in range(args.paired_rounds if runs else 0):
+        order = runs[r % len(runs):] + runs[:r % len(runs)]
+        log = work / f"paired_round{r}.json"
+        run(ex.run_cmd(order[0], args.paired_iterations, log, alternate=tuple(order[1:])), log.with_suffix(".log"),
+            ex.env(work), ROOT, args.dry_run, say)
+        if args.dry_run:
+            continue
+        periods, names = read_times(ex, log), read_schedules(log)
+        for c in runs:
+            times[c.label].append([t for i, (t, name) in enumerate(zip(periods, names))
+                                   if name == c.schedule and i >= args.warmup and i % PAIRED_BLOCK])
+    return times
+
+
+def read_schedules(log: Path) -> list[str]:
+    """The schedule of each iteration, as the example's --loss-log names it (iteration_schedules)."""
+    try:
+        return [str(x) for x in json.loads(log.read_text(encoding="utf-8"))["iteration_schedules"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise BenchError(f"{log}: no schedule per iteration ({exc})") from None
+
+
 def recalibrate(ex: Example, chosen: list[Candidate], traces: dict[str, list[Path]], profiles: dict[int, Path],
                 args, work: Path, say) -> dict[str, float]:
     """Per candidate label, its step time simulated on the profile `koala calibrate` fits to the
@@ -422,6 +480,10 @@ class Row:
     round_speedups: tuple[float, ...] = ()
     #: simulated on the profile koala calibrate fits to the measured runs' traces (recalibrate())
     recalibrated_ms: float = float("nan")
+    #: the paired rounds (measure_paired): 1f1b's median over every round / this schedule's, and
+    #: round by round; NaN and () where the schedule did not take turns with 1f1b
+    paired_speedup: float = float("nan")
+    paired_round_speedups: tuple[float, ...] = ()
 
     @property
     def recalibrated_error(self) -> float:
@@ -439,15 +501,40 @@ class Row:
     def speedup_se(self) -> float | None:
         """The standard error of the rounds' mean speedup (their standard deviation / sqrt(rounds));
         None with fewer than 2 rounds."""
-        n = len(self.round_speedups)
-        return statistics.stdev(self.round_speedups) / n ** 0.5 if n > 1 else None
+        return _se(self.round_speedups)
+
+    @property
+    def paired_error(self) -> float:
+        return self.paired_speedup - self.speedup_predicted
+
+    @property
+    def paired_se(self) -> float | None:
+        return _se(self.paired_round_speedups)
+
+
+def _se(values: tuple[float, ...]) -> float | None:
+    n = len(values)
+    return statistics.stdev(values) / n ** 0.5 if n > 1 else None
+
+
+def _speedups(base: list[list[float]], rounds: list[list[float]]) -> tuple[float, tuple[float, ...]]:
+    """(median of every kept time of `base` / that of `rounds`, and the same round by round)."""
+    a, b = [x for r in base for x in r], [x for r in rounds for x in r]
+    if not a or not b:
+        return float("nan"), ()
+    return (statistics.median(a) / statistics.median(b),
+            tuple(statistics.median(x) / statistics.median(y) for x, y in zip(base, rounds) if x and y))
 
 
 def rows_of(ex: Example, chosen: list[Candidate], times: dict[str, list[list[float]]],
-            recalibrated: dict[str, float] | None = None) -> list[Row]:
+            recalibrated: dict[str, float] | None = None, paired: dict[str, list[list[float]]] | None = None
+            ) -> list[Row]:
     """One row per candidate; speedups over the 1f1b row (the first): of the medians over every
     round, and round by round (the rounds alternate the schedules, so a round's runs are minutes
-    apart at most and a drift of the machine hits them alike)."""
+    apart at most and a drift of the machine hits them alike); and those of the paired rounds
+    (`paired`, measure_paired: the schedules taking turns within one run)."""
+    paired = paired or {}
+    base = paired.get(chosen[0].label, [])
     out = []
     for c in chosen:
         rounds = times[c.same_as or c.label]
@@ -457,15 +544,17 @@ def rows_of(ex: Example, chosen: list[Candidate], times: dict[str, list[list[flo
                        tuple(statistics.median(r) for r in rounds if r), 1.0, 1.0,
                        recalibrated_ms=(recalibrated or {}).get(c.label, float("nan"))))
     one = out[0]
+    pairs = [_speedups(base, paired.get(c.same_as or c.label, [])) for c in chosen]
     return [dataclasses.replace(r, speedup_predicted=one.predicted_ms / r.predicted_ms,
                                 speedup_measured=one.measured_ms / r.measured_ms,
-                                round_speedups=tuple(a / b for a, b in zip(one.round_medians, r.round_medians)))
-            for r in out]
+                                round_speedups=tuple(a / b for a, b in zip(one.round_medians, r.round_medians)),
+                                paired_speedup=pair[0], paired_round_speedups=pair[1])
+            for r, pair in zip(out, pairs)]
 
 
 COLUMNS = ("example", "schedule", "v", "predicted ms", "measured ms", "rounds' medians", "speedup predicted",
            "speedup measured", "rounds' speedups", "their SE", "speedup error", "error", "recalibrated ms",
-           "its error")
+           "its error", "paired speedup", "paired rounds' speedups", "their SE", "paired error")
 #: the issue's targets: a searched schedule's measured speedup within this of the predicted one ...
 SPEEDUP_TOLERANCE = 0.05
 #: ... and never below this much of 1f1b's speed; after koala calibrate, every schedule's step
@@ -490,7 +579,11 @@ def format_table(rows: list[Row]) -> str:
                      f"| {_range(r.round_medians, '.1f')} | {r.speedup_predicted:.3f}x | {r.speedup_measured:.3f}x "
                      f"| {_range(r.round_speedups, '.3f')} | {'-' if r.speedup_se is None else f'{r.speedup_se:.3f}'} "
                      f"| {r.speedup_error:+.3f} | {r.error:+.1%} | {_or_dash(r.recalibrated_ms, '.1f')} "
-                     f"| {_or_dash(r.recalibrated_error, '+.1%')} |")
+                     f"| {_or_dash(r.recalibrated_error, '+.1%')} | {_or_dash(r.paired_speedup, '.3f')}"
+                     f"{'' if r.paired_speedup != r.paired_speedup else 'x'} "
+                     f"| {_range(r.paired_round_speedups, '.3f')} "
+                     f"| {'-' if r.paired_se is None else f'{r.paired_se:.3f}'} "
+                     f"| {_or_dash(r.paired_error, '+.3f')} |")
     return "\n".join(lines)
 
 
@@ -507,17 +600,25 @@ def verdict(rows: list[Row]) -> list[str]:
                        f"{min(errors):+.1%}..{max(errors):+.1%} "
                        f"({'within' if abs(worst) <= STEP_TOLERANCE else 'beyond'} {STEP_TOLERANCE:.0%})")
     for r in (r for r in rows if r.schedule.startswith("searched")):
-        se = r.speedup_se
-        tell = ("one round: no spread to judge it by" if se is None else
-                f"the rounds' speedups span {max(r.round_speedups) - min(r.round_speedups):.3f}, their mean "
-                f"+-{2 * se:.3f} (2 standard errors)"
-                + ("" if 2 * se <= SPEEDUP_TOLERANCE else ": wider than the target, this run cannot resolve it"))
-        out.append(f"{r.example}, {r.schedule}: speedup error {r.speedup_error:+.3f} "
-                   f"({'within' if abs(r.speedup_error) <= SPEEDUP_TOLERANCE else 'beyond'} {SPEEDUP_TOLERANCE}); "
-                   f"measured {r.speedup_measured:.3f}x of 1f1b "
-                   f"({'at least' if r.speedup_measured >= SEARCHED_FLOOR else 'below'} {SEARCHED_FLOOR}x); "
-                   f"{tell}")
+        out.append(f"{r.example}, {r.schedule}: "
+                   + _target(r.speedup_measured, r.speedup_error, r.round_speedups, "rounds"))
+        if r.paired_round_speedups:
+            out.append(f"{r.example}, {r.schedule}, paired rounds (taking turns with 1f1b in one run): "
+                       + _target(r.paired_speedup, r.paired_error, r.paired_round_speedups, "paired rounds"))
     return out
+
+
+def _target(speedup: float, error: float, rounds: tuple[float, ...], what: str) -> str:
+    """The targets for one measured speedup (its error within SPEEDUP_TOLERANCE, at least
+    SEARCHED_FLOOR) and whether its rounds resolve that much (2 standard errors within it)."""
+    se = _se(rounds)
+    tell = ("one round: no spread to judge it by" if se is None else
+            f"the {what}' speedups span {max(rounds) - min(rounds):.3f}, their mean +-{2 * se:.3f} "
+            f"(2 standard errors)"
+            + ("" if 2 * se <= SPEEDUP_TOLERANCE else ": wider than the target, this run cannot resolve it"))
+    return (f"speedup error {error:+.3f} ({'within' if abs(error) <= SPEEDUP_TOLERANCE else 'beyond'} "
+            f"{SPEEDUP_TOLERANCE}); measured {speedup:.3f}x of 1f1b "
+            f"({'at least' if speedup >= SEARCHED_FLOOR else 'below'} {SEARCHED_FLOOR}x); {tell}")
 
 
 def machine() -> str:
@@ -552,7 +653,11 @@ def header(argv: list[str], args) -> list[str]:
             f"--min-gain 0 --ignore-spread (the model's own pick); "
             + ("measured runs untraced" if args.untraced else
                "measured runs traced; recalibrated = koala simulate on the profile koala calibrate fits to the "
-               "measured runs' traces of the schedule's v")]
+               "measured runs' traces of the schedule's v")
+            + f"; paired: {args.paired_rounds} round(s), each one untraced torchrun of {args.paired_iterations} "
+              f"iterations in which the schedules placed as 1f1b is take turns, {PAIRED_BLOCK} iterations each "
+              f"(Megatron --alternate-schedules; the first {args.warmup} iterations and the first of each turn "
+              f"dropped)"]
 
 
 # -- main ----------------------------------------------------------------------------------------
@@ -562,6 +667,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--chunks", default=None, help="v values to profile and search, comma-separated (default 1,2; "
                                                    "--quick: 1)")
     ap.add_argument("--rounds", type=int, default=None, help="fresh torchruns per schedule (default 8; --quick: 1)")
+    ap.add_argument("--paired-rounds", type=int, default=None,
+                    help="torchruns in which the schedules take turns (the example's --alternate-schedules; "
+                         "default 6; --quick: 1; 0: none)")
+    ap.add_argument("--paired-iterations", type=int, default=None,
+                    help="iterations per paired run (default 48; --quick: 16)")
     ap.add_argument("--calib-rounds", type=int, default=None,
                     help="fresh traced runs per calibration schedule, alternating (default 3; --quick: 1)")
     ap.add_argument("--iterations", type=int, default=None, help="iterations per torchrun (default 20; --quick: 8)")
@@ -583,8 +693,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--dry-run", action="store_true", help="print the plan and the commands; run nothing")
     args = ap.parse_args(argv)
     q = args.quick
-    for name, full, quick in (("rounds", 8, 1), ("calib_rounds", 3, 1), ("iterations", 20, 8), ("warmup", 4, 3), ("search_budget", 5.0, 2.0),
-                              ("calib_iterations", 16, 6), ("calib_skip", 2, 2)):
+    for name, full, quick in (("rounds", 8, 1), ("calib_rounds", 3, 1), ("iterations", 20, 8), ("warmup", 4, 3),
+                              ("search_budget", 5.0, 2.0), ("calib_iterations", 16, 6), ("calib_skip", 2, 2),
+                              ("paired_rounds", 6, 1), ("paired_iterations", 48, 16)):
         if getattr(args, name) is None:
             setattr(args, name, quick if q else full)
     text = args.chunks or ("1" if q else "1,2")
@@ -602,6 +713,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                  f"{args.calib_iterations} (koala calibrate times a step up to the next one's start)")
     if not 0 <= args.warmup < args.iterations:
         ap.error(f"--warmup {args.warmup} must be >= 0 and below --iterations {args.iterations}")
+    if args.paired_rounds < 0:
+        ap.error(f"--paired-rounds must be >= 0, got {args.paired_rounds}")
+    if args.paired_rounds and args.paired_iterations < args.warmup + 4 * PAIRED_BLOCK:
+        ap.error(f"--paired-iterations {args.paired_iterations} must be at least --warmup {args.warmup} + "
+                 f"{4 * PAIRED_BLOCK} (two kept turns of two schedules)")
     if not args.search_budget > 0:
         ap.error(f"--search-budget must be > 0 seconds, got {args.search_budget}")
     return args
@@ -619,8 +735,9 @@ def bench_one(ex: Example, args, work: Path, say) -> tuple[list[Row], str]:
     profiles, how = calibrate(ex, profiles, args, work, say)
     chosen = choose(ex, profiles, args.search_budget, work, args.dry_run, say)
     times, traces = measure(ex, chosen, args, work, say)
+    paired = measure_paired(ex, chosen, args, work, say)
     recalibrated = recalibrate(ex, chosen, traces, measured, args, work, say)
-    return ([] if args.dry_run else rows_of(ex, chosen, times, recalibrated)), how
+    return ([] if args.dry_run else rows_of(ex, chosen, times, recalibrated, paired)), how
 
 
 def main(argv: list[str] | None = None) -> int:

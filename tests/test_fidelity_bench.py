@@ -76,10 +76,19 @@ def test_dry_run_calibrates_on_traced_library_runs_before_choosing(tmp_path):
         first_run = next(i for i, c in enumerate(cmds) if i > order[-1] and "torchrun" in c)
         chose = [c for c in cmds[order[-1]:first_run] if " compare " in c or " search " in c or " simulate " in c]
         assert chose and all(f"--profile {work}/calibrated_v1.json" in c for c in chose)
-        measured = [c for c in cmds[order[-1]:] if "torchrun" in c]
+        measured = [c for c in cmds[order[-1]:] if "torchrun" in c and "/paired_round" not in c]
         assert measured and all(f" {flag} {work}/measured_round0_" in c for c in measured)
         recal = [c for c in cmds if " calibrate " in c and "recalibrated" in c]
         assert len(recal) == 1 and cmds.index(recal[0]) > cmds.index(measured[-1])
+        # the paired round: one untraced run in which the v = 1 schedules take turns (Megatron only)
+        paired = [c for c in cmds if "/paired_round" in c]
+        if engine == "deepspeed":
+            assert paired == [] and all("--alternate-schedules" not in c for c in cmds)
+        else:
+            assert len(paired) == 1 and cmds.index(measured[-1]) < cmds.index(paired[0]) < cmds.index(recal[0])
+            assert "--koala-schedule 1f1b " in paired[0] and f" {flag} " not in paired[0]
+            assert f"--alternate-schedules '<best predefined>,{work}/searched_v1.koala' --alternate-block 2" \
+                in paired[0] and "--train-iters 16 " in paired[0]
         assert all(f"{work}/measured_round0_" in t for t in recal[0].split("calibrate ")[1].split(" --profile")[0]
                    .split()), recal
         assert f"--profile {work}/profile_v1.json --skip-steps 3 -o {work}/recalibrated_v1.json" in recal[0]
@@ -126,6 +135,8 @@ def test_full_plan_alternates_fresh_runs_and_profiles_each_v(tmp_path, fidelity)
     (["--search-budget", "0"], "--search-budget must be > 0"),
     (["--calib-iterations", "3", "--calib-skip", "2"], "--calib-skip 2 must be >= 0 and leave at least 2"),
     (["--engines", "torch"], "invalid choice: 'torch'"),
+    (["--paired-rounds", "-1"], "--paired-rounds must be >= 0"),
+    (["--paired-iterations", "11"], "--paired-iterations 11 must be at least --warmup 4 + 8"),
 ])
 def test_bad_arguments_are_one_line(args, says):
     res = _run("--dry-run", *args)
@@ -164,7 +175,7 @@ def test_rows_give_speedups_over_1f1b_and_the_error(fidelity):
     se = abs(120.0 / 95.0 - 140.0 / 297.5) / 2  # two rounds: stdev / sqrt(2) = half their difference
     assert rows[1].speedup_se == pytest.approx(se) and rows[0].speedup_se == 0.0
     assert table[3] == ("| deepspeed dim64 p=2 | best predefined (zb-h1) | 1 | 80.0 | 97.5 | 95.0-297.5 | "
-                        f"1.250x | 1.282x | 0.471-1.263 | {se:.3f} | +0.032 | +21.9% | - | - |")
+                        f"1.250x | 1.282x | 0.471-1.263 | {se:.3f} | +0.032 | +21.9% | - | - | - | - | - | - |")
     said = fidelity.verdict(rows)  # the searched row only: within 0.05, above 0.98x, rounds too far apart
     assert len(said) == 1 and said[0].startswith("deepspeed dim64 p=2, searched (linear, v=1) = zb-h1: speedup "
                                                  "error +0.032 (within 0.05); measured 1.282x of 1f1b (at least 0.98x)")
@@ -191,13 +202,60 @@ def test_rows_give_the_step_time_after_calibrating_on_the_measured_runs(fidelity
     assert [r.recalibrated_ms for r in rows] == [104.0, 88.0, 70.0]
     assert [round(r.recalibrated_error, 4) for r in rows] == [round(100 / 104 - 1, 4), round(90 / 88 - 1, 4),
                                                                    round(76 / 70 - 1, 4)]
-    assert fidelity.format_table(rows).splitlines()[4].endswith("| 70.0 | +8.6% |")
+    assert fidelity.format_table(rows).splitlines()[4].endswith("| 70.0 | +8.6% | - | - | - | - |")
     said = fidelity.verdict(rows)
     assert said[0] == ("deepspeed dim64 p=2: after koala calibrate on the measured runs' traces, step-time errors "
                        "-3.8%..+8.6% (within 10%)")
     rows = fidelity.rows_of(ex, chosen, times, {"1f1b": 104.0, "best predefined (zb-h1)": 88.0,
                                                 "searched (v=2)": 68.0})
     assert fidelity.verdict(rows)[0].endswith("-3.8%..+11.8% (beyond 10%)")
+
+
+def test_paired_rounds_give_speedups_from_the_turns_each_schedule_took(fidelity, tmp_path, monkeypatch):
+    """measure_paired keeps, per schedule, the periods of its own turns after the warm-up and
+    the first iteration of each turn; rows and verdict give the paired speedup beside the fresh
+    rounds' one."""
+    ex = fidelity.Example("megatron", "gpt-4L", 2, dict(fidelity.MEGATRON_SIZES["gpt-4L-h64-s32"]))
+    chosen = [fidelity.Candidate("1f1b", "1f1b", 1, predicted_ms=100.0),
+              fidelity.Candidate("best predefined (zb-v)", "zb-v", 2, "vshape", predicted_ms=95.0),
+              fidelity.Candidate("searched (linear, v=1)", "s.koala", 1, predicted_ms=90.0)]
+    assert [c.label for c in fidelity.paired_candidates(ex, chosen)] == ["1f1b", "searched (linear, v=1)"]
+    assert fidelity.paired_candidates(fidelity.Example("deepspeed", "dim64", 2, {"dim": 64}), chosen) == []
+    said = []
+
+    def fake_run(cmd, log, env=None, cwd=None, dry=False, say=print):
+        said.append(cmd)
+        first = cmd[cmd.index("--koala-schedule") + 1]
+        other = cmd[cmd.index("--alternate-schedules") + 1]
+        names = [(first, other)[(i // 2) % 2] for i in range(12)]
+        # 1f1b 100 ms, s.koala 80; the first of a turn and the warm-up 1000 ms (never kept)
+        periods = [1000.0 if i < 2 or i % 2 == 0 else (100.0 if n == "1f1b" else 80.0) + len(said)
+                   for i, n in enumerate(names)]
+        Path(log).with_suffix(".json").write_text(json.dumps({"period_ms": periods, "iteration_schedules": names}))
+        return ""
+
+    monkeypatch.setattr(fidelity, "run", fake_run)
+    args = fidelity.parse_args(["--paired-rounds", "2", "--paired-iterations", "12", "--warmup", "2"])
+    paired = fidelity.measure_paired(ex, chosen, args, tmp_path, lambda s: None)
+    assert [c[c.index("--koala-schedule") + 1] for c in said] == ["1f1b", "s.koala"]  # the first one rotates
+    assert paired == {"1f1b": [[101.0] * 2, [102.0] * 3], "searched (linear, v=1)": [[81.0] * 3, [82.0] * 2]}
+    rows = fidelity.rows_of(ex, chosen, {"1f1b": [[100.0]], "best predefined (zb-v)": [[99.0]],
+                                         "searched (linear, v=1)": [[97.0]]}, None, paired)
+    assert rows[2].paired_speedup == pytest.approx(102.0 / 81.0)  # medians over both rounds
+    assert rows[2].paired_round_speedups == pytest.approx((101 / 81, 102 / 82))
+    assert rows[2].paired_error == pytest.approx(102.0 / 81.0 - 100.0 / 90.0)
+    assert rows[1].paired_round_speedups == () and rows[1].paired_speedup != rows[1].paired_speedup
+    assert fidelity.format_table(rows).splitlines()[3].endswith("| - | - | - | - |")
+    said = fidelity.verdict(rows)
+    assert said[-2] == ("megatron gpt-4L p=2, searched (linear, v=1): speedup error -0.080 (beyond 0.05); measured "
+                        "1.031x of 1f1b (at least 0.98x); one round: no spread to judge it by")
+    assert said[-1] == ("megatron gpt-4L p=2, searched (linear, v=1), paired rounds (taking turns with 1f1b "
+                               "in one run): speedup error +0.148 (beyond 0.05); measured 1.259x of 1f1b (at least "
+                               "0.98x); the paired rounds' speedups span 0.003, their mean +-0.003 (2 standard "
+                               "errors)")
+    with pytest.raises(fidelity.BenchError, match="the deepspeed example runs one schedule per run"):
+        fidelity.Example("deepspeed", "dim64", 2, {"dim": 64}).run_cmd(chosen[0], 12, tmp_path / "x.json",
+                                                                       alternate=(chosen[2],))
 
 
 def test_each_example_runs_the_v_its_layers_allow(fidelity, monkeypatch):

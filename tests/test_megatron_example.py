@@ -107,6 +107,11 @@ def test_same_loss_whichever_schedule_and_it_goes_down(tmp_path, _megatron_core)
         other = run(tmp_path, schedule, [*size, *extra])
         assert other["backend"] == "gloo"
         assert other["losses"] == pytest.approx(base["losses"], rel=1e-6), schedule
+    # two schedules taking turns on one model (--alternate-schedules): the same losses, each
+    # iteration logged with the schedule that ran it
+    turns = run(tmp_path, "1f1b", [*size, *gloo, "--alternate-schedules", "zb-h1"])
+    assert turns["iteration_schedules"] == ["1f1b", "1f1b", "zb-h1", "zb-h1", "1f1b", "1f1b"]
+    assert turns["losses"] == pytest.approx(base["losses"], rel=1e-6)
 
 
 @pytest.mark.parametrize("flags, world, message", [
@@ -130,3 +135,40 @@ def test_sizes_that_do_not_divide_are_one_user_error_naming_the_flag(flags, worl
         ex.batch_split(ex.parse_args(flags), world)
     assert str(info.value) == message
     assert ex.batch_split(ex.parse_args([]), 2) == (2, 4)  # the defaults: 16 = 2 x 2 x 4
+
+
+def test_alternate_schedules_take_turns_and_refuse_what_cannot_share_the_chunks(_megatron_core):
+    """--alternate-schedules (benchmarks/fidelity.py's paired rounds): the schedules take turns
+    every --alternate-block iterations on one model; an alternate that places the stages
+    otherwise, an unknown one, a trace, or no Koala schedule at all: one line naming the flag."""
+    from koala_ds.core.ir import KoalaError
+    from koala_ds.megatron.launch import InstallReport
+
+    ex = example_module()
+
+    def turns(schedule, flags, v=1):
+        args = ex.parse_args(flags)
+        return ex.alternation(args, InstallReport(schedule, func=object()), 2, 4, v), args
+
+    assert turns("1f1b", [])[0] == [("1f1b", None)] and turns(None, [])[0] == [("default", None)]
+    got, args = turns("1f1b", ["--alternate-schedules", "zb-h1,gpipe", "--alternate-block", "3"])
+    assert [name for name, _ in got] == ["1f1b", "zb-h1", "gpipe"] and callable(got[1][1])
+    assert [ex.turn_of(args, got, it)[0] for it in range(10)] == ["1f1b"] * 3 + ["zb-h1"] * 3 + ["gpipe"] * 3 + \
+        ["1f1b"]
+    cases = [
+        (None, ["--alternate-schedules", "zb-h1"], 1, "--alternate-schedules needs --pipeline-schedule koala"),
+        ("1f1b", ["--alternate-schedules", "zb-h1", "--koala-trace", "t.json"], 1,
+         "--alternate-schedules with --koala-trace: a trace's steps are one schedule's"),
+        ("zb-v", ["--alternate-schedules", "interleaved-1f1b"], 2,
+         "--alternate-schedules interleaved-1f1b places the stages (interleaved) otherwise than --koala-schedule "
+         "zb-v (vshape): alternate schedules of one placement"),
+        ("1f1b", ["--alternate-schedules", "no-such-schedule"], 1, "--alternate-schedules: unknown schedule "
+                                                                   "'no-such-schedule'"),
+        ("1f1b", ["--alternate-schedules", "zb-v"], 1, "--alternate-schedules zb-v: schedule 'zb-v' needs v == 2"),
+    ]
+    for schedule, flags, v, message in cases:
+        with pytest.raises(KoalaError) as info:
+            turns(schedule, flags, v)
+        assert str(info.value).startswith(message) and "\n" not in str(info.value)
+    with pytest.raises(KoalaError, match="--alternate-block must be >= 1, got 0"):
+        ex.batch_split(ex.parse_args(["--alternate-block", "0"]), 2)

@@ -322,3 +322,37 @@ def test_finalize_gets_the_steps_token_count_with_per_token_loss(single_process_
          seq_length=2, micro_batch_size=1)
     assert len(seen) == 1 and len(seen_batches) == 3
     assert (int(seen[0]) == 2 + 3 + 4) if per_token else seen[0] is None
+
+
+def test_a_full_backward_schedule_runs_plain_forwards_on_chunks_a_split_one_prepared(single_process_megatron):
+    """One model, two schedules (examples/megatron_gpt --alternate-schedules): after zb-h1 has
+    prepared the chunks for deferred weight gradients, 1f1b's forwards run as an unprepared
+    model's (torch's own linear), not through the deferrable Function it never uses."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from engine_runs import _forward_step, _MegatronChunk
+    from koala_ds.megatron import get_forward_backward_func
+    from koala_ds.profiler.models import _init_single_process_megatron
+    from koala_ds.resolve import load_schedule
+    from koala_ds.runtime import wgrad
+
+    _init_single_process_megatron(1)
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, use_cpu_initialization=True,
+                               pipeline_dtype=torch.float32, params_dtype=torch.float32,
+                               gradient_accumulation_fusion=False)
+    chunk = _MegatronChunk(config, 0, 1, (0.0, 0.0, 0.0), 8)
+    plain: list[bool] = []
+    chunk.register_forward_pre_hook(lambda *_: plain.append(wgrad._PLAIN_FORWARD))
+    data = [torch.randn(2, 1, 8) for _ in range(2)]
+
+    def step(name):
+        func = get_forward_backward_func(load_schedule(name, 1, 2, 1), timeout_s=30)
+        plain.clear()
+        func(forward_step_func=_forward_step, data_iterator=iter(data), model=chunk, num_microbatches=2,
+             seq_length=2, micro_batch_size=1)
+        return list(plain)
+
+    assert step("1f1b") == [False, False]  # an unprepared model: nothing to switch off
+    assert step("zb-h1") == [False, False]  # split: the forwards record what W will compute
+    assert hasattr(chunk, "_koala_wgrad")
+    assert step("1f1b") == [True, True]

@@ -19,6 +19,7 @@ the same whichever schedule runs it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -35,7 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from koala_ds.megatron import add_arguments, install  # noqa: E402
 from koala_ds.megatron.cpu import data_parallel_finalize  # noqa: E402
-from koala_ds.megatron.resolve import resolve  # noqa: E402
+from koala_ds.megatron.resolve import MEGATRON, resolve  # noqa: E402
 
 log = logging.getLogger("pretrain_gpt")
 
@@ -69,6 +70,13 @@ def parse_args(argv=None):
     g.add_argument("--loss-log", default=None, metavar="FILE",
                    help="write the loss and the time (ms) of every iteration as JSON")
     add_arguments(ap)
+    b = ap.add_argument_group("benchmarking")
+    b.add_argument("--alternate-schedules", default=None, metavar="NAME|FILE[,...]",
+                   help="also run these Koala schedules, taking turns with --koala-schedule every --alternate-block "
+                        "iterations in this one run, so that the machine's drift hits them alike (schedules "
+                        "placing the stages alike; the loss log names each iteration's schedule)")
+    b.add_argument("--alternate-block", type=int, default=2, metavar="N",
+                   help="iterations of a schedule before the next takes its turn (default 2)")
     args = ap.parse_args(argv)
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
     return args
@@ -106,7 +114,6 @@ def build_model(args, config, schedule_stages, layout, device):
     """The model chunks of this rank: chunk c holds virtual stage schedule_stages[c], with the
     layers the layout gives that stage (koala_ds.megatron.layout.stage_layers: pipeline order,
     whichever rank the schedule's placement puts the stage on)."""
-    import dataclasses
 
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -244,7 +251,7 @@ def make_config(args, tp: int, pp: int, v: int):
 #: Flags that count something: each must be >= 1.
 COUNTS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers", "hidden_size",
           "num_attention_heads", "seq_length", "vocab_size", "micro_batch_size", "global_batch_size", "train_iters",
-          "log_interval")
+          "log_interval", "alternate_block")
 
 
 def batch_split(args, world: int) -> tuple[int, int]:
@@ -288,6 +295,7 @@ def main(argv=None) -> int:
     # the schedule's stage (stage_layers), so any placement (V-shape too) fits
     report = install(args, chunks="schedule")
     check_pipeline_backend(report.schedule is not None, pp, device, backend)
+    turns = alternation(args, report, pp, m, v)
     if cuda:
         torch.cuda.set_device(device)
     else:
@@ -312,7 +320,7 @@ def main(argv=None) -> int:
     else:  # megatron's own placement: chunk c of rank r is stage c * pp + r
         stages = [c * pp + pp_rank for c in range(v)]
     chunks = build_model(args, make_config(args, tp, pp, v), stages, layout, device)
-    losses, times, periods = train(args, chunks, m, v)
+    losses, times, periods = train(args, chunks, m, v, turns)
     if report.func is not None:  # --koala-trace: end the trace file (else done at exit)
         report.func.close_trace()
     is_logger = pp_rank == pp - 1 and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
@@ -320,14 +328,48 @@ def main(argv=None) -> int:
         with open(args.loss_log, "w") as fh:
             json.dump({"schedule": report.schedule or "default", "tp": tp, "pp": pp, "dp": dp, "v": v,
                        "backend": dist.get_backend(), "device": device.type, "losses": losses,
-                       "iteration_ms": times, "period_ms": periods}, fh)
+                       "iteration_ms": times, "period_ms": periods,
+                       "iteration_schedules": [turn_of(args, turns, it)[0] for it in range(args.train_iters)]},
+                      fh)
     dist.barrier()
     ps.destroy_model_parallel()
     dist.destroy_process_group()
     return 0
 
 
-def train(args, chunks, m: int, v: int) -> tuple[list, list, list]:
+def alternation(args, report, pp: int, m: int, v: int) -> list[tuple[str, object]]:
+    """The (schedule, forward_backward_func) pairs taking turns (--alternate-schedules), the
+    installed --koala-schedule first; one pair without the flag. Each alternate must place the
+    stages on the ranks as --koala-schedule does (the chunks are built once); else one line."""
+    from koala_ds.core.ir import KoalaError
+    from koala_ds.megatron import get_forward_backward_func as koala_func
+
+    if not args.alternate_schedules:
+        return [(report.schedule or "default", None)]  # None: megatron's get_forward_backward_func()
+    if report.schedule is None:
+        raise KoalaError("--alternate-schedules needs --pipeline-schedule koala (with --koala-schedule)")
+    if args.koala_trace is not None:
+        raise KoalaError("--alternate-schedules with --koala-trace: a trace's steps are one schedule's; "
+                         "trace a run of one schedule (drop one of the two flags)")
+    base = resolve(report.schedule, pp, m, v).placement
+    turns = [(report.schedule, report.func)]
+    words = dataclasses.replace(MEGATRON, schedule="--alternate-schedules")  # how a misfit names the flag
+    for spec in args.alternate_schedules.split(","):
+        placement = resolve(spec, pp, m, v, words).placement
+        if any(placement.stages_of(r) != base.stages_of(r) for r in range(pp)):
+            raise KoalaError(f"--alternate-schedules {spec} places the stages ({placement.style}) otherwise than "
+                             f"--koala-schedule {report.schedule} ({base.style}): alternate schedules of one placement")
+        turns.append((spec, koala_func(spec, args.koala_profile, timeout_s=args.koala_p2p_timeout,
+                                       timeout_name="--koala-p2p-timeout")))
+    return turns
+
+
+def turn_of(args, turns: list, it: int) -> tuple:
+    """The (schedule, function) whose turn iteration `it` is: --alternate-block iterations each."""
+    return turns[(it // args.alternate_block) % len(turns)]
+
+
+def train(args, chunks, m: int, v: int, turns: list) -> tuple[list, list, list]:
     """The training loop; the last pipeline rank's per-iteration losses and times. A time is the
     ms of forward_backward_func and the optimizer step on this rank (the synthetic data is drawn
     before the clock starts; CUDA is synchronised before it stops); a period, the ms from one
@@ -344,7 +386,7 @@ def train(args, chunks, m: int, v: int) -> tuple[list, list, list]:
         chunk.config.finalize_model_grads_func = data_parallel_finalize(dp_group, dp)
     optimizer = torch.optim.Adam([q for c in chunks for q in c.parameters()], lr=args.lr)
     corpus = MarkovCorpus(args.vocab_size, args.seed)
-    forward_backward_func = get_forward_backward_func()
+    turns = [(name, func or get_forward_backward_func()) for name, func in turns]
     is_logger = pp_rank == pp - 1 and ps.get_tensor_model_parallel_rank() == 0 and dp_rank == 0
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     losses_log, times, starts = [], [], []
@@ -356,7 +398,7 @@ def train(args, chunks, m: int, v: int) -> tuple[list, list, list]:
         optimizer.zero_grad(set_to_none=True)
         sync()
         t1 = time.perf_counter()
-        losses = forward_backward_func(
+        losses = turn_of(args, turns, it)[1](
             forward_step_func=partial(forward_step_func, args.seq_length),
             data_iterator=iters if v > 1 else iters[0], model=chunks if v > 1 else chunks[0],
             num_microbatches=m, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size)
