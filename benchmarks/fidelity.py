@@ -24,7 +24,8 @@ v = 1 and 2 chunks per rank where the model has the layers, it runs what a user 
    schedule (the fastest that fits the memory limit and that the engines run: one pipeline),
    and `koala search --min-gain 0 --ignore-spread` per v: the searched schedule (the faster v's;
    the model's own pick, which the profile's spread would otherwise keep back); predictions
-   by `koala simulate --json`;
+   by `koala simulate --json`; and `koala search` with its defaults (--min-gain 5, the spread),
+   what a user gets: the report says which measured schedule that is;
 4. the example with each distinct schedule (a searched schedule equal to a library one runs
    once), ALTERNATING: `--rounds` rounds, each a fresh torchrun of every schedule in a rotated
    order, `--iterations` iterations each, the first `--warmup` dropped; the examples' own
@@ -34,6 +35,12 @@ v = 1 and 2 chunks per rank where the model has the layers, it runs what a user 
    trace, as every schedule alike (the DeepSpeed example's traced steps vs untraced ones in one
    run: +0.72 and -0.42 ms of a 35 ms step, each +-0.6-0.8 ms, benchmarks/trace_overhead.py
    --deepspeed 600); `--untraced` leaves it off, and step 5 with it;
+   PAIRED: `--paired-rounds` more runs, untraced, in each of which the schedules placed as 1f1b
+   is (v = 1, linear) take turns on one model, PAIRED_BLOCK iterations each (the examples'
+   --alternate-schedules: Megatron builds a forward_backward_func per schedule, DeepSpeed
+   switches with KoalaPipelineEngine.set_koala_schedule), `--paired-iterations` iterations, the
+   first `--warmup` and the first of each turn dropped: a drift of the machine within the run
+   hits every schedule alike, where fresh runs minutes apart differ by tens of percent;
 5. `recalibrate()`: per v, `koala calibrate` on the measured runs' traces of that v (every
    schedule, the searched one too) and `koala simulate` of each schedule on that profile: the
    step time the model gives each schedule when calibrated on the same minutes of the machine
@@ -46,7 +53,8 @@ medians' range, speedup over 1f1b (predicted, measured, and measured round by ro
 1f1b median over its own; their standard error), the speedup error (measured - predicted) and the
 step-time error (measured / predicted - 1); then, per searched schedule, the targets (speedup
 error within 0.05, at least 0.98x of 1f1b) and whether the rounds resolve that much (2 standard
-errors of their speedups within 0.05).
+errors of their speedups within 0.05), for the fresh rounds and for the paired ones (their
+columns: paired speedup, per paired round, their SE, paired error = paired - predicted).
 Printed; written (atomically) only with `--out FILE`. A failing step is one line naming the
 command and its log file; the work folder (`--work`, default a temporary one) keeps every
 profile, schedule and log.
@@ -116,12 +124,6 @@ class Example:
     size: dict = field(default_factory=dict)  # Megatron flags, or {"dim": N}
 
     @property
-    def alternates(self) -> bool:
-        """Whether the example can run several schedules taking turns in one run (Megatron's
-        --alternate-schedules; the DeepSpeed engine holds one schedule)."""
-        return self.engine == "megatron"
-
-    @property
     def num_layers(self) -> int:
         return self.size["num-layers"] if self.engine == "megatron" else DEEPSPEED_LAYERS
 
@@ -188,11 +190,12 @@ class Example:
                 "--loss-log", str(log), *traced, *self._alternate_flags(alternate)]
 
 
-    def _alternate_flags(self, alternate: tuple) -> list[str]:
+    @staticmethod
+    def _alternate_flags(alternate: tuple) -> list[str]:
+        """Both examples' --alternate-schedules (Megatron: a forward_backward_func per schedule;
+        DeepSpeed: KoalaPipelineEngine.set_koala_schedule)."""
         if not alternate:
             return []
-        if not self.alternates:
-            raise BenchError(f"the {self.engine} example runs one schedule per run: no paired rounds")
         return ["--alternate-schedules", ",".join(c.schedule for c in alternate), "--alternate-block",
                 str(PAIRED_BLOCK)]
 
@@ -356,18 +359,39 @@ def schedule_json(ex: Example, cand: Candidate, work: Path, dry: bool, say) -> d
     return {} if dry else json.loads(out.read_text(encoding="utf-8"))
 
 
+def schedule_key(ex: Example, cand: Candidate, work: Path, dry: bool, say) -> str:
+    """What makes two schedules the same run: their ranks' actions, placement and backward."""
+    d = schedule_json(ex, cand, work, dry, say)
+    return json.dumps([d.get("ranks"), d.get("placement", {}).get("stage_ranks"), d.get("backward")])
+
+
+def default_answer(ex: Example, profiles: dict[int, Path], chosen: list[Candidate], budget: float, work: Path,
+                   dry: bool, say) -> str | None:
+    """What a user gets from `koala search` with its defaults (--min-gain 5 and the profile's
+    spread keeping a known schedule back) on the calibrated profiles, the faster v's answer: the
+    label of the measured candidate it equals, or None (a schedule not measured here)."""
+    base = ["-p", str(ex.p), "-m", str(MICROBATCHES)]
+    answers = []
+    for v, prof in profiles.items():
+        out = work / f"default_v{v}.koala"
+        run([str(venv_bin() / "koala"), "search", "--profile", str(prof), *base, "-v", str(v), "--quiet",
+             "--time-budget", str(budget), "-o", str(out)], work / f"default_v{v}.log", ex.env(work), work, dry, say)
+        answers.append(Candidate(f"default (v={v})", str(out), v))
+    if dry:
+        return None
+    for cand in answers:
+        cand.predicted_ms = predict(ex, cand, profiles[cand.v], work, dry, say)[0]
+    key = schedule_key(ex, min(answers, key=lambda c: c.predicted_ms), work, dry, say)
+    return next((c.label for c in chosen if schedule_key(ex, c, work, dry, say) == key), None)
+
+
 def mark_duplicates(ex: Example, chosen: list[Candidate], work: Path, dry: bool, say) -> None:
     """A candidate whose schedule (ranks, placement, backward) equals an earlier one's runs as that one."""
     if dry:
         return
-
-    def key(c):
-        d = schedule_json(ex, c, work, dry, say)
-        return json.dumps([d.get("ranks"), d.get("placement", {}).get("stage_ranks"), d.get("backward")])
-
     seen = {}
     for c in chosen:
-        k = key(c)
+        k = schedule_key(ex, c, work, dry, say)
         if k in seen:
             c.same_as = seen[k].label
             c.label += f" = {seen[k].schedule}"
@@ -410,10 +434,10 @@ def measure(ex: Example, chosen: list[Candidate], args, work: Path,
 
 def paired_candidates(ex: Example, chosen: list[Candidate]) -> list[Candidate]:
     """The distinct candidates that take turns with 1f1b in one run (the paired rounds): those
-    placing the stages as 1f1b does (v = 1, linear), where the example alternates schedules and
-    there is another beside 1f1b; else none."""
+    placing the stages as 1f1b does (v = 1, linear), where there is another beside 1f1b; else none."""
+    del ex  # both examples take turns (--alternate-schedules)
     runs = [c for c in chosen if c.same_as is None and c.v == 1 and c.placement == "linear"]
-    return runs if ex.alternates and len(runs) > 1 else []
+    return runs if len(runs) > 1 else []
 
 
 def measure_paired(ex: Example, chosen: list[Candidate], args, work: Path, say) -> dict[str, list[list[float]]]:
@@ -484,6 +508,8 @@ class Row:
     #: round by round; NaN and () where the schedule did not take turns with 1f1b
     paired_speedup: float = float("nan")
     paired_round_speedups: tuple[float, ...] = ()
+    #: koala search with its defaults answers this schedule (default_answer)
+    default: bool = False
 
     @property
     def recalibrated_error(self) -> float:
@@ -527,12 +553,13 @@ def _speedups(base: list[list[float]], rounds: list[list[float]]) -> tuple[float
 
 
 def rows_of(ex: Example, chosen: list[Candidate], times: dict[str, list[list[float]]],
-            recalibrated: dict[str, float] | None = None, paired: dict[str, list[list[float]]] | None = None
-            ) -> list[Row]:
+            recalibrated: dict[str, float] | None = None, paired: dict[str, list[list[float]]] | None = None,
+            default: str | None = None) -> list[Row]:
     """One row per candidate; speedups over the 1f1b row (the first): of the medians over every
     round, and round by round (the rounds alternate the schedules, so a round's runs are minutes
     apart at most and a drift of the machine hits them alike); and those of the paired rounds
-    (`paired`, measure_paired: the schedules taking turns within one run)."""
+    (`paired`, measure_paired: the schedules taking turns within one run). `default`: the label of
+    the candidate koala search's defaults answer (default_answer)."""
     paired = paired or {}
     base = paired.get(chosen[0].label, [])
     out = []
@@ -542,7 +569,7 @@ def rows_of(ex: Example, chosen: list[Candidate], times: dict[str, list[list[flo
         out.append(Row(f"{ex.engine} {ex.label} p={ex.p}", c.label, c.v, c.predicted_ms,
                        statistics.median(kept) if kept else float("nan"),
                        tuple(statistics.median(r) for r in rounds if r), 1.0, 1.0,
-                       recalibrated_ms=(recalibrated or {}).get(c.label, float("nan"))))
+                       recalibrated_ms=(recalibrated or {}).get(c.label, float("nan")), default=c.label == default))
     one = out[0]
     pairs = [_speedups(base, paired.get(c.same_as or c.label, [])) for c in chosen]
     return [dataclasses.replace(r, speedup_predicted=one.predicted_ms / r.predicted_ms,
@@ -561,6 +588,8 @@ SPEEDUP_TOLERANCE = 0.05
 #: time within this of the measured one
 SEARCHED_FLOOR = 0.98
 STEP_TOLERANCE = 0.10
+#: koala search's --min-gain default (koala_ds/commands/search.py DEFAULT_MIN_GAIN_PCT), as the report names it
+DEFAULT_MIN_GAIN_PCT = 5.0
 
 
 def _range(values: tuple[float, ...], fmt: str) -> str:
@@ -599,6 +628,14 @@ def verdict(rows: list[Row]) -> list[str]:
             out.append(f"{example}: after koala calibrate on the measured runs' traces, step-time errors "
                        f"{min(errors):+.1%}..{max(errors):+.1%} "
                        f"({'within' if abs(worst) <= STEP_TOLERANCE else 'beyond'} {STEP_TOLERANCE:.0%})")
+    for example in dict.fromkeys(r.example for r in rows):
+        answer = next((r for r in rows if r.example == example and r.default), None)
+        paired = "" if answer is None or answer.paired_speedup != answer.paired_speedup else \
+            f", {answer.paired_speedup:.3f}x in the paired rounds"
+        out.append(f"{example}: koala search with its defaults (--min-gain {DEFAULT_MIN_GAIN_PCT:g}, the profile's "
+                   f"spread) answers " + ("a schedule not measured here" if answer is None else
+                                          f"{answer.schedule}: measured {answer.speedup_measured:.3f}x of 1f1b"
+                                          f"{paired}"))
     for r in (r for r in rows if r.schedule.startswith("searched")):
         out.append(f"{r.example}, {r.schedule}: "
                    + _target(r.speedup_measured, r.speedup_error, r.round_speedups, "rounds"))
@@ -656,7 +693,7 @@ def header(argv: list[str], args) -> list[str]:
                "measured runs' traces of the schedule's v")
             + f"; paired: {args.paired_rounds} round(s), each one untraced torchrun of {args.paired_iterations} "
               f"iterations in which the schedules placed as 1f1b is take turns, {PAIRED_BLOCK} iterations each "
-              f"(Megatron --alternate-schedules; the first {args.warmup} iterations and the first of each turn "
+              f"(the examples' --alternate-schedules; the first {args.warmup} iterations and the first of each turn "
               f"dropped)"]
 
 
@@ -734,10 +771,11 @@ def bench_one(ex: Example, args, work: Path, say) -> tuple[list[Row], str]:
     measured = dict(profiles)
     profiles, how = calibrate(ex, profiles, args, work, say)
     chosen = choose(ex, profiles, args.search_budget, work, args.dry_run, say)
+    default = default_answer(ex, profiles, chosen, args.search_budget, work, args.dry_run, say)
     times, traces = measure(ex, chosen, args, work, say)
     paired = measure_paired(ex, chosen, args, work, say)
     recalibrated = recalibrate(ex, chosen, traces, measured, args, work, say)
-    return ([] if args.dry_run else rows_of(ex, chosen, times, recalibrated, paired)), how
+    return ([] if args.dry_run else rows_of(ex, chosen, times, recalibrated, paired, default)), how
 
 
 def main(argv: list[str] | None = None) -> int:

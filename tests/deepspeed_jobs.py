@@ -510,3 +510,34 @@ def allreduce_worker(rank: int, world: int, spec: dict) -> float | list:
     t = torch.ones(spec.get("size", 4))
     dist.all_reduce(t)
     return [float(t[0]), os.environ["MASTER_PORT"]] if spec.get("port") else float(t[0])
+
+
+def switch_worker(rank: int, world: int, spec: dict) -> dict:
+    """One engine, schedules taking turns (set_koala_schedule): per step the loss and whether the
+    forwards ran plain (koala_ds.runtime.wgrad's flag, seen by a hook on the module); the losses of
+    an engine that ran spec["first"] throughout; and what set_koala_schedule said of spec["misfit"]."""
+    import koala_ds.deepspeed  # noqa: F401  (registers the engine with deepspeed.initialize)
+    from koala_ds.core.ir import KoalaError
+    from koala_ds.runtime import wgrad
+
+    gas, steps = spec["gas"], len(spec["turns"])
+    out: dict[str, Any] = {}
+    for label, turns in (("turns", spec["turns"]), ("one", [spec["first"]] * steps)):
+        model, engine = case_engine({"schedule": spec["first"]}, spec, 1)
+        plain: list[bool] = []
+        model.register_forward_pre_hook(lambda *_: plain.append(wgrad._PLAIN_FORWARD))
+        data = case_batches({}, spec, steps, model._grid.data_parallel_id)
+        losses, plains, names = [], [], []
+        for step, name in enumerate(turns):
+            names.append(engine.set_koala_schedule(name).name)
+            plain.clear()
+            losses.append(float(engine.train_batch(iter(data[step * gas:(step + 1) * gas]))))
+            plains.append(sorted(set(plain)))
+        out[label] = {"losses": losses, "plain": plains, "names": names}
+        if label == "turns":
+            try:
+                engine.set_koala_schedule(spec["misfit"])
+            except KoalaError as exc:
+                out["misfit"] = str(exc)
+        del engine, model
+    return out

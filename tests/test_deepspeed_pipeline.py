@@ -791,3 +791,26 @@ def test_the_patched_initialize_refuses_a_misspelt_pipeline_schedule(patched_dee
     assert "ENGINE" not in run.stdout
     error = [x for x in run.stderr.splitlines() if "error:" in x]
     assert len(error) == 1 and "\"pipeline.schedule\" is 'koalaa' (did you mean 'koala'?)" in error[0], run.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.deepspeed_ext
+@pytest.mark.timeout(400)
+def test_schedules_taking_turns_on_one_engine_train_as_one_schedule_does():
+    """set_koala_schedule (examples/deepspeed_pipe --alternate-schedules): 1f1b and zb-h1 taking
+    turns give the losses of 1f1b throughout; after zb-h1 prepared the module for deferred weight
+    gradients, 1f1b's forwards run plain (an unprepared module's cost); a schedule of another
+    placement is one line naming the call."""
+    from deepspeed_jobs import switch_worker
+
+    turns = ["1f1b", "zb-h1", "zb-h1", "1f1b", "zb-h1", "1f1b"]
+    spec = {**_spec(2, []), "first": "1f1b", "turns": turns, "misfit": "zb-v"}
+    results = launch(switch_worker, 2, spec, timeout_s=300)
+    for res in results:
+        value = res["value"]
+        assert value["turns"]["names"] == turns and value["one"]["names"] == ["1f1b"] * len(turns)
+        assert value["turns"]["losses"] == pytest.approx(value["one"]["losses"], rel=1e-6)
+        # before zb-h1's first step nothing is prepared; zb-h1 defers (not plain); 1f1b after it: plain
+        assert value["turns"]["plain"] == [[False], [False], [False], [True], [False], [True]]
+        assert value["one"]["plain"] == [[False]] * len(turns)
+        assert value["misfit"].startswith("set_koala_schedule('zb-v')") and "\n" not in value["misfit"]

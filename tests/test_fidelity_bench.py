@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -45,7 +46,9 @@ def test_dry_run_prints_the_users_commands_and_writes_nothing(tmp_path):
     runs = [c for c in commands if c.split()[0].endswith("torchrun")]
     assert any(" profile megatron-gpt " in c and "--num-layers 4 --hidden-size 64" in c for c in koala)
     assert any(" profile deepspeed --layers train:layers --input train:sample" in c for c in koala)
-    assert all("--min-gain 0" in c for c in koala if " search " in c)
+    searches = [c for c in koala if " search " in c]
+    # per v the model's own pick (--min-gain 0), and what the search's defaults give a user
+    assert [("--min-gain 0" in c, "/default_v1.koala" in c) for c in searches] == [(True, False), (False, True)] * 2
     assert any("pretrain_gpt.py" in c and "--loss-log" in c for c in runs)
     assert any("deepspeed_pipe/train.py" in c and "--loss-log" in c for c in runs)
     assert all("--standalone" in c for c in runs)  # no fixed port shared with other jobs
@@ -80,15 +83,12 @@ def test_dry_run_calibrates_on_traced_library_runs_before_choosing(tmp_path):
         assert measured and all(f" {flag} {work}/measured_round0_" in c for c in measured)
         recal = [c for c in cmds if " calibrate " in c and "recalibrated" in c]
         assert len(recal) == 1 and cmds.index(recal[0]) > cmds.index(measured[-1])
-        # the paired round: one untraced run in which the v = 1 schedules take turns (Megatron only)
+        # the paired round: one untraced run in which the v = 1 schedules take turns
         paired = [c for c in cmds if "/paired_round" in c]
-        if engine == "deepspeed":
-            assert paired == [] and all("--alternate-schedules" not in c for c in cmds)
-        else:
-            assert len(paired) == 1 and cmds.index(measured[-1]) < cmds.index(paired[0]) < cmds.index(recal[0])
-            assert "--koala-schedule 1f1b " in paired[0] and f" {flag} " not in paired[0]
-            assert f"--alternate-schedules '<best predefined>,{work}/searched_v1.koala' --alternate-block 2" \
-                in paired[0] and "--train-iters 16 " in paired[0]
+        assert len(paired) == 1 and cmds.index(measured[-1]) < cmds.index(paired[0]) < cmds.index(recal[0])
+        assert ("--koala-schedule 1f1b " if engine == "megatron" else "--schedule 1f1b ") in paired[0]
+        assert f" {flag} " not in paired[0] and ("--train-iters 16 " in paired[0] or "--steps 16 " in paired[0])
+        assert f"--alternate-schedules '<best predefined>,{work}/searched_v1.koala' --alternate-block 2" in paired[0]
         assert all(f"{work}/measured_round0_" in t for t in recal[0].split("calibrate ")[1].split(" --profile")[0]
                    .split()), recal
         assert f"--profile {work}/profile_v1.json --skip-steps 3 -o {work}/recalibrated_v1.json" in recal[0]
@@ -105,8 +105,10 @@ def test_full_plan_alternates_fresh_runs_and_profiles_each_v(tmp_path, fidelity)
     assert any("-v 2" in c for c in profiles) and any("-v 1" in c for c in profiles)
     assert any("fidelity_ds_dim1024:layers" in c for c in profiles)  # the other --dim: a module of its own
     dim64 = [c for c in cmds if "torchrun" in c and "--dim 64 " in c]
-    runs = [c.split("--schedule ")[1].split()[0] for c in dim64 if "/trace_" not in c]
+    runs = [c.split("--schedule ")[1].split()[0] for c in dim64 if "/trace_" not in c and "/paired_" not in c]
     assert len(runs) == 2 * 3  # two rounds of three schedules, a fresh torchrun each
+    paired = [c.split("--schedule ")[1].split()[0] for c in dim64 if "/paired_" in c]
+    assert len(paired) == 6 and paired[0] != paired[1]  # --paired-rounds' default, the first schedule rotating
     assert runs[:3] != runs[3:] and sorted(runs[:3]) == sorted(runs[3:])  # the order rotates
     traced = [c for c in dim64 if "/trace_" in c]  # calibration: per v a full and a split backward,
     # every v's in one rotation (v = 1 and v = 2 calibrated over the same moments), 3 rounds of fresh runs
@@ -176,16 +178,20 @@ def test_rows_give_speedups_over_1f1b_and_the_error(fidelity):
     assert rows[1].speedup_se == pytest.approx(se) and rows[0].speedup_se == 0.0
     assert table[3] == ("| deepspeed dim64 p=2 | best predefined (zb-h1) | 1 | 80.0 | 97.5 | 95.0-297.5 | "
                         f"1.250x | 1.282x | 0.471-1.263 | {se:.3f} | +0.032 | +21.9% | - | - | - | - | - | - |")
-    said = fidelity.verdict(rows)  # the searched row only: within 0.05, above 0.98x, rounds too far apart
+    said = fidelity.verdict(rows)  # the default's answer, then the searched row: within 0.05, above 0.98x,
+    # rounds too far apart
+    assert said[0] == ("deepspeed dim64 p=2: koala search with its defaults (--min-gain 5, the profile's spread) "
+                       "answers a schedule not measured here")
+    said = said[1:]
     assert len(said) == 1 and said[0].startswith("deepspeed dim64 p=2, searched (linear, v=1) = zb-h1: speedup "
                                                  "error +0.032 (within 0.05); measured 1.282x of 1f1b (at least 0.98x)")
     assert said[0].endswith(f"span 0.793, their mean +-{2 * se:.3f} (2 standard errors): wider than the target, "
                             "this run cannot resolve it")
     one_round = fidelity.rows_of(ex, chosen, {k: v[:1] for k, v in times.items()})
     assert one_round[1].speedup_se is None and "| - |" in fidelity.format_table(one_round)
-    assert fidelity.verdict(one_round)[0].endswith("one round: no spread to judge it by")
+    assert fidelity.verdict(one_round)[1].endswith("one round: no spread to judge it by")
     steady = {"1f1b": [[120.0]] * 4 + [[121.0]] * 4, "best predefined (zb-h1)": [[100.0]] * 8}
-    said = fidelity.verdict(fidelity.rows_of(ex, chosen, steady))[0]  # 8 close rounds resolve the target
+    said = fidelity.verdict(fidelity.rows_of(ex, chosen, steady))[1]  # 8 close rounds resolve the target
     assert said.endswith("(2 standard errors)") and "cannot resolve" not in said
 
 
@@ -220,7 +226,7 @@ def test_paired_rounds_give_speedups_from_the_turns_each_schedule_took(fidelity,
               fidelity.Candidate("best predefined (zb-v)", "zb-v", 2, "vshape", predicted_ms=95.0),
               fidelity.Candidate("searched (linear, v=1)", "s.koala", 1, predicted_ms=90.0)]
     assert [c.label for c in fidelity.paired_candidates(ex, chosen)] == ["1f1b", "searched (linear, v=1)"]
-    assert fidelity.paired_candidates(fidelity.Example("deepspeed", "dim64", 2, {"dim": 64}), chosen) == []
+    assert fidelity.paired_candidates(ex, chosen[:2]) == []  # nothing to take turns with 1f1b
     said = []
 
     def fake_run(cmd, log, env=None, cwd=None, dry=False, say=print):
@@ -247,15 +253,27 @@ def test_paired_rounds_give_speedups_from_the_turns_each_schedule_took(fidelity,
     assert rows[1].paired_round_speedups == () and rows[1].paired_speedup != rows[1].paired_speedup
     assert fidelity.format_table(rows).splitlines()[3].endswith("| - | - | - | - |")
     said = fidelity.verdict(rows)
+    assert said[0].endswith("answers a schedule not measured here")
+    rows = fidelity.rows_of(ex, chosen, {"1f1b": [[100.0]], "best predefined (zb-v)": [[99.0]],
+                                         "searched (linear, v=1)": [[97.0]]}, None, paired, "searched (linear, v=1)")
+    said = fidelity.verdict(rows)
+    assert said[0] == ("megatron gpt-4L p=2: koala search with its defaults (--min-gain 5, the profile's spread) "
+                       "answers searched (linear, v=1): measured 1.031x of 1f1b, 1.259x in the paired rounds")
     assert said[-2] == ("megatron gpt-4L p=2, searched (linear, v=1): speedup error -0.080 (beyond 0.05); measured "
                         "1.031x of 1f1b (at least 0.98x); one round: no spread to judge it by")
     assert said[-1] == ("megatron gpt-4L p=2, searched (linear, v=1), paired rounds (taking turns with 1f1b "
                                "in one run): speedup error +0.148 (beyond 0.05); measured 1.259x of 1f1b (at least "
                                "0.98x); the paired rounds' speedups span 0.003, their mean +-0.003 (2 standard "
                                "errors)")
-    with pytest.raises(fidelity.BenchError, match="the deepspeed example runs one schedule per run"):
-        fidelity.Example("deepspeed", "dim64", 2, {"dim": 64}).run_cmd(chosen[0], 12, tmp_path / "x.json",
-                                                                       alternate=(chosen[2],))
+    ds = fidelity.Example("deepspeed", "dim64", 2, {"dim": 64}).run_cmd(chosen[0], 12, tmp_path / "x.json",
+                                                                        alternate=(chosen[2],))
+    assert ds[-4:] == ["--alternate-schedules", "s.koala", "--alternate-block", "2"]
+
+
+def test_the_report_names_the_searchs_own_min_gain_default(fidelity):
+    from koala_ds.commands.search import DEFAULT_MIN_GAIN_PCT
+
+    assert fidelity.DEFAULT_MIN_GAIN_PCT == DEFAULT_MIN_GAIN_PCT
 
 
 def test_each_example_runs_the_v_its_layers_allow(fidelity, monkeypatch):
@@ -316,6 +334,55 @@ def test_the_examples_loss_log_is_checked_before_deepspeed_starts(example, monke
     lines = capsys.readouterr().err.splitlines()
     assert lines == [f"train.py: error: --loss-log {tmp_path / 'no' / 'times.json'}: directory {tmp_path / 'no'} "
                      f"does not exist"]
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--alternate-schedules", "zb-h1"], "--alternate-schedules needs --schedule"),
+    (["--schedule", "1f1b", "--alternate-schedules", "zb-h1", "--trace", "t.json"],
+     "--alternate-schedules with --trace: a trace's steps are one schedule's"),
+    (["--schedule", "1f1b", "--alternate-schedules", "zb-h1,zb-v"], "--alternate-schedules zb-v: schedule 'zb-v' "
+                                                                    "needs v == 2"),
+    (["--schedule", "zb-v", "--chunks", "2", "--placement", "vshape", "--alternate-schedules", "interleaved-1f1b"],
+     "--alternate-schedules interleaved-1f1b"),
+    (["--schedule", "1f1b", "--alternate-schedules", "zb-h1", "--alternate-block", "0"],
+     "argument --alternate-block: "),
+])
+def test_the_examples_alternate_schedules_are_checked_before_deepspeed_starts(example, monkeypatch, capsys, flags,
+                                                                               says):
+    """--alternate-schedules (fidelity.py's paired rounds): a schedule that cannot take turns
+    with --schedule on its model is one line naming the flag, before DeepSpeed starts."""
+    from koala_ds.core.errors import run_main
+
+    monkeypatch.setattr(example.deepspeed, "init_distributed", lambda **_: pytest.fail("DeepSpeed was started"))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(sys, "argv", ["train.py", *flags])
+    with pytest.raises(SystemExit) as info:
+        run_main(example.main, "train.py")
+    assert info.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("train.py: error: ") and says in lines[0], lines
+
+
+@pytest.mark.slow
+@pytest.mark.deepspeed_ext
+@pytest.mark.timeout(300)
+def test_the_examples_schedules_take_turns_with_the_losses_of_one(tmp_path):
+    """examples/deepspeed_pipe --alternate-schedules: 1f1b and zb-h1 taking turns every 2 steps
+    train as 1f1b alone does; the loss log names each step's schedule."""
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    logs = {}
+    for label, extra in (("one", []), ("turns", ["--alternate-schedules", "zb-h1"])):
+        logs[label] = tmp_path / f"{label}.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(ROOT / "examples" / "deepspeed_pipe" / "train.py"), "--schedule", "1f1b", "--steps", "6",
+               "--loss-log", str(logs[label]), *extra]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    one, turns = (json.loads(logs[k].read_text()) for k in ("one", "turns"))
+    assert turns["iteration_schedules"] == ["1f1b", "1f1b", "zb-h1", "zb-h1", "1f1b", "1f1b"]
+    assert one["iteration_schedules"] == ["1f1b"] * 6 and turns["schedule"] == "1f1b"
+    assert turns["losses"] == pytest.approx(one["losses"], rel=1e-6)
 
 
 @pytest.mark.slow

@@ -19,6 +19,8 @@ the loop's own work included, the step `koala calibrate` measures) as JSON, as
 examples/megatron_gpt's flag does.
 `--trace FILE` records the measured timeline of every training step (the DeepSpeed config's
 "pipeline.koala.trace"): each process writes FILE.rank<global rank>.json (docs/deepspeed.md).
+`--alternate-schedules A[,B...]` (benchmarking) runs --schedule and these in turn, --alternate-block
+steps each, on the one engine (KoalaPipelineEngine.set_koala_schedule; docs/deepspeed.md).
 """
 from __future__ import annotations
 
@@ -103,6 +105,8 @@ def check_flags(args, world: int) -> int:
         example = "zb-v" if args.placement == "vshape" else "interleaved-1f1b"
         raise KoalaError(f"--chunks {args.chunks} needs --schedule: a schedule of {args.chunks} chunks per rank "
                          f"(e.g. --schedule {example} for --placement {args.placement})")
+    if args.alternate_schedules is not None:
+        check_alternates(args, pp)
     if args.trace is not None:
         if args.schedule is None and os.environ.get("DS_PIPELINE_SCHEDULE") != "koala":
             raise KoalaError("--trace needs --schedule: only the Koala engine records a trace")
@@ -110,6 +114,48 @@ def check_flags(args, world: int) -> int:
     if args.loss_log is not None:
         check_output(args.loss_log, "--loss-log")
     return pp
+
+
+def check_alternates(args, pp: int) -> None:
+    """--alternate-schedules: Koala schedules of --schedule's placement, no --trace (one line)."""
+    if args.schedule is None:
+        raise KoalaError("--alternate-schedules needs --schedule (the Koala engine's first schedule)")
+    if args.trace is not None:
+        raise KoalaError("--alternate-schedules with --trace: a trace's steps are one schedule's; trace a run of "
+                         "one schedule (drop one of the two flags)")
+    placement = Placement.named("linear" if args.chunks == 1 else args.placement, pp, args.chunks)
+    for spec in args.alternate_schedules.split(","):
+        resolve(spec, pp, args.microbatches, args.chunks, replace(FLAGS, schedule="--alternate-schedules"),
+                placement=placement)
+
+
+def turns(args) -> list:
+    """The schedules taking turns, --schedule first (one without --alternate-schedules)."""
+    return [args.schedule, *(args.alternate_schedules.split(",") if args.alternate_schedules else [])]
+
+
+def train(engine, data: list, args, samples: int) -> tuple[list, list, list, list]:
+    """The training loop: per step its loss, train_batch's ms, the ms from its start to the next
+    step's, and the schedule that ran it (--alternate-schedules: set_koala_schedule every
+    --alternate-block steps)."""
+    names = turns(args)
+    times, losses, starts, ran = [], [], [], []
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        starts.append(t0)
+        if len(names) > 1 and step % args.alternate_block == 0:
+            engine.set_koala_schedule(names[(step // args.alternate_block) % len(names)])
+        ran.append(names[(step // args.alternate_block) % len(names)] if len(names) > 1 else
+                   getattr(getattr(engine, "koala_schedule", None), "name", "stock"))
+        loss = engine.train_batch(iter(data))  # returns after the step's optimizer update
+        ms = (time.perf_counter() - t0) * 1000
+        times.append(ms)
+        losses.append(float(loss))
+        if engine.global_rank == 0:
+            print(f"step {step}: loss {float(loss):.5f}, {ms:.1f} ms per iteration, {samples / ms * 1000:.1f} "
+                  f"samples/s ({type(engine).__name__}, schedule {ran[-1]})", flush=True)
+    starts.append(time.perf_counter())
+    return losses, times, [(b - a) * 1000 for a, b in zip(starts, starts[1:])], ran
 
 
 def main() -> None:
@@ -126,6 +172,12 @@ def main() -> None:
                              '(sets "pipeline.koala.trace"; needs a Koala schedule)')
     parser.add_argument("--loss-log", default=None, metavar="FILE",
                         help="write rank 0's per-iteration losses and times (iteration_ms) as JSON")
+    parser.add_argument("--alternate-schedules", default=None, metavar="NAME|FILE[,...]",
+                        help="benchmarking: also run these Koala schedules, taking turns with --schedule every "
+                             "--alternate-block steps in this one run, so that the machine's drift hits them alike "
+                             "(--schedule's placement; the loss log names each step's schedule)")
+    parser.add_argument("--alternate-block", type=positive_int, default=2, metavar="N",
+                        help="steps of a schedule before the next takes its turn (default 2)")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by `deepspeed`
     args = rank_zero_argument_errors(parser).parse_args()  # a bad flag: one line on rank 0
 
@@ -161,29 +213,15 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1 + model._grid.data_parallel_id)
     data = [(torch.randn(MICRO_BATCH, args.dim, generator=gen), torch.randn(MICRO_BATCH, 1, generator=gen))
             for _ in range(args.microbatches)]
-    samples = config["train_batch_size"]
-    times, losses, starts = [], [], []
-    for step in range(args.steps):
-        t0 = time.perf_counter()
-        starts.append(t0)
-        loss = engine.train_batch(iter(data))  # returns after the step's optimizer update
-        ms = (time.perf_counter() - t0) * 1000
-        times.append(ms)
-        losses.append(float(loss))
-        if engine.global_rank == 0:
-            name = getattr(getattr(engine, "koala_schedule", None), "name", "stock")
-            print(f"step {step}: loss {float(loss):.5f}, {ms:.1f} ms per iteration, {samples / ms * 1000:.1f} "
-                  f"samples/s ({type(engine).__name__}, schedule {name})", flush=True)
-    starts.append(time.perf_counter())
-    periods = [(b - a) * 1000 for a, b in zip(starts, starts[1:])]  # one step's start to the next's
+    name = getattr(getattr(engine, "koala_schedule", None), "name", "stock")  # --schedule's, or the stock one
+    losses, times, periods, ran = train(engine, data, args, config["train_batch_size"])
     eval_loss = engine.eval_batch(iter(data))
     if engine.global_rank == 0:
         print(f"eval loss {float(eval_loss):.5f}", flush=True)
         if args.loss_log is not None:
-            name = getattr(getattr(engine, "koala_schedule", None), "name", "stock")
             record = {"schedule": name, "pp": pp, "dp": world // pp, "chunks": args.chunks, "placement": args.placement,
                       "dim": args.dim, "microbatches": args.microbatches, "losses": losses, "iteration_ms": times,
-                      "period_ms": periods}
+                      "period_ms": periods, "iteration_schedules": ran}
             atomic_write(args.loss_log, json.dumps(record) + "\n", "--loss-log")
     if hasattr(engine, "close_trace"):  # --trace: end the trace file (else done at exit)
         engine.close_trace()

@@ -55,6 +55,7 @@ from deepspeed.runtime.pipe.module import PipelineModule
 from ..core.ir import KoalaError, Placement, Schedule
 from ..resolve import DEEPSPEED, check_profile_stages, load_profile, resolve
 from ..runtime import wgrad
+from ..runtime.channels import schedule_channels
 from ..runtime.lowering import ACT, GRAD, Message, recv_lookahead
 from ..runtime.trace_record import TraceRecorder, timed_wait
 from ..runtime.wgrad import WeightGradQueue
@@ -165,15 +166,9 @@ class KoalaPipelineEngine(PipeComm, CheckpointLayout, PipelineEngine):
         self._param_grad = _ParamGradStep(self)
         self._first_stage = 0
         self._last_stage = placement.num_stages - 1
-        # split backward: the layers' weight-gradient GEMMs are queued by I and run by W (koala_ds.runtime.wgrad)
-        self._wgrad = wgrad.prepare(self.module) if schedule.backward == "split" else None
-        # the forwards of microbatches whose backward is a full B run as an unprepared model would
-        self._plain_forwards = wgrad.full_backward_forwards(schedule, self.stage_id) if self._wgrad else frozenset()
-        # the first step learns the messages' shapes at their first receive, so its receives come
-        # right before their consumers; later steps post them early (koala_ds.runtime.lowering:
-        # on gloo all at the step's start, recv_lookahead)
-        self._first_sched = KoalaPipeSchedule(schedule, self.stage_id, lookahead=0)
-        self._train_sched = KoalaPipeSchedule(schedule, self.stage_id, lookahead=recv_lookahead(self._koala_gloo))
+        # the schedules' states (_states): the engine's own (key None) and set_koala_schedule's
+        self._installed: dict[Any, tuple] = {None: self._states(schedule)}
+        self._use(self._installed[None])
         self._shapes_known = False
         self._inference_scheds: dict[int, KoalaInferenceSchedule] = {}
         self._programs: dict[int, tuple] = {}
@@ -253,6 +248,47 @@ class KoalaPipelineEngine(PipeComm, CheckpointLayout, PipelineEngine):
     @property
     def koala_schedule(self) -> Schedule:
         return self._koala_schedule
+
+    def set_koala_schedule(self, spec) -> Schedule:
+        """Run `spec` (a library name, a .koala / .json / .csv file or a Schedule) from the next
+        train_batch on, on the model as it is (its placement, m and parameters): schedules taking
+        turns in one run (examples/deepspeed_pipe --alternate-schedules), so that a drift of the
+        machine hits them alike. Every rank switches before the same step. A spec is resolved once
+        (a file edited later is not read again). On a backend other than gloo the schedule must
+        use the pipeline links the engine's schedule uses (their communicators are built once)."""
+        key = spec if isinstance(spec, str) else id(spec)
+        if key not in self._installed:
+            p, shown = self._koala_placement.p, spec.name if isinstance(spec, Schedule) else str(spec)
+            schedule = resolve(spec, p, self.gradient_accumulation_steps(), self._koala_placement.chunks_per_rank,
+                               DEEPSPEED, f"set_koala_schedule({shown!r})", self._koala_placement)
+            if not self._koala_gloo and not set(schedule_channels(schedule)) <= set(schedule_channels(
+                    self._installed[None][0])):
+                raise KoalaConfigError(f"set_koala_schedule({shown!r}) sends on pipeline links the engine's "
+                                       f"schedule {self._installed[None][0].name!r} does not use: on "
+                                       f"{torch.distributed.get_backend()} their communicators are built once")
+            self._installed[key] = self._states(schedule)
+        self._use(self._installed[key])
+        return self._koala_schedule
+
+    def _states(self, schedule: Schedule) -> tuple:
+        """(schedule, deferred weight gradients, plain forwards, first step's and later steps'
+        DeepSpeed schedules) of `schedule` on this rank."""
+        # split backward: the layers' weight-gradient GEMMs are queued by I and run by W (koala_ds.runtime.wgrad)
+        prepared = wgrad.prepare(self.module) if schedule.backward == "split" else None
+        # the forwards of microbatches whose backward is a full B run as an unprepared model would
+        plain = wgrad.full_backward_forwards(schedule, self.stage_id) if prepared else frozenset()
+        # the first step learns the messages' shapes at their first receive, so its receives come
+        # right before their consumers; later steps post them early (koala_ds.runtime.lowering:
+        # on gloo all at the step's start, recv_lookahead)
+        return (schedule, prepared, plain, KoalaPipeSchedule(schedule, self.stage_id, lookahead=0),
+                KoalaPipeSchedule(schedule, self.stage_id, lookahead=recv_lookahead(self._koala_gloo)))
+
+    def _use(self, state: tuple) -> None:
+        """Make the schedule of `state` (_states) the one train_batch runs."""
+        self._koala_schedule, self._wgrad, self._plain_forwards, self._first_sched, self._train_sched = state
+        # a full-backward schedule on a module a split one prepared: every forward plain, at an
+        # unprepared module's cost
+        self._all_plain = self._wgrad is None and hasattr(self.module, "_koala_wgrad")
 
     def _train_schedule(self):
         return self._train_sched if self._shapes_known else self._first_sched
@@ -420,7 +456,7 @@ class KoalaPipelineEngine(PipeComm, CheckpointLayout, PipelineEngine):
             buffers["inputs"][buffer_id] = self._mail.pop(Message(ACT, stage, microbatch))
         inputs = buffers["inputs"][buffer_id]
         self._activate(stage)
-        with wgrad.plain_forward((stage, microbatch) in self._plain_forwards):
+        with wgrad.plain_forward(self._all_plain or (stage, microbatch) in self._plain_forwards):
             outputs = DeepSpeedEngine.forward(self, inputs)
         module = self.module  # a submodule: nn.Module.__getattr__ on every lookup
         if not module.training:
