@@ -42,7 +42,7 @@ import functools
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -69,6 +69,17 @@ from .schedule import BackwardInputPass, BackwardWeightPass, KoalaInferenceSched
 from .slices import SliceSplit
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _ScheduleState:
+    """A schedule as the engine runs it on one rank (KoalaPipelineEngine._states)."""
+
+    schedule: Schedule
+    wgrad: Any  # koala_ds.runtime.wgrad.Prepared of a split-backward schedule, else None
+    plain_forwards: frozenset  # (stage, microbatch) whose forward runs plain: its backward is a full B
+    first_step: KoalaPipeSchedule  # receives right before their consumers (the shapes are learned)
+    later_steps: KoalaPipeSchedule  # receives posted early (recv_lookahead)
 
 
 def _added(total, loss):
@@ -167,7 +178,7 @@ class KoalaPipelineEngine(PipeComm, CheckpointLayout, PipelineEngine):
         self._first_stage = 0
         self._last_stage = placement.num_stages - 1
         # the schedules' states (_states): the engine's own (key None) and set_koala_schedule's
-        self._installed: dict[Any, tuple] = {None: self._states(schedule)}
+        self._installed: dict[Any, _ScheduleState] = {None: self._states(schedule)}
         self._use(self._installed[None])
         self._shapes_known = False
         self._inference_scheds: dict[int, KoalaInferenceSchedule] = {}
@@ -261,18 +272,17 @@ class KoalaPipelineEngine(PipeComm, CheckpointLayout, PipelineEngine):
             p, shown = self._koala_placement.p, spec.name if isinstance(spec, Schedule) else str(spec)
             schedule = resolve(spec, p, self.gradient_accumulation_steps(), self._koala_placement.chunks_per_rank,
                                DEEPSPEED, f"set_koala_schedule({shown!r})", self._koala_placement)
-            if not self._koala_gloo and not set(schedule_channels(schedule)) <= set(schedule_channels(
-                    self._installed[None][0])):
+            own = self._installed[None].schedule
+            if not self._koala_gloo and not set(schedule_channels(schedule)) <= set(schedule_channels(own)):
                 raise KoalaConfigError(f"set_koala_schedule({shown!r}) sends on pipeline links the engine's "
-                                       f"schedule {self._installed[None][0].name!r} does not use: on "
+                                       f"schedule {own.name!r} does not use: on "
                                        f"{torch.distributed.get_backend()} their communicators are built once")
             self._installed[key] = self._states(schedule)
         self._use(self._installed[key])
         return self._koala_schedule
 
-    def _states(self, schedule: Schedule) -> tuple:
-        """(schedule, deferred weight gradients, plain forwards, first step's and later steps'
-        DeepSpeed schedules) of `schedule` on this rank."""
+    def _states(self, schedule: Schedule) -> "_ScheduleState":
+        """What the engine runs `schedule` with on this rank."""
         # split backward: the layers' weight-gradient GEMMs are queued by I and run by W (koala_ds.runtime.wgrad)
         prepared = wgrad.prepare(self.module) if schedule.backward == "split" else None
         # the forwards of microbatches whose backward is a full B run as an unprepared model would
@@ -280,12 +290,13 @@ class KoalaPipelineEngine(PipeComm, CheckpointLayout, PipelineEngine):
         # the first step learns the messages' shapes at their first receive, so its receives come
         # right before their consumers; later steps post them early (koala_ds.runtime.lowering:
         # on gloo all at the step's start, recv_lookahead)
-        return (schedule, prepared, plain, KoalaPipeSchedule(schedule, self.stage_id, lookahead=0),
-                KoalaPipeSchedule(schedule, self.stage_id, lookahead=recv_lookahead(self._koala_gloo)))
+        return _ScheduleState(schedule, prepared, plain, KoalaPipeSchedule(schedule, self.stage_id, lookahead=0),
+                              KoalaPipeSchedule(schedule, self.stage_id, lookahead=recv_lookahead(self._koala_gloo)))
 
-    def _use(self, state: tuple) -> None:
+    def _use(self, state: "_ScheduleState") -> None:
         """Make the schedule of `state` (_states) the one train_batch runs."""
-        self._koala_schedule, self._wgrad, self._plain_forwards, self._first_sched, self._train_sched = state
+        self._koala_schedule, self._wgrad, self._plain_forwards = state.schedule, state.wgrad, state.plain_forwards
+        self._first_sched, self._train_sched = state.first_step, state.later_steps
         # a full-backward schedule on a module a split one prepared: every forward plain, at an
         # unprepared module's cost
         self._all_plain = self._wgrad is None and hasattr(self.module, "_koala_wgrad")
