@@ -336,34 +336,6 @@ def test_the_examples_loss_log_is_checked_before_deepspeed_starts(example, monke
                      f"does not exist"]
 
 
-@pytest.mark.parametrize("flags, says", [
-    (["--alternate-schedules", "zb-h1"], "--alternate-schedules needs --schedule"),
-    (["--schedule", "1f1b", "--alternate-schedules", "zb-h1", "--trace", "t.json"],
-     "--alternate-schedules with --trace: a trace's steps are one schedule's"),
-    (["--schedule", "1f1b", "--alternate-schedules", "zb-h1,zb-v"], "--alternate-schedules zb-v: schedule 'zb-v' "
-                                                                    "needs v == 2"),
-    (["--schedule", "zb-v", "--chunks", "2", "--placement", "vshape", "--alternate-schedules", "interleaved-1f1b"],
-     "--alternate-schedules interleaved-1f1b"),
-    (["--schedule", "1f1b", "--alternate-schedules", "zb-h1", "--alternate-block", "0"],
-     "argument --alternate-block: "),
-])
-def test_the_examples_alternate_schedules_are_checked_before_deepspeed_starts(example, monkeypatch, capsys, flags,
-                                                                               says):
-    """--alternate-schedules (fidelity.py's paired rounds): a schedule that cannot take turns
-    with --schedule on its model is one line naming the flag, before DeepSpeed starts."""
-    from koala_ds.core.errors import run_main
-
-    monkeypatch.setattr(example.deepspeed, "init_distributed", lambda **_: pytest.fail("DeepSpeed was started"))
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setattr(sys, "argv", ["train.py", *flags])
-    with pytest.raises(SystemExit) as info:
-        run_main(example.main, "train.py")
-    assert info.value.code == 2
-    lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("train.py: error: ") and says in lines[0], lines
-
-
 @pytest.mark.slow
 @pytest.mark.deepspeed_ext
 @pytest.mark.timeout(300)

@@ -303,6 +303,16 @@ def test_deepspeed_example_user_error_is_one_line_on_one_rank(tmp_path):
                                                  "(e.g. --schedule zb-v for --placement vshape)"),
     (["--schedule", "P4"], "was made for p=4 but --pp is 2 (default: every process): set --pp 4 (and start a "
                            "multiple of 4 processes)"),
+    # --alternate-schedules (benchmarks/fidelity.py's paired rounds): what cannot take turns with --schedule
+    (["--alternate-schedules", "zb-h1"], "--alternate-schedules needs --schedule"),
+    (["--schedule", "1f1b", "--alternate-schedules", "zb-h1", "--trace", "t.json"],
+     "--alternate-schedules with --trace: a trace's steps are one schedule's"),
+    (["--schedule", "1f1b", "--alternate-schedules", "zb-h1,zb-v"], "--alternate-schedules zb-v: schedule 'zb-v' "
+                                                                    "needs v == 2"),
+    (["--schedule", "zb-v", "--chunks", "2", "--placement", "vshape", "--alternate-schedules", "interleaved-1f1b"],
+     "--alternate-schedules interleaved-1f1b places its 4 virtual stages as interleaved"),
+    (["--schedule", "1f1b", "--alternate-schedules", "zb-h1", "--alternate-block", "0"],
+     "argument --alternate-block: must be >= 1"),
 ])
 def test_deepspeed_example_flags_are_checked_in_its_own_words_before_deepspeed_starts(monkeypatch, capsys,
                                                                                        tmp_path, flags, says):
