@@ -84,6 +84,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from koala_ds.runtime.turns import kept_periods  # noqa: E402  (plain Python: the examples' own rule)
 MEGATRON_EXAMPLE = ROOT / "examples" / "megatron_gpt" / "pretrain_gpt.py"
 DEEPSPEED_EXAMPLE = ROOT / "examples" / "deepspeed_pipe" / "train.py"
 MICROBATCHES = 8  # both examples' default step: Megatron --global-batch-size 16 / --micro-batch-size 2
@@ -454,10 +456,9 @@ def measure_paired(ex: Example, chosen: list[Candidate], args, work: Path, say) 
             ex.env(work), ROOT, args.dry_run, say)
         if args.dry_run:
             continue
-        periods, names = read_times(ex, log), read_schedules(log)
+        kept = kept_periods(read_times(ex, log), read_schedules(log), args.warmup, PAIRED_BLOCK)
         for c in runs:
-            times[c.label].append([t for i, (t, name) in enumerate(zip(periods, names))
-                                   if name == c.schedule and i >= args.warmup and i % PAIRED_BLOCK])
+            times[c.label].append(kept.get(c.schedule, []))
     return times
 
 
@@ -782,7 +783,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     if args.out:
-        sys.path.insert(0, str(ROOT))
         from koala_ds.core.outputs import OutputError, check_output
 
         try:

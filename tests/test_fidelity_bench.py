@@ -343,7 +343,7 @@ def test_the_examples_schedules_take_turns_with_the_losses_of_one(tmp_path):
     """examples/deepspeed_pipe --alternate-schedules: 1f1b and zb-h1 taking turns every 2 steps
     train as 1f1b alone does; the loss log names each step's schedule."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    logs = {}
+    logs, out = {}, {}
     for label, extra in (("one", []), ("turns", ["--alternate-schedules", "zb-h1"])):
         logs[label] = tmp_path / f"{label}.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -351,6 +351,9 @@ def test_the_examples_schedules_take_turns_with_the_losses_of_one(tmp_path):
                "--loss-log", str(logs[label]), *extra]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        out[label] = proc.stdout
+    assert "schedules taking turns" not in out["one"]  # the end line: one per schedule, counted steps 1 each
+    assert "median step period (iterations counted): 1f1b " in out["turns"] and " (1, " in out["turns"]
     one, turns = (json.loads(logs[k].read_text()) for k in ("one", "turns"))
     assert turns["iteration_schedules"] == ["1f1b", "1f1b", "zb-h1", "zb-h1", "1f1b", "1f1b"]
     assert one["iteration_schedules"] == ["1f1b"] * 6 and turns["schedule"] == "1f1b"

@@ -88,6 +88,7 @@ def run(tmp_path: Path, schedule: str, extra: list[str]) -> dict:
     assert "iteration        6/       6 |" in proc.stdout + proc.stderr
     data = json.loads(log.read_text())
     assert data["schedule"] == schedule
+    data["stdout"] = proc.stdout
     return data
 
 
@@ -112,6 +113,13 @@ def test_same_loss_whichever_schedule_and_it_goes_down(tmp_path, _megatron_core)
     turns = run(tmp_path, "1f1b", [*size, *gloo, "--alternate-schedules", "zb-h1"])
     assert turns["iteration_schedules"] == ["1f1b", "1f1b", "zb-h1", "zb-h1", "1f1b", "1f1b"]
     assert turns["losses"] == pytest.approx(base["losses"], rel=1e-6)
+    # the run's end: each schedule's median step period over its counted iterations (here only
+    # the sixth, 1f1b's: the first turn of each schedule is its warm-up, and a turn's first
+    # iteration follows the other schedule)
+    last = turns["stdout"].splitlines()[-1]
+    assert last.startswith("schedules taking turns, median step period (iterations counted): 1f1b ")
+    assert last.endswith(" ms (1, 1.000x of 1f1b's speed)") and "zb-h1" not in last
+    assert "taking turns" not in base["stdout"]
 
 
 @pytest.mark.parametrize("flags, world, message", [

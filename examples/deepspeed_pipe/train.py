@@ -40,6 +40,7 @@ from koala_ds.core.ir import KoalaError, Placement
 from koala_ds.core.outputs import atomic_write, check_output
 from koala_ds.resolve import DEEPSPEED, Setting, resolve
 from koala_ds.runtime.trace_record import check_trace_path
+from koala_ds.runtime.turns import summary, turn_index
 
 #: How the schedule's messages name this script's flags (the engine's own messages name the
 #: DeepSpeed config keys and the KoalaPipelineModule's arguments, which this script sets from them).
@@ -143,10 +144,10 @@ def train(engine, data: list, args, samples: int) -> tuple[list, list, list, lis
     for step in range(args.steps):
         t0 = time.perf_counter()
         starts.append(t0)
+        turn = names[turn_index(step, len(names), args.alternate_block)]
         if len(names) > 1 and step % args.alternate_block == 0:
-            engine.set_koala_schedule(names[(step // args.alternate_block) % len(names)])
-        ran.append(names[(step // args.alternate_block) % len(names)] if len(names) > 1 else
-                   getattr(getattr(engine, "koala_schedule", None), "name", "stock"))
+            engine.set_koala_schedule(turn)
+        ran.append(turn if len(names) > 1 else getattr(getattr(engine, "koala_schedule", None), "name", "stock"))
         loss = engine.train_batch(iter(data))  # returns after the step's optimizer update
         ms = (time.perf_counter() - t0) * 1000
         times.append(ms)
@@ -155,7 +156,10 @@ def train(engine, data: list, args, samples: int) -> tuple[list, list, list, lis
             print(f"step {step}: loss {float(loss):.5f}, {ms:.1f} ms per iteration, {samples / ms * 1000:.1f} "
                   f"samples/s ({type(engine).__name__}, schedule {ran[-1]})", flush=True)
     starts.append(time.perf_counter())
-    return losses, times, [(b - a) * 1000 for a, b in zip(starts, starts[1:])], ran
+    periods = [(b - a) * 1000 for a, b in zip(starts, starts[1:])]
+    if len(names) > 1 and engine.global_rank == 0:  # the first turn of each schedule is its warm-up
+        print(summary(periods, ran, len(names) * args.alternate_block, args.alternate_block), flush=True)
+    return losses, times, periods, ran
 
 
 def main() -> None:
@@ -175,7 +179,9 @@ def main() -> None:
     parser.add_argument("--alternate-schedules", default=None, metavar="NAME|FILE[,...]",
                         help="benchmarking: also run these Koala schedules, taking turns with --schedule every "
                              "--alternate-block steps in this one run, so that the machine's drift hits them alike "
-                             "(--schedule's placement; the loss log names each step's schedule)")
+                             "(--schedule's placement; the loss log names each step's schedule; at the end each "
+                             "schedule's median step period, its first turn and the first step of every turn left "
+                             "out)")
     parser.add_argument("--alternate-block", type=positive_int, default=2, metavar="N",
                         help="steps of a schedule before the next takes its turn (default 2)")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by `deepspeed`

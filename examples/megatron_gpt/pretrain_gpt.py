@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from koala_ds.megatron import add_arguments, install  # noqa: E402
 from koala_ds.megatron.cpu import data_parallel_finalize  # noqa: E402
 from koala_ds.megatron.resolve import MEGATRON, resolve  # noqa: E402
+from koala_ds.runtime.turns import summary, turn_index  # noqa: E402
 
 log = logging.getLogger("pretrain_gpt")
 
@@ -74,7 +75,9 @@ def parse_args(argv=None):
     b.add_argument("--alternate-schedules", default=None, metavar="NAME|FILE[,...]",
                    help="also run these Koala schedules, taking turns with --koala-schedule every --alternate-block "
                         "iterations in this one run, so that the machine's drift hits them alike (schedules "
-                        "placing the stages alike; the loss log names each iteration's schedule)")
+                        "placing the stages alike; the loss log names each iteration's schedule; at the end "
+                        "each schedule's median step period, its first turn and the first iteration of "
+                        "every turn left out)")
     b.add_argument("--alternate-block", type=int, default=2, metavar="N",
                    help="iterations of a schedule before the next takes its turn (default 2)")
     args = ap.parse_args(argv)
@@ -324,13 +327,15 @@ def main(argv=None) -> int:
     if report.func is not None:  # --koala-trace: end the trace file (else done at exit)
         report.func.close_trace()
     is_logger = pp_rank == pp - 1 and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    schedules = [turn_of(args, turns, it)[0] for it in range(args.train_iters)]
+    if is_logger and len(turns) > 1:  # the first turn of each schedule is its warm-up
+        print(summary(periods, schedules, len(turns) * args.alternate_block, args.alternate_block), flush=True)
     if is_logger and args.loss_log:
         with open(args.loss_log, "w") as fh:
             json.dump({"schedule": report.schedule or "default", "tp": tp, "pp": pp, "dp": dp, "v": v,
                        "backend": dist.get_backend(), "device": device.type, "losses": losses,
                        "iteration_ms": times, "period_ms": periods,
-                       "iteration_schedules": [turn_of(args, turns, it)[0] for it in range(args.train_iters)]},
-                      fh)
+                       "iteration_schedules": schedules}, fh)
     dist.barrier()
     ps.destroy_model_parallel()
     dist.destroy_process_group()
@@ -366,7 +371,7 @@ def alternation(args, report, pp: int, m: int, v: int) -> list[tuple[str, object
 
 def turn_of(args, turns: list, it: int) -> tuple:
     """The (schedule, function) whose turn iteration `it` is: --alternate-block iterations each."""
-    return turns[(it // args.alternate_block) % len(turns)]
+    return turns[turn_index(it, len(turns), args.alternate_block)]
 
 
 def train(args, chunks, m: int, v: int, turns: list) -> tuple[list, list, list]:

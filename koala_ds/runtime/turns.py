@@ -1,0 +1,56 @@
+"""Schedules taking turns in one run (the examples' `--alternate-schedules`): which schedule runs
+an iteration, which iterations count, and the schedules' speeds relative to the first one's.
+Plain Python (no torch): examples/megatron_gpt, examples/deepspeed_pipe and
+benchmarks/fidelity.py's paired rounds share it.
+
+A turn is `block` iterations of one schedule; the schedules follow one another in the order
+given. An iteration counts when it comes after the first `warmup` and is not the first of its
+turn: then on every rank the step before it ran the same schedule, so what the previous step
+left in flight (the last rank still finishing it, say) is that schedule's own."""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+
+def turn_index(iteration: int, count: int, block: int) -> int:
+    """The index (among `count` schedules) of the schedule whose turn `iteration` is."""
+    return (iteration // block) % count
+
+
+def kept_periods(periods: list[float], schedules: list[str], warmup: int, block: int) -> dict[str, list[float]]:
+    """Per schedule (in order of first appearance), the step periods of the iterations that
+    count: after the first `warmup`, not the first of a turn of `block` iterations."""
+    out: dict[str, list[float]] = {name: [] for name in schedules}
+    for i, (period, name) in enumerate(zip(periods, schedules)):
+        if i >= warmup and (block == 1 or i % block):
+            out[name].append(period)
+    return out
+
+
+@dataclass(frozen=True)
+class TurnMedian:
+    schedule: str
+    median_ms: float
+    kept: int
+    speed: float  # the first schedule's median / this one's (> 1: faster than the first)
+
+
+def turn_medians(periods: list[float], schedules: list[str], warmup: int, block: int) -> list[TurnMedian]:
+    """Each schedule's median period over its counted iterations and its speed relative to the
+    first schedule's; a schedule with no counted iteration is left out."""
+    kept = {name: sorted(v) for name, v in kept_periods(periods, schedules, warmup, block).items() if v}
+    medians = {name: statistics.median(v) for name, v in kept.items()}
+    first = medians.get(schedules[0]) if schedules else None
+    return [TurnMedian(name, med, len(kept[name]), first / med if first else float("nan"))
+            for name, med in medians.items()]
+
+
+def summary(periods: list[float], schedules: list[str], warmup: int, block: int) -> str:
+    """One line for a run's end: per schedule its median step period and speed against the first."""
+    rows = turn_medians(periods, schedules, warmup, block)
+    if not rows:
+        return f"schedules taking turns: no iteration counted (the first {warmup} and the first of each turn of " \
+               f"{block} are left out): run more iterations"
+    return "schedules taking turns, median step period (iterations counted): " + ", ".join(
+        f"{r.schedule} {r.median_ms:.1f} ms ({r.kept}, {r.speed:.3f}x of {schedules[0]}'s speed)" for r in rows)
