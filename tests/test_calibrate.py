@@ -162,6 +162,27 @@ def test_calibrate_recovers_the_profile_and_overheads_that_made_the_trace(capsys
         assert cells[-1] in ("+0.0%", "-0.0%") and cells[-3] not in ("+0.0%", "-0.0%")
 
 
+def test_a_split_microbatchs_costlier_forward_is_charged_to_i_as_a_profile_does(tmp_path):
+    """The deferrable forward of a split microbatch costs more than a full backward's plain one
+    (the DeepSpeed example at dim 64: 5-8% of a step's F). Fitting F over both made 1f1b too slow
+    and zb-h1 too fast (0.971x predicted where the runs taking turns measured 0.917x); now
+    `forward` is the plain F and `backward_input` carries the difference, as koala profile's."""
+    stages = truth_stages(4)
+    extra = [0.3 + 0.05 * s for s in range(4)]
+    deferring = [dataclasses.replace(st, forward=st.forward + x) for st, x in zip(stages, extra)]
+    write_trace(tmp_path / "1f1b.json", load_schedule("1f1b", 4, 8, 1), stages)
+    write_trace(tmp_path / "zb-h1.json", load_schedule("zb-h1", 4, 8, 1), deferring)
+    runs = load_runs([tmp_path / "1f1b.json", tmp_path / "zb-h1.json"])
+    fitted = fit(runs, 4)
+    for s, (st, x) in enumerate(zip(stages, extra)):
+        assert fitted.stages[(s, "forward")].value == pytest.approx(st.forward, abs=1e-6), s
+        assert fitted.stages[(s, "backward_input")].value == pytest.approx(st.backward_input + x, abs=1e-6), s
+        assert fitted.stages[(s, "backward")].value == pytest.approx(st.backward_full, abs=1e-6), s
+    only_split = fit(runs[1:], 4)  # no full backward traced: the forward is the one that ran
+    assert only_split.stages[(0, "forward")].value == pytest.approx(stages[0].forward + extra[0], abs=1e-6)
+    assert only_split.stages[(0, "backward_input")].value == pytest.approx(stages[0].backward_input, abs=1e-6)
+
+
 def test_calibrated_predictions_match_a_noisy_trace_within_ten_percent(tmp_path):
     """Stage times that vary by +-20% from step to step: the medians still predict each traced
     schedule's median step time within 10%, the input profile (30% fast, no overheads) does not."""
