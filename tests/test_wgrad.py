@@ -571,3 +571,21 @@ def test_full_backward_forwards_are_the_b_actions_of_a_split_schedule():
     assert any(wgrad.full_backward_forwards(sched, rank) for rank in range(4))
     zb = library.get("zb-h1").compile(4, 8, 1)
     assert not any(wgrad.full_backward_forwards(zb, rank) for rank in range(4))
+
+
+def test_plain_forwards_follow_the_call_and_whether_a_split_schedule_prepared_the_chunks():
+    """The runtimes' one rule (Megatron's step runner, DeepSpeed's set_koala_schedule): nothing
+    plain on unprepared chunks; a deferring call runs its full-B microbatches' forwards plain;
+    any other call on prepared chunks (1f1b taking turns with zb-h1) runs every forward plain."""
+    from koala_ds import library
+
+    dualpipe = library.get("dualpipe-v").compile(4, 8, 2)
+    one = library.get("1f1b").compile(4, 8, 1)
+    mod = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    assert wgrad.plain_forwards(one, 0, [mod], False) == frozenset()
+    assert wgrad.plain_forwards(dualpipe, 1, [mod], True) == frozenset()
+    wgrad.prepare(mod)
+    for rank in range(4):
+        assert wgrad.plain_forwards(dualpipe, rank, [mod], True) == wgrad.full_backward_forwards(dualpipe, rank)
+        assert wgrad.plain_forwards(one, rank, [torch.nn.Linear(2, 2), mod], False) == \
+            {(a.stage, a.microbatch) for a in one.ranks[rank] if a.op.name == "F"}

@@ -77,7 +77,6 @@ class _ScheduleState:
 
     schedule: Schedule
     wgrad: Any  # koala_ds.runtime.wgrad.Prepared of a split-backward schedule, else None
-    plain_forwards: frozenset  # (stage, microbatch) whose forward runs plain: its backward is a full B
     first_step: KoalaPipeSchedule  # receives right before their consumers (the shapes are learned)
     later_steps: KoalaPipeSchedule  # receives posted early (recv_lookahead)
 
@@ -267,7 +266,7 @@ class KoalaPipelineEngine(PipeComm, CheckpointLayout, PipelineEngine):
         machine hits them alike. Every rank switches before the same step. A spec is resolved once
         (a file edited later is not read again). On a backend other than gloo the schedule must
         use the pipeline links the engine's schedule uses (their communicators are built once)."""
-        key = spec if isinstance(spec, str) else id(spec)
+        key = spec  # a name, a path or a Schedule (hashable: equal schedules share a state)
         if key not in self._installed:
             p, shown = self._koala_placement.p, spec.name if isinstance(spec, Schedule) else str(spec)
             schedule = resolve(spec, p, self.gradient_accumulation_steps(), self._koala_placement.chunks_per_rank,
@@ -285,21 +284,21 @@ class KoalaPipelineEngine(PipeComm, CheckpointLayout, PipelineEngine):
         """What the engine runs `schedule` with on this rank."""
         # split backward: the layers' weight-gradient GEMMs are queued by I and run by W (koala_ds.runtime.wgrad)
         prepared = wgrad.prepare(self.module) if schedule.backward == "split" else None
-        # the forwards of microbatches whose backward is a full B run as an unprepared model would
-        plain = wgrad.full_backward_forwards(schedule, self.stage_id) if prepared else frozenset()
         # the first step learns the messages' shapes at their first receive, so its receives come
         # right before their consumers; later steps post them early (koala_ds.runtime.lowering:
         # on gloo all at the step's start, recv_lookahead)
-        return _ScheduleState(schedule, prepared, plain, KoalaPipeSchedule(schedule, self.stage_id, lookahead=0),
+        return _ScheduleState(schedule, prepared, KoalaPipeSchedule(schedule, self.stage_id, lookahead=0),
                               KoalaPipeSchedule(schedule, self.stage_id, lookahead=recv_lookahead(self._koala_gloo)))
 
     def _use(self, state: "_ScheduleState") -> None:
         """Make the schedule of `state` (_states) the one train_batch runs."""
-        self._koala_schedule, self._wgrad, self._plain_forwards = state.schedule, state.wgrad, state.plain_forwards
+        self._koala_schedule, self._wgrad = state.schedule, state.wgrad
         self._first_sched, self._train_sched = state.first_step, state.later_steps
-        # a full-backward schedule on a module a split one prepared: every forward plain, at an
-        # unprepared module's cost
-        self._all_plain = self._wgrad is None and hasattr(self.module, "_koala_wgrad")
+        # the forwards that run as an unprepared module's would (a full B's; all of them under a
+        # full-backward schedule on a module a split one prepared); the module may have been
+        # prepared since the state was made, so this is found now
+        self._plain_forwards = wgrad.plain_forwards(state.schedule, self.stage_id, (self.module,),
+                                                    state.wgrad is not None)
 
     def _train_schedule(self):
         return self._train_sched if self._shapes_known else self._first_sched
@@ -467,7 +466,7 @@ class KoalaPipelineEngine(PipeComm, CheckpointLayout, PipelineEngine):
             buffers["inputs"][buffer_id] = self._mail.pop(Message(ACT, stage, microbatch))
         inputs = buffers["inputs"][buffer_id]
         self._activate(stage)
-        with wgrad.plain_forward(self._all_plain or (stage, microbatch) in self._plain_forwards):
+        with wgrad.plain_forward((stage, microbatch) in self._plain_forwards):
             outputs = DeepSpeedEngine.forward(self, inputs)
         module = self.module  # a submodule: nn.Module.__getattr__ on every lookup
         if not module.training:

@@ -520,11 +520,9 @@ class _StepRunner:
         # deferred weight gradients (koala_ds.runtime.wgrad) for the chunks of a split-backward schedule
         self.wgrad = [wgrad.prepare(mod) for mod in models] if self.schedule.backward == "split" \
             and not forward_only else None
-        # the forwards of microbatches whose backward is a full B run as an unprepared model would
-        self.plain_forwards = wgrad.full_backward_forwards(self.schedule, self.rank) if self.wgrad else frozenset()
-        # a full-backward schedule on chunks a split one prepared (both run on one model): every
-        # forward plain, at an unprepared model's cost
-        self.all_plain = self.wgrad is None and any(hasattr(mod, "_koala_wgrad") for mod in models)
+        # the forwards that run as an unprepared model's would (a full B's; all of them when this
+        # call defers nothing on chunks a split schedule prepared)
+        self.plain_forwards = wgrad.plain_forwards(self.schedule, self.rank, models, self.wgrad is not None)
         self.iterators = [(_ReorderingIterator(it) if reorder and it is not None else it)
                           for it, reorder in zip(self.iterators, self.prep.chunks_reading_data)]
         self.inputs: dict = {}
@@ -644,7 +642,7 @@ class _StepRunner:
             self.param_sync_funcs[chunk](self.models[chunk].parameters())
         is_last = info.is_last
         store: list = []
-        if self.all_plain or (s, mb) in self.plain_forwards:  # empty unless the schedule splits backwards
+        if (s, mb) in self.plain_forwards:  # empty unless a split schedule prepared the chunks
             with wgrad.plain_forward():
                 output_tensor, num_tokens = self._forward_step(chunk, mb, input_tensor, store, first, is_last)
         else:

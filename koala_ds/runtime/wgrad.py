@@ -132,6 +132,20 @@ def full_backward_forwards(schedule, rank: int) -> frozenset:
     return frozenset((a.stage, a.microbatch) for a in schedule.ranks[rank] if a.op is Op.B)
 
 
+def plain_forwards(schedule, rank: int, models, deferring: bool) -> frozenset:
+    """(stage, microbatch) of the forwards of `rank` that a runtime runs in `plain_forward`, as an
+    unprepared model would: none where no model chunk was prepared (nothing to switch off); in a
+    call that defers weight gradients (a split schedule, training), those whose backward is a full
+    B (`full_backward_forwards`); in any other call on prepared chunks (a full-backward schedule
+    or a forward-only call after a split schedule ran on the same model: schedules taking turns),
+    every one."""
+    if not any(getattr(m, "_koala_wgrad", None) is not None for m in models):
+        return frozenset()
+    if deferring:
+        return full_backward_forwards(schedule, rank)
+    return frozenset((a.stage, a.microbatch) for a in schedule.ranks[rank] if a.op is Op.F)
+
+
 def active_queue() -> WeightGradQueue | None:
     """The queue of the I step running now, or None (a full backward: compute everything)."""
     return _ACTIVE
