@@ -85,6 +85,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from koala_ds.commands.search import DEFAULT_MIN_GAIN_PCT  # noqa: E402  (what the report names)
 from koala_ds.runtime.turns import kept_periods  # noqa: E402  (plain Python: the examples' own rule)
 MEGATRON_EXAMPLE = ROOT / "examples" / "megatron_gpt" / "pretrain_gpt.py"
 DEEPSPEED_EXAMPLE = ROOT / "examples" / "deepspeed_pipe" / "train.py"
@@ -434,10 +435,10 @@ def measure(ex: Example, chosen: list[Candidate], args, work: Path,
     return times, traces
 
 
-def paired_candidates(ex: Example, chosen: list[Candidate]) -> list[Candidate]:
-    """The distinct candidates that take turns with 1f1b in one run (the paired rounds): those
-    placing the stages as 1f1b does (v = 1, linear), where there is another beside 1f1b; else none."""
-    del ex  # both examples take turns (--alternate-schedules)
+def paired_candidates(chosen: list[Candidate]) -> list[Candidate]:
+    """The distinct candidates that take turns with 1f1b in one run (the paired rounds; both
+    examples take --alternate-schedules): those placing the stages as 1f1b does (v = 1, linear),
+    where there is another beside 1f1b; else none."""
     runs = [c for c in chosen if c.same_as is None and c.v == 1 and c.placement == "linear"]
     return runs if len(runs) > 1 else []
 
@@ -447,7 +448,7 @@ def measure_paired(ex: Example, chosen: list[Candidate], args, work: Path, say) 
     per round in which the schedules take turns, PAIRED_BLOCK iterations each (the first schedule
     rotated every round), so that a drift of the machine within the run hits them alike; kept:
     after the first `args.warmup` iterations, every iteration but the first of its turn."""
-    runs = paired_candidates(ex, chosen)
+    runs = paired_candidates(chosen)
     times: dict[str, list[list[float]]] = {c.label: [] for c in runs}
     for r in range(args.paired_rounds if runs else 0):
         order = runs[r % len(runs):] + runs[:r % len(runs)]
@@ -589,8 +590,6 @@ SPEEDUP_TOLERANCE = 0.05
 #: time within this of the measured one
 SEARCHED_FLOOR = 0.98
 STEP_TOLERANCE = 0.10
-#: koala search's --min-gain default (koala_ds/commands/search.py DEFAULT_MIN_GAIN_PCT), as the report names it
-DEFAULT_MIN_GAIN_PCT = 5.0
 
 
 def _range(values: tuple[float, ...], fmt: str) -> str:

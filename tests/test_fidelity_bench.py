@@ -225,8 +225,8 @@ def test_paired_rounds_give_speedups_from_the_turns_each_schedule_took(fidelity,
     chosen = [fidelity.Candidate("1f1b", "1f1b", 1, predicted_ms=100.0),
               fidelity.Candidate("best predefined (zb-v)", "zb-v", 2, "vshape", predicted_ms=95.0),
               fidelity.Candidate("searched (linear, v=1)", "s.koala", 1, predicted_ms=90.0)]
-    assert [c.label for c in fidelity.paired_candidates(ex, chosen)] == ["1f1b", "searched (linear, v=1)"]
-    assert fidelity.paired_candidates(ex, chosen[:2]) == []  # nothing to take turns with 1f1b
+    assert [c.label for c in fidelity.paired_candidates(chosen)] == ["1f1b", "searched (linear, v=1)"]
+    assert fidelity.paired_candidates(chosen[:2]) == []  # nothing to take turns with 1f1b
     said = []
 
     def fake_run(cmd, log, env=None, cwd=None, dry=False, say=print):
@@ -268,12 +268,6 @@ def test_paired_rounds_give_speedups_from_the_turns_each_schedule_took(fidelity,
     ds = fidelity.Example("deepspeed", "dim64", 2, {"dim": 64}).run_cmd(chosen[0], 12, tmp_path / "x.json",
                                                                         alternate=(chosen[2],))
     assert ds[-4:] == ["--alternate-schedules", "s.koala", "--alternate-block", "2"]
-
-
-def test_the_report_names_the_searchs_own_min_gain_default(fidelity):
-    from koala_ds.commands.search import DEFAULT_MIN_GAIN_PCT
-
-    assert fidelity.DEFAULT_MIN_GAIN_PCT == DEFAULT_MIN_GAIN_PCT
 
 
 def test_each_example_runs_the_v_its_layers_allow(fidelity, monkeypatch):
