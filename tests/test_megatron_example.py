@@ -40,6 +40,34 @@ def test_distributed_backend_flag_parses_megatron_lms_choices():
         ex.parse_args(["--distributed-backend", "mpi"])
 
 
+def test_the_corpus_draws_each_sequence_from_its_index_alone():
+    """The data-parallel split moves sequences between ranks, it does not change them; a
+    microbatch's labels are its tokens one position on."""
+    corpus = example_module().MarkovCorpus(vocab=64, seed=7)
+    whole = corpus.microbatches(3, dp_rank=0, dp=1, m=8, mbs=2, length=12)
+    split = corpus.microbatches(3, 0, 2, 4, 2, 12) + corpus.microbatches(3, 1, 2, 4, 2, 12)
+    assert all(a.equal(c) and b.equal(d) for (a, b), (c, d) in zip(whole, split))
+    assert corpus.sequences(5, 3, 12).equal(corpus.sequences(0, 8, 12)[5:8])
+    tokens, labels = whole[0]
+    assert tokens.shape == (2, 12) and tokens[:, 1:].equal(labels[:, :-1])
+    assert not whole[0][0].equal(whole[1][0])
+
+
+def test_the_corpus_follows_its_chain():
+    """Transitions drawn as often as the chain's probabilities say: within 4 binomial standard
+    deviations (4000 sequences, fixed seed)."""
+    import torch
+
+    corpus = example_module().MarkovCorpus(vocab=16, seed=3)
+    seqs = corpus.sequences(0, 4000, 16)
+    counts = torch.zeros(16, 16)
+    counts.index_put_((seqs[:, :-1].reshape(-1), seqs[:, 1:].reshape(-1)), torch.ones(4000 * 16), accumulate=True)
+    assert int(seqs.min()) >= 0 and int(seqs.max()) < 16
+    visits = counts.sum(dim=1, keepdim=True)
+    sd = (corpus.probs * (1 - corpus.probs) / visits).sqrt()
+    assert visits.min() > 100 and ((counts / visits - corpus.probs).abs() <= 4 * sd + 1e-3).all()
+
+
 def test_backend_defaults_and_every_rank_on_one_gpu_over_gloo():
     from koala_ds.core.ir import KoalaError
 

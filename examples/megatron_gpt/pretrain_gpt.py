@@ -87,29 +87,35 @@ def parse_args(argv=None):
 
 # -- data ---------------------------------------------------------------------------------------
 class MarkovCorpus:
-    """Sequences from a fixed random Markov chain over the vocabulary (peaked transitions)."""
+    """Sequences from a fixed random Markov chain over the vocabulary (peaked transitions).
+    Sequence i of the corpus depends on i alone (its own generator), so the data-parallel split
+    changes which rank draws it, not what it is."""
 
     def __init__(self, vocab: int, seed: int):
         g = torch.Generator().manual_seed(seed)
         logits = torch.randn(vocab, vocab, generator=g) * 3.0
         self.probs = torch.softmax(logits, dim=-1)
+        self.cdf = self.probs.cumsum(dim=-1)
         self.vocab, self.seed = vocab, seed
 
-    def sample(self, index: int, length: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.seed * 7919 + index)
-        seq = torch.empty(length + 1, dtype=torch.long)
-        seq[0] = torch.randint(0, self.vocab, (1,), generator=g)
+    def sequences(self, first: int, count: int, length: int) -> torch.Tensor:
+        """Sequences first .. first+count-1, each of length+1 tokens: one uniform draw per token
+        from the sequence's own generator, walked through the chain's inverse CDFs for all the
+        sequences at once (a loop over positions, not over sequences and positions)."""
+        u = torch.stack([torch.rand(length + 1, generator=torch.Generator().manual_seed(self.seed * 7919 + i))
+                         for i in range(first, first + count)]).t().contiguous()  # [position, sequence]
+        seq = torch.empty(count, length + 1, dtype=torch.long)
+        seq[:, 0] = (u[0] * self.vocab).long().clamp(max=self.vocab - 1)
         for t in range(length):
-            seq[t + 1] = torch.multinomial(self.probs[seq[t]], 1, generator=g)
+            nxt = torch.searchsorted(self.cdf[seq[:, t]], u[t + 1].unsqueeze(1)).squeeze(1)
+            seq[:, t + 1] = nxt.clamp(max=self.vocab - 1)  # a u above the rounded last CDF entry
         return seq
 
     def microbatches(self, iteration: int, dp_rank: int, dp: int, m: int, mbs: int, length: int):
-        out = []
-        for k in range(m):
-            first = ((iteration * dp + dp_rank) * m + k) * mbs
-            seqs = torch.stack([self.sample(first + i, length) for i in range(mbs)])
-            out.append((seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()))
-        return out
+        first = (iteration * dp + dp_rank) * m * mbs
+        seqs = self.sequences(first, m * mbs, length)
+        return [(seqs[k * mbs:(k + 1) * mbs, :-1].contiguous(), seqs[k * mbs:(k + 1) * mbs, 1:].contiguous())
+                for k in range(m)]
 
 
 # -- model --------------------------------------------------------------------------------------
