@@ -27,6 +27,7 @@ def _megatron_core():
 def example_module():
     spec = importlib.util.spec_from_file_location("pretrain_gpt", ROOT / "examples/megatron_gpt/pretrain_gpt.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules["pretrain_gpt"] = module  # dataclasses look their module up while the class is made
     spec.loader.exec_module(module)
     return module
 
@@ -105,7 +106,7 @@ def test_megatron_core_schedules_refuse_gloo_with_cuda_tensors():
 
 
 def run(tmp_path: Path, schedule: str, extra: list[str]) -> dict:
-    log = tmp_path / f"{schedule}.json"
+    log = tmp_path / f"losses_{Path(schedule).name}"
     # --standalone: the launcher binds a port the system picks
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
            str(ROOT / "examples/megatron_gpt/pretrain_gpt.py"), *FLAGS, *extra, "--koala-schedule", schedule,
@@ -148,6 +149,24 @@ def test_same_loss_whichever_schedule_and_it_goes_down(tmp_path, _megatron_core)
     assert last.startswith("schedules taking turns, median step period (iterations counted): 1f1b ")
     assert last.endswith(" ms (1, 1.000x of 1f1b's speed)") and "zb-h1" not in last
     assert "taking turns" not in base["stdout"]
+    # another placement takes turns on a model copy of its own, built as the same model: 1f1b
+    # and a V-shape v=2 schedule (fixed files keep their own v) alternating every iteration give
+    # the same losses whichever of the two is --koala-schedule, and the copies' first iterations
+    # start from the model 1f1b alone starts from
+    from koala_ds.resolve import load_schedule
+
+    files = tmp_path / "schedules"  # beside, not among, run()'s loss logs
+    files.mkdir()
+    for name, v in (("1f1b", 1), ("zb-v", 2)):
+        (files / f"{name}.json").write_text(load_schedule(name, 2, 8, v).to_json())
+    one = ["--alternate-block", "1", *size, *gloo]
+    ab = run(tmp_path, "1f1b", [*one, "--alternate-schedules", str(files / "zb-v.json")])
+    ba = run(tmp_path, str(files / "zb-v.json"), [*one, "--virtual-pipeline-model-parallel-size", "2",
+                                                  "--alternate-schedules", str(files / "1f1b.json")])
+    assert ab["iteration_schedules"] == ["1f1b", str(files / "zb-v.json")] * 3
+    assert ab["losses"] == pytest.approx(ba["losses"], rel=1e-6)
+    assert ab["losses"][0] == pytest.approx(base["losses"][0], rel=1e-6)
+    assert ab["losses"][1] != pytest.approx(base["losses"][1], rel=1e-6)  # a fresh copy, not 1f1b's second step
 
 
 @pytest.mark.parametrize("flags, world, message", [
@@ -173,11 +192,14 @@ def test_sizes_that_do_not_divide_are_one_user_error_naming_the_flag(flags, worl
     assert ex.batch_split(ex.parse_args([]), 2) == (2, 4)  # the defaults: 16 = 2 x 2 x 4
 
 
-def test_alternate_schedules_take_turns_and_refuse_what_cannot_share_the_chunks(_megatron_core):
+def test_alternate_schedules_take_turns_each_on_the_model_copy_of_its_placement(_megatron_core, tmp_path):
     """--alternate-schedules (benchmarks/fidelity.py's paired rounds): the schedules take turns
-    every --alternate-block iterations on one model; an alternate that places the stages
-    otherwise, an unknown one, a trace, or no Koala schedule at all: one line naming the flag."""
+    every --alternate-block iterations; alternates placed alike share one model copy, another
+    placement or v (a fixed schedule file keeps its own) gets its own. An unknown schedule, a
+    trace, no Koala schedule, an explicit layout or a layer count another v cannot split: one
+    line naming the flag."""
     from koala_ds.core.ir import KoalaError
+    from koala_ds.resolve import load_schedule
     from koala_ds.megatron.launch import InstallReport
 
     ex = example_module()
@@ -186,21 +208,33 @@ def test_alternate_schedules_take_turns_and_refuse_what_cannot_share_the_chunks(
         args = ex.parse_args(flags)
         return ex.alternation(args, InstallReport(schedule, func=object()), 2, 4, v), args
 
-    assert turns("1f1b", [])[0] == [("1f1b", None)] and turns(None, [])[0] == [("default", None)]
+    assert [(t.name, t.func, t.v) for t in turns("1f1b", [])[0]] == [("1f1b", None, 1)]
+    assert [(t.name, t.placement, t.stages(2, 1)) for t in turns(None, [], 2)[0]] == [("default", None, (1, 3))]
     got, args = turns("1f1b", ["--alternate-schedules", "zb-h1,gpipe", "--alternate-block", "3"])
-    assert [name for name, _ in got] == ["1f1b", "zb-h1", "gpipe"] and callable(got[1][1])
-    assert [ex.turn_of(args, got, it)[0] for it in range(10)] == ["1f1b"] * 3 + ["zb-h1"] * 3 + ["gpipe"] * 3 + \
-        ["1f1b"]
+    assert [t.name for t in got] == ["1f1b", "zb-h1", "gpipe"] and callable(got[1].func)
+    assert [ex.turn_of(args, got, it).name for it in range(10)] == ["1f1b"] * 3 + ["zb-h1"] * 3 + \
+        ["gpipe"] * 3 + ["1f1b"]
+    assert {t.stages(2, 0) for t in got} == {(0,)}  # one placement: one model copy
+    # another placement of the run's v: its own copy
+    got, _ = turns("zb-v", ["--alternate-schedules", "interleaved-1f1b"], 2)
+    assert [(t.v, t.stages(2, 0)) for t in got] == [(2, (0, 3)), (2, (0, 2))]
+    # a fixed schedule file keeps its own v: a V-shape v=2 schedule beside 1f1b
+    fixed = tmp_path / "zbv.json"
+    fixed.write_text(load_schedule("zb-v", 2, 4, 2).to_json())
+    got, _ = turns("1f1b", ["--alternate-schedules", str(fixed)])
+    assert [(t.v, t.stages(2, 0), t.stages(2, 1)) for t in got] == [(1, (0,), (1,)), (2, (0, 3), (1, 2))]
     cases = [
         (None, ["--alternate-schedules", "zb-h1"], 1, "--alternate-schedules needs --pipeline-schedule koala"),
         ("1f1b", ["--alternate-schedules", "zb-h1", "--koala-trace", "t.json"], 1,
          "--alternate-schedules with --koala-trace: a trace's steps are one schedule's"),
-        ("zb-v", ["--alternate-schedules", "interleaved-1f1b"], 2,
-         "--alternate-schedules interleaved-1f1b places the stages (interleaved) otherwise than --koala-schedule "
-         "zb-v (vshape): alternate schedules of one placement"),
         ("1f1b", ["--alternate-schedules", "no-such-schedule"], 1, "--alternate-schedules: unknown schedule "
                                                                    "'no-such-schedule'"),
         ("1f1b", ["--alternate-schedules", "zb-v"], 1, "--alternate-schedules zb-v: schedule 'zb-v' needs v == 2"),
+        ("1f1b", ["--alternate-schedules", str(fixed), "--pipeline-model-parallel-layout", "Et|tL"], 1,
+         f"--alternate-schedules {fixed} has 2 model chunks per rank, --pipeline-model-parallel-layout 1: an "
+         "alternate of another v needs the default layout (drop --pipeline-model-parallel-layout)"),
+        ("1f1b", ["--alternate-schedules", str(fixed), "--num-layers", "6"], 1,
+         f"--alternate-schedules {fixed} has 2 model chunks per rank: --num-layers 6 must be a multiple of PP x 2 = 4"),
     ]
     for schedule, flags, v, message in cases:
         with pytest.raises(KoalaError) as info:

@@ -324,16 +324,12 @@ def main(argv=None) -> int:
 
         model_parallel_cuda_manual_seed(args.seed)
     pp_rank = ps.get_pipeline_model_parallel_rank()
-    if report.schedule is not None:
-        stages = list(resolve(report.schedule, pp, m, v).placement.stages_of(pp_rank))
-    else:  # megatron's own placement: chunk c of rank r is stage c * pp + r
-        stages = [c * pp + pp_rank for c in range(v)]
-    chunks = build_model(args, make_config(args, tp, pp, v), stages, layout, device)
-    losses, times, periods = train(args, chunks, m, v, turns)
+    build_models(args, turns, tp, pp, pp_rank, layout, device)
+    losses, times, periods = train(args, m, turns)
     if report.func is not None:  # --koala-trace: end the trace file (else done at exit)
         report.func.close_trace()
     is_logger = pp_rank == pp - 1 and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
-    schedules = [turn_of(args, turns, it)[0] for it in range(args.train_iters)]
+    schedules = [turn_of(args, turns, it).name for it in range(args.train_iters)]
     if is_logger and len(turns) > 1:  # the first turn of each schedule is its warm-up
         print(summary(periods, schedules, len(turns) * args.alternate_block, args.alternate_block), flush=True)
     if is_logger and args.loss_log:
@@ -348,44 +344,87 @@ def main(argv=None) -> int:
     return 0
 
 
-def alternation(args, report, pp: int, m: int, v: int) -> list[tuple[str, object]]:
-    """The (schedule, forward_backward_func) pairs taking turns (--alternate-schedules), the
-    installed --koala-schedule first; one pair without the flag. Each alternate must place the
-    stages on the ranks as --koala-schedule does (the chunks are built once); else one line."""
+@dataclasses.dataclass
+class Turn:
+    """A schedule taking turns: its forward_backward_func (None: megatron's own), the placement
+    of its virtual stages (None: megatron's own, chunk c of rank r = stage c x p + r), and the
+    model copy it runs on (this rank's chunks and their optimizer; build_models)."""
+
+    name: str
+    func: object
+    placement: object
+    v: int
+    chunks: list = dataclasses.field(default_factory=list)
+    optimizer: object = None
+
+    def stages(self, pp: int, pp_rank: int) -> tuple[int, ...]:
+        if self.placement is None:
+            return tuple(c * pp + pp_rank for c in range(self.v))
+        return tuple(self.placement.stages_of(pp_rank))
+
+
+def alternation(args, report, pp: int, m: int, v: int) -> list[Turn]:
+    """The schedules taking turns (--alternate-schedules), the installed --koala-schedule first;
+    one without the flag. A library schedule or program is compiled for the run's v; a fixed
+    schedule file (.json, .csv) keeps its own v and placement. Alternates placed as
+    --koala-schedule share its model; any other placement gets a model copy of its own
+    (build_models), so the rounds can pair a v=2 schedule with 1f1b."""
     from koala_ds.core.ir import KoalaError
     from koala_ds.megatron import get_forward_backward_func as koala_func
+    from koala_ds.resolve import FIXED_SUFFIXES
 
     if not args.alternate_schedules:
-        return [(report.schedule or "default", None)]  # None: megatron's get_forward_backward_func()
+        placement = resolve(report.schedule, pp, m, v).placement if report.schedule is not None else None
+        return [Turn(report.schedule or "default", None, placement, v)]  # None: get_forward_backward_func()
     if report.schedule is None:
         raise KoalaError("--alternate-schedules needs --pipeline-schedule koala (with --koala-schedule)")
     if args.koala_trace is not None:
         raise KoalaError("--alternate-schedules with --koala-trace: a trace's steps are one schedule's; "
                          "trace a run of one schedule (drop one of the two flags)")
-    base = resolve(report.schedule, pp, m, v).placement
-    turns = [(report.schedule, report.func)]
+    turns = [Turn(report.schedule, report.func, resolve(report.schedule, pp, m, v).placement, v)]
     words = dataclasses.replace(MEGATRON, schedule="--alternate-schedules")  # how a misfit names the flag
     for spec in args.alternate_schedules.split(","):
-        placement = resolve(spec, pp, m, v, words).placement
-        if any(placement.stages_of(r) != base.stages_of(r) for r in range(pp)):
-            raise KoalaError(f"--alternate-schedules {spec} places the stages ({placement.style}) otherwise than "
-                             f"--koala-schedule {report.schedule} ({base.style}): alternate schedules of one placement")
-        turns.append((spec, koala_func(spec, args.koala_profile, timeout_s=args.koala_p2p_timeout,
-                                       timeout_name="--koala-p2p-timeout")))
+        own = spec.endswith(FIXED_SUFFIXES) and os.path.isfile(spec)
+        placement = resolve(spec, pp, m, None if own else v, words).placement
+        if placement.v != v and args.pipeline_model_parallel_layout is not None:
+            raise KoalaError(f"--alternate-schedules {spec} has {placement.v} model chunks per rank, "
+                             f"--pipeline-model-parallel-layout {v}: an alternate of another v needs the default "
+                             f"layout (drop --pipeline-model-parallel-layout)")
+        if args.num_layers % (pp * placement.v):
+            raise KoalaError(f"--alternate-schedules {spec} has {placement.v} model chunks per rank: --num-layers "
+                             f"{args.num_layers} must be a multiple of PP x {placement.v} = {pp * placement.v}")
+        turns.append(Turn(spec, koala_func(spec, args.koala_profile, timeout_s=args.koala_p2p_timeout,
+                                           timeout_name="--koala-p2p-timeout"), placement, placement.v))
     return turns
 
 
-def turn_of(args, turns: list, it: int) -> tuple:
-    """The (schedule, function) whose turn iteration `it` is: --alternate-block iterations each."""
+def build_models(args, turns: list, tp: int, pp: int, pp_rank: int, layout, device) -> None:
+    """Each turn's chunks and optimizer: one model copy per (stages of this rank, v), each built
+    from the same seed (init_value), so every copy starts as the same model."""
+    from koala_ds.megatron.layout import check_layout, uniform_layout
+
+    copies: dict = {}
+    for turn in turns:
+        key = (turn.stages(pp, pp_rank), turn.v)
+        if key not in copies:
+            own = layout if turn.v == layout.virtual_pipeline_model_parallel_size else \
+                check_layout(uniform_layout(args.num_layers, pp * turn.v), pp, args.num_layers)
+            chunks = build_model(args, make_config(args, tp, pp, turn.v), list(key[0]), own, device)
+            copies[key] = (chunks, torch.optim.Adam([q for c in chunks for q in c.parameters()], lr=args.lr))
+        turn.chunks, turn.optimizer = copies[key]
+
+
+def turn_of(args, turns: list, it: int) -> Turn:
+    """The turn of iteration `it`: --alternate-block iterations each."""
     return turns[turn_index(it, len(turns), args.alternate_block)]
 
 
-def train(args, chunks, m: int, v: int, turns: list) -> tuple[list, list, list]:
+def train(args, m: int, turns: list) -> tuple[list, list, list]:
     """The training loop; the last pipeline rank's per-iteration losses and times. A time is the
     ms of forward_backward_func and the optimizer step on this rank (the synthetic data is drawn
     before the clock starts; CUDA is synchronised before it stops); a period, the ms from one
     iteration's start to the next's (the whole loop: data, logging; what `koala calibrate` calls
-    a step)."""
+    a step). Each iteration runs its turn's schedule on that turn's model copy."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func  # patched by install()
 
@@ -393,25 +432,27 @@ def train(args, chunks, m: int, v: int, turns: list) -> tuple[list, list, list]:
     pp_rank, dp_rank, dp_group = ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank(), \
         ps.get_data_parallel_group()
     # data-parallel gradient reduction with plain all-reduce (Megatron's DDP needs CUDA)
-    for chunk in chunks:  # the runtime reads the first chunk's config
+    for chunk in (c for turn in turns for c in turn.chunks):  # the runtime reads the first chunk's config
         chunk.config.finalize_model_grads_func = data_parallel_finalize(dp_group, dp)
-    optimizer = torch.optim.Adam([q for c in chunks for q in c.parameters()], lr=args.lr)
     corpus = MarkovCorpus(args.vocab_size, args.seed)
-    turns = [(name, func or get_forward_backward_func()) for name, func in turns]
+    for turn in turns:
+        turn.func = turn.func or get_forward_backward_func()
     is_logger = pp_rank == pp - 1 and ps.get_tensor_model_parallel_rank() == 0 and dp_rank == 0
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     losses_log, times, starts = [], [], []
     for it in range(args.train_iters):
         t0 = time.time()
         starts.append(time.perf_counter())
+        turn = turn_of(args, turns, it)
+        chunks, optimizer = turn.chunks, turn.optimizer
         data = corpus.microbatches(it, dp_rank, dp, m, args.micro_batch_size, args.seq_length)
         iters = [iter(data) for _ in chunks]
         optimizer.zero_grad(set_to_none=True)
         sync()
         t1 = time.perf_counter()
-        losses = turn_of(args, turns, it)[1](
+        losses = turn.func(
             forward_step_func=partial(forward_step_func, args.seq_length),
-            data_iterator=iters if v > 1 else iters[0], model=chunks if v > 1 else chunks[0],
+            data_iterator=iters if turn.v > 1 else iters[0], model=chunks if turn.v > 1 else chunks[0],
             num_microbatches=m, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size)
         optimizer.step()
         sync()
