@@ -35,10 +35,11 @@ v = 1 and 2 chunks per rank where the model has the layers, it runs what a user 
    trace, as every schedule alike (the DeepSpeed example's traced steps vs untraced ones in one
    run: +0.72 and -0.42 ms of a 35 ms step, each +-0.6-0.8 ms, benchmarks/trace_overhead.py
    --deepspeed 600); `--untraced` leaves it off, and step 5 with it;
-   PAIRED: `--paired-rounds` more runs, untraced, in each of which the schedules placed as 1f1b
-   is (v = 1, linear) take turns on one model, PAIRED_BLOCK iterations each (the examples'
-   --alternate-schedules: Megatron builds a forward_backward_func per schedule, DeepSpeed
-   switches with KoalaPipelineEngine.set_koala_schedule), `--paired-iterations` iterations, the
+   PAIRED: `--paired-rounds` more runs, untraced, in each of which every distinct schedule
+   takes turns, PAIRED_BLOCK iterations each (the examples' --alternate-schedules: Megatron
+   builds a forward_backward_func per schedule, DeepSpeed switches with
+   KoalaPipelineEngine.set_koala_schedule; a schedule of another v or placement runs on a model
+   copy of its own, built as the same model), `--paired-iterations` iterations, the
    first `--warmup` and the first of each turn dropped: a drift of the machine within the run
    hits every schedule alike, where fresh runs minutes apart differ by tens of percent;
 5. `recalibrate()`: per v, `koala calibrate` on the measured runs' traces of that v (every
@@ -353,12 +354,19 @@ def predict(ex: Example, cand: Candidate, profile: Path, work: Path, dry: bool, 
     return float(res["makespan"]), schedule_json(ex, cand, work, dry, say).get("placement", {}).get("style", "linear")
 
 
-def schedule_json(ex: Example, cand: Candidate, work: Path, dry: bool, say) -> dict:
-    """`cand` as koala export writes it (JSON), cached in the work folder."""
+def schedule_file(ex: Example, cand: Candidate, work: Path, dry: bool, say) -> Path:
+    """`cand` as koala export writes it (a fixed JSON schedule, which keeps its own v and
+    placement where it takes turns: keeps_own_shape), cached in the work folder."""
     out = work / f"export_{Path(cand.schedule).stem}_v{cand.v}.json"
     if not out.exists():
         run([str(venv_bin() / "koala"), "export", cand.schedule, "-p", str(ex.p), "-m", str(MICROBATCHES), "-v",
              str(cand.v), "-o", str(out)], out.with_suffix(".log"), ex.env(work), work, dry, say)
+    return out
+
+
+def schedule_json(ex: Example, cand: Candidate, work: Path, dry: bool, say) -> dict:
+    """`cand` as koala export writes it (JSON)."""
+    out = schedule_file(ex, cand, work, dry, say)
     return {} if dry else json.loads(out.read_text(encoding="utf-8"))
 
 
@@ -437,9 +445,9 @@ def measure(ex: Example, chosen: list[Candidate], args, work: Path,
 
 def paired_candidates(chosen: list[Candidate]) -> list[Candidate]:
     """The distinct candidates that take turns with 1f1b in one run (the paired rounds; both
-    examples take --alternate-schedules): those placing the stages as 1f1b does (v = 1, linear),
-    where there is another beside 1f1b; else none."""
-    runs = [c for c in chosen if c.same_as is None and c.v == 1 and c.placement == "linear"]
+    examples take --alternate-schedules, a schedule of another placement or v on a model copy of
+    its own), where there is another beside 1f1b; else none."""
+    runs = [c for c in chosen if c.same_as is None]
     return runs if len(runs) > 1 else []
 
 
@@ -447,8 +455,11 @@ def measure_paired(ex: Example, chosen: list[Candidate], args, work: Path, say) 
     """Per label of `paired_candidates`, the kept step periods of each paired round: one torchrun
     per round in which the schedules take turns, PAIRED_BLOCK iterations each (the first schedule
     rotated every round), so that a drift of the machine within the run hits them alike; kept:
-    after the first `args.warmup` iterations, every iteration but the first of its turn."""
-    runs = paired_candidates(chosen)
+    after the first `args.warmup` iterations, every iteration but the first of its turn. Each
+    schedule is given as its exported JSON file (schedule_file), so that it keeps its own v and
+    placement whichever schedule comes first."""
+    runs = [dataclasses.replace(c, schedule=str(schedule_file(ex, c, work, args.dry_run, say)))
+            for c in paired_candidates(chosen)]
     times: dict[str, list[list[float]]] = {c.label: [] for c in runs}
     for r in range(args.paired_rounds if runs else 0):
         order = runs[r % len(runs):] + runs[:r % len(runs)]
@@ -692,8 +703,8 @@ def header(argv: list[str], args) -> list[str]:
                "measured runs traced; recalibrated = koala simulate on the profile koala calibrate fits to the "
                "measured runs' traces of the schedule's v")
             + f"; paired: {args.paired_rounds} round(s), each one untraced torchrun of {args.paired_iterations} "
-              f"iterations in which the schedules placed as 1f1b is take turns, {PAIRED_BLOCK} iterations each "
-              f"(the examples' --alternate-schedules; the first {args.warmup} iterations and the first of each turn "
+              f"iterations in which every distinct schedule takes turns, {PAIRED_BLOCK} iterations each "
+              f"(the examples' --alternate-schedules; another v or placement on a model copy of its own; the first {args.warmup} iterations and the first of each turn "
               f"dropped)"]
 
 

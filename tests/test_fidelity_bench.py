@@ -3,6 +3,7 @@ run) and the form of its table; and the DeepSpeed example's hooks it uses (`trai
 `koala profile deepspeed`, `--loss-log`)."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -83,12 +84,17 @@ def test_dry_run_calibrates_on_traced_library_runs_before_choosing(tmp_path):
         assert measured and all(f" {flag} {work}/measured_round0_" in c for c in measured)
         recal = [c for c in cmds if " calibrate " in c and "recalibrated" in c]
         assert len(recal) == 1 and cmds.index(recal[0]) > cmds.index(measured[-1])
-        # the paired round: one untraced run in which the v = 1 schedules take turns
+        # the paired round: one untraced run in which the schedules take turns, each as its
+        # exported file (which keeps its own v and placement)
         paired = [c for c in cmds if "/paired_round" in c]
         assert len(paired) == 1 and cmds.index(measured[-1]) < cmds.index(paired[0]) < cmds.index(recal[0])
-        assert ("--koala-schedule 1f1b " if engine == "megatron" else "--schedule 1f1b ") in paired[0]
+        first = "--koala-schedule" if engine == "megatron" else "--schedule"
+        assert f"{first} {work}/export_1f1b_v1.json " in paired[0]
         assert f" {flag} " not in paired[0] and ("--train-iters 16 " in paired[0] or "--steps 16 " in paired[0])
-        assert f"--alternate-schedules '<best predefined>,{work}/searched_v1.koala' --alternate-block 2" in paired[0]
+        assert (f"--alternate-schedules '{work}/export_<best predefined>_v1.json,{work}/export_searched_v1_v1.json' "
+                f"--alternate-block 2") in paired[0]
+        assert any(f" export {work}/searched_v1.koala " in c and c.endswith(f"-o {work}/export_searched_v1_v1.json")
+                   for c in cmds[:cmds.index(paired[0])])
         assert all(f"{work}/measured_round0_" in t for t in recal[0].split("calibrate ")[1].split(" --profile")[0]
                    .split()), recal
         assert f"--profile {work}/profile_v1.json --skip-steps 3 -o {work}/recalibrated_v1.json" in recal[0]
@@ -225,17 +231,21 @@ def test_paired_rounds_give_speedups_from_the_turns_each_schedule_took(fidelity,
     chosen = [fidelity.Candidate("1f1b", "1f1b", 1, predicted_ms=100.0),
               fidelity.Candidate("best predefined (zb-v)", "zb-v", 2, "vshape", predicted_ms=95.0),
               fidelity.Candidate("searched (linear, v=1)", "s.koala", 1, predicted_ms=90.0)]
-    assert [c.label for c in fidelity.paired_candidates(chosen)] == ["1f1b", "searched (linear, v=1)"]
-    assert fidelity.paired_candidates(chosen[:2]) == []  # nothing to take turns with 1f1b
+    assert [c.label for c in fidelity.paired_candidates(chosen)] == [c.label for c in chosen]
+    assert fidelity.paired_candidates(chosen[:1]) == []  # nothing to take turns with 1f1b
+    assert fidelity.paired_candidates([chosen[0], dataclasses.replace(chosen[1], same_as="1f1b")]) == []
     said = []
+    ms = {"1f1b": 100.0, "zb-v": 90.0, "s": 80.0}
 
     def fake_run(cmd, log, env=None, cwd=None, dry=False, say=print):
+        if "export" in cmd:  # schedule_file: koala export NAME ... -o FILE
+            Path(cmd[cmd.index("-o") + 1]).write_text("{}")
+            return ""
         said.append(cmd)
-        first = cmd[cmd.index("--koala-schedule") + 1]
-        other = cmd[cmd.index("--alternate-schedules") + 1]
-        names = [(first, other)[(i // 2) % 2] for i in range(12)]
-        # 1f1b 100 ms, s.koala 80; the first of a turn and the warm-up 1000 ms (never kept)
-        periods = [1000.0 if i < 2 or i % 2 == 0 else (100.0 if n == "1f1b" else 80.0) + len(said)
+        turns = [cmd[cmd.index("--koala-schedule") + 1], *cmd[cmd.index("--alternate-schedules") + 1].split(",")]
+        names = [turns[(i // 2) % len(turns)] for i in range(12)]
+        # the first of a turn and the warm-up 1000 ms (never kept)
+        periods = [1000.0 if i < 2 or i % 2 == 0 else ms[Path(n).stem.split("_")[1]] + len(said)
                    for i, n in enumerate(names)]
         Path(log).with_suffix(".json").write_text(json.dumps({"period_ms": periods, "iteration_schedules": names}))
         return ""
@@ -243,26 +253,37 @@ def test_paired_rounds_give_speedups_from_the_turns_each_schedule_took(fidelity,
     monkeypatch.setattr(fidelity, "run", fake_run)
     args = fidelity.parse_args(["--paired-rounds", "2", "--paired-iterations", "12", "--warmup", "2"])
     paired = fidelity.measure_paired(ex, chosen, args, tmp_path, lambda s: None)
-    assert [c[c.index("--koala-schedule") + 1] for c in said] == ["1f1b", "s.koala"]  # the first one rotates
-    assert paired == {"1f1b": [[101.0] * 2, [102.0] * 3], "searched (linear, v=1)": [[81.0] * 3, [82.0] * 2]}
+    # every schedule as its exported file, so that each keeps its own v: zb-v (v=2) beside 1f1b
+    assert [c[c.index("--koala-schedule") + 1] for c in said] == [str(tmp_path / "export_1f1b_v1.json"),
+                                                                   str(tmp_path / "export_zb-v_v2.json")]
+    assert "--virtual-pipeline-model-parallel-size" not in said[0] and \
+        said[1][said[1].index("--virtual-pipeline-model-parallel-size") + 1] == "2"
+    # kept: iterations 3, 5, 7, 9, 11; round 0 turns 1f1b, zb-v, s; round 1 zb-v, s, 1f1b
+    assert paired == {"1f1b": [[101.0], [102.0] * 2], "best predefined (zb-v)": [[91.0] * 2, [92.0]],
+                      "searched (linear, v=1)": [[81.0] * 2, [82.0] * 2]}
     rows = fidelity.rows_of(ex, chosen, {"1f1b": [[100.0]], "best predefined (zb-v)": [[99.0]],
                                          "searched (linear, v=1)": [[97.0]]}, None, paired)
-    assert rows[2].paired_speedup == pytest.approx(102.0 / 81.0)  # medians over both rounds
+    assert rows[2].paired_speedup == pytest.approx(102.0 / 81.5)  # medians over both rounds
     assert rows[2].paired_round_speedups == pytest.approx((101 / 81, 102 / 82))
-    assert rows[2].paired_error == pytest.approx(102.0 / 81.0 - 100.0 / 90.0)
-    assert rows[1].paired_round_speedups == () and rows[1].paired_speedup != rows[1].paired_speedup
-    assert fidelity.format_table(rows).splitlines()[3].endswith("| - | - | - | - |")
+    assert rows[2].paired_error == pytest.approx(102.0 / 81.5 - 100.0 / 90.0)
+    assert rows[1].paired_speedup == pytest.approx(102.0 / 91.0)  # the v = 2 schedule paired too
+    assert rows[0].paired_speedup == 1.0
+    without = fidelity.rows_of(ex, chosen, {"1f1b": [[100.0]], "best predefined (zb-v)": [[99.0]],
+                                            "searched (linear, v=1)": [[97.0]]}, None,
+                               {k: val for k, val in paired.items() if "zb-v" not in k})
+    assert without[1].paired_round_speedups == () and without[1].paired_speedup != without[1].paired_speedup
+    assert fidelity.format_table(without).splitlines()[3].endswith("| - | - | - | - |")
     said = fidelity.verdict(rows)
     assert said[0].endswith("answers a schedule not measured here")
     rows = fidelity.rows_of(ex, chosen, {"1f1b": [[100.0]], "best predefined (zb-v)": [[99.0]],
                                          "searched (linear, v=1)": [[97.0]]}, None, paired, "searched (linear, v=1)")
     said = fidelity.verdict(rows)
     assert said[0] == ("megatron gpt-4L p=2: koala search with its defaults (--min-gain 5, the profile's spread) "
-                       "answers searched (linear, v=1): measured 1.031x of 1f1b, 1.259x in the paired rounds")
+                       "answers searched (linear, v=1): measured 1.031x of 1f1b, 1.252x in the paired rounds")
     assert said[-2] == ("megatron gpt-4L p=2, searched (linear, v=1): speedup error -0.080 (beyond 0.05); measured "
                         "1.031x of 1f1b (at least 0.98x); one round: no spread to judge it by")
     assert said[-1] == ("megatron gpt-4L p=2, searched (linear, v=1), paired rounds (taking turns with 1f1b "
-                               "in one run): speedup error +0.148 (beyond 0.05); measured 1.259x of 1f1b (at least "
+                               "in one run): speedup error +0.140 (beyond 0.05); measured 1.252x of 1f1b (at least "
                                "0.98x); the paired rounds' speedups span 0.003, their mean +-0.003 (2 standard "
                                "errors)")
     ds = fidelity.Example("deepspeed", "dim64", 2, {"dim": 64}).run_cmd(chosen[0], 12, tmp_path / "x.json",
@@ -335,10 +356,19 @@ def test_the_examples_loss_log_is_checked_before_deepspeed_starts(example, monke
 @pytest.mark.timeout(300)
 def test_the_examples_schedules_take_turns_with_the_losses_of_one(tmp_path):
     """examples/deepspeed_pipe --alternate-schedules: 1f1b and zb-h1 taking turns every 2 steps
-    train as 1f1b alone does; the loss log names each step's schedule."""
+    train as 1f1b alone does; the loss log names each step's schedule. A schedule file of another
+    placement (V-shape, 2 chunks) takes its turns on an engine and model copy of its own, which
+    starts as the same model: its steps repeat 1f1b's first ones (every step trains on the same
+    batch)."""
+    from koala_ds.resolve import load_schedule
+
+    zbv = tmp_path / "schedules" / "zb-v.json"
+    zbv.parent.mkdir()
+    zbv.write_text(load_schedule("zb-v", 2, 8, 2).to_json())
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     logs, out = {}, {}
-    for label, extra in (("one", []), ("turns", ["--alternate-schedules", "zb-h1"])):
+    for label, extra in (("one", []), ("turns", ["--alternate-schedules", "zb-h1"]),
+                         ("copies", ["--alternate-schedules", str(zbv)])):
         logs[label] = tmp_path / f"{label}.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                str(ROOT / "examples" / "deepspeed_pipe" / "train.py"), "--schedule", "1f1b", "--steps", "6",
@@ -352,6 +382,10 @@ def test_the_examples_schedules_take_turns_with_the_losses_of_one(tmp_path):
     assert turns["iteration_schedules"] == ["1f1b", "1f1b", "zb-h1", "zb-h1", "1f1b", "1f1b"]
     assert one["iteration_schedules"] == ["1f1b"] * 6 and turns["schedule"] == "1f1b"
     assert turns["losses"] == pytest.approx(one["losses"], rel=1e-6)
+    copies = json.loads(logs["copies"].read_text())
+    assert copies["iteration_schedules"] == ["1f1b", "1f1b", str(zbv), str(zbv), "1f1b", "1f1b"]
+    first = one["losses"]
+    assert copies["losses"] == pytest.approx([first[0], first[1], first[0], first[1], first[2], first[3]], rel=1e-6)
 
 
 @pytest.mark.slow

@@ -20,7 +20,9 @@ examples/megatron_gpt's flag does.
 `--trace FILE` records the measured timeline of every training step (the DeepSpeed config's
 "pipeline.koala.trace"): each process writes FILE.rank<global rank>.json (docs/deepspeed.md).
 `--alternate-schedules A[,B...]` (benchmarking) runs --schedule and these in turn, --alternate-block
-steps each, on the one engine (KoalaPipelineEngine.set_koala_schedule; docs/deepspeed.md).
+steps each: on the one engine where placed as --schedule (KoalaPipelineEngine.set_koala_schedule;
+docs/deepspeed.md), else on an engine and model copy of its own (a schedule file keeps its own
+--chunks and --placement; a library name is compiled for --chunks).
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ from koala_ds.core.ir import KoalaError, Placement
 from koala_ds.core.outputs import atomic_write, check_output
 from koala_ds.resolve import DEEPSPEED, Setting, resolve
 from koala_ds.runtime.trace_record import check_trace_path
-from koala_ds.runtime.turns import summary, turn_index
+from koala_ds.runtime.turns import keeps_own_shape, summary, turn_index
 
 #: How the schedule's messages name this script's flags (the engine's own messages name the
 #: DeepSpeed config keys and the KoalaPipelineModule's arguments, which this script sets from them).
@@ -106,8 +108,6 @@ def check_flags(args, world: int) -> int:
         example = "zb-v" if args.placement == "vshape" else "interleaved-1f1b"
         raise KoalaError(f"--chunks {args.chunks} needs --schedule: a schedule of {args.chunks} chunks per rank "
                          f"(e.g. --schedule {example} for --placement {args.placement})")
-    if args.alternate_schedules is not None:
-        check_alternates(args, pp)
     if args.trace is not None:
         if args.schedule is None and os.environ.get("DS_PIPELINE_SCHEDULE") != "koala":
             raise KoalaError("--trace needs --schedule: only the Koala engine records a trace")
@@ -117,17 +117,29 @@ def check_flags(args, world: int) -> int:
     return pp
 
 
-def check_alternates(args, pp: int) -> None:
-    """--alternate-schedules: Koala schedules of --schedule's placement, no --trace (one line)."""
+def shapes(args, pp: int) -> dict[str, tuple[int, str]]:
+    """Per schedule taking turns (--schedule first), the (chunks, placement) of the model it runs
+    on: --chunks / --placement for --schedule; an alternate's own placement (a library schedule
+    compiled for --chunks, a fixed schedule file as made: keeps_own_shape), on an engine and model
+    copy of its own where it differs. One line for --alternate-schedules without --schedule, with
+    --trace, or with a schedule that does not fit."""
+    own = (args.chunks, "linear" if args.chunks == 1 else args.placement)
+    out = {args.schedule: own}
+    if args.alternate_schedules is None:
+        return out
     if args.schedule is None:
         raise KoalaError("--alternate-schedules needs --schedule (the Koala engine's first schedule)")
     if args.trace is not None:
         raise KoalaError("--alternate-schedules with --trace: a trace's steps are one schedule's; trace a run of "
                          "one schedule (drop one of the two flags)")
-    placement = Placement.named("linear" if args.chunks == 1 else args.placement, pp, args.chunks)
+    words = replace(FLAGS, schedule="--alternate-schedules")
     for spec in args.alternate_schedules.split(","):
-        resolve(spec, pp, args.microbatches, args.chunks, replace(FLAGS, schedule="--alternate-schedules"),
-                placement=placement)
+        placement = resolve(spec, pp, args.microbatches, None if keeps_own_shape(spec) else args.chunks,
+                            words).placement
+        out[spec] = (placement.v, placement.style)
+        resolve(spec, pp, args.microbatches, placement.v, words, placement=Placement.named(placement.style, pp,
+                                                                                          placement.v))
+    return out
 
 
 def turns(args) -> list:
@@ -135,16 +147,48 @@ def turns(args) -> list:
     return [args.schedule, *(args.alternate_schedules.split(",") if args.alternate_schedules else [])]
 
 
-def train(engine, data: list, args, samples: int) -> tuple[list, list, list, list]:
+def build_engine(args, pp: int, world: int, chunks: int, placement: str, schedule, trace=None):
+    """A DeepSpeed engine of `schedule` (None: the launcher's) over a model of `chunks` per rank
+    placed as `placement`; every call builds the same layers (torch.manual_seed(0))."""
+    torch.manual_seed(0)
+    layers = build_layers(args.dim)
+    common = dict(num_stages=pp, loss_fn=torch.nn.functional.mse_loss, partition_method="uniform",
+                  seed_layers=SEED_LAYERS)
+    if chunks > 1:
+        from koala_ds.deepspeed import KoalaPipelineModule  # also registers the Koala engine
+
+        model = KoalaPipelineModule(layers, chunks=chunks, placement=placement, **common)
+    else:
+        model = PipelineModule(layers, **common)
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "gradient_accumulation_steps": args.microbatches,
+        "train_batch_size": MICRO_BATCH * args.microbatches * (world // pp),
+        "steps_per_print": 10 ** 9,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
+        "pipeline": {"pipe_partitioned": False, "grad_partitioned": False},
+    }
+    if schedule is not None:
+        import koala_ds.deepspeed  # noqa: F401  (registers the engine with deepspeed.initialize)
+
+        config["pipeline"].update({"schedule": "koala", "koala": {"schedule": schedule}})
+    if trace is not None:
+        config["pipeline"].setdefault("koala", {})["trace"] = trace
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()], config=config)
+    return engine
+
+
+def train(engines: dict, data: list, args, samples: int) -> tuple[list, list, list, list]:
     """The training loop: per step its loss, train_batch's ms, the ms from its start to the next
-    step's, and the schedule that ran it (--alternate-schedules: set_koala_schedule every
-    --alternate-block steps)."""
+    step's, and the schedule that ran it (--alternate-schedules: every --alternate-block steps the
+    next schedule's engine, `engines[schedule]`, set_koala_schedule to it)."""
     names = turns(args)
     times, losses, starts, ran = [], [], [], []
     for step in range(args.steps):
         t0 = time.perf_counter()
         starts.append(t0)
         turn = names[turn_index(step, len(names), args.alternate_block)]
+        engine = engines[turn]
         if len(names) > 1 and step % args.alternate_block == 0:
             engine.set_koala_schedule(turn)
         ran.append(turn if len(names) > 1 else getattr(getattr(engine, "koala_schedule", None), "name", "stock"))
@@ -189,38 +233,20 @@ def main() -> None:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     pp = check_flags(args, world)
+    shape = shapes(args, pp)
     deepspeed.init_distributed(dist_backend="gloo" if os.environ.get("DS_ACCELERATOR") == "cpu" else None)
-    torch.manual_seed(0)
-    layers = build_layers(args.dim)
-    common = dict(num_stages=pp, loss_fn=torch.nn.functional.mse_loss, partition_method="uniform",
-                  seed_layers=SEED_LAYERS)
-    if args.chunks > 1:
-        from koala_ds.deepspeed import KoalaPipelineModule  # also registers the Koala engine
+    engine = build_engine(args, pp, world, *shape[args.schedule], args.schedule, args.trace)
+    copies = {shape[args.schedule]: engine}  # one engine and model copy per (chunks, placement)
+    for spec in turns(args)[1:]:
+        if shape[spec] not in copies:
+            copies[shape[spec]] = build_engine(args, pp, world, *shape[spec], spec)
+    samples = MICRO_BATCH * args.microbatches * (world // pp)
 
-        model = KoalaPipelineModule(layers, chunks=args.chunks, placement=args.placement, **common)
-    else:
-        model = PipelineModule(layers, **common)
-    config = {
-        "train_micro_batch_size_per_gpu": MICRO_BATCH,
-        "gradient_accumulation_steps": args.microbatches,
-        "train_batch_size": MICRO_BATCH * args.microbatches * (world // pp),
-        "steps_per_print": 10 ** 9,
-        "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
-        "pipeline": {"pipe_partitioned": False, "grad_partitioned": False},
-    }
-    if args.schedule is not None:
-        import koala_ds.deepspeed  # noqa: F401  (registers the engine with deepspeed.initialize)
-
-        config["pipeline"].update({"schedule": "koala", "koala": {"schedule": args.schedule}})
-    if args.trace is not None:
-        config["pipeline"].setdefault("koala", {})["trace"] = args.trace
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()], config=config)
-
-    gen = torch.Generator().manual_seed(1 + model._grid.data_parallel_id)
+    gen = torch.Generator().manual_seed(1 + engine.grid.data_parallel_id)
     data = [(torch.randn(MICRO_BATCH, args.dim, generator=gen), torch.randn(MICRO_BATCH, 1, generator=gen))
             for _ in range(args.microbatches)]
     name = getattr(getattr(engine, "koala_schedule", None), "name", "stock")  # --schedule's, or the stock one
-    losses, times, periods, ran = train(engine, data, args, config["train_batch_size"])
+    losses, times, periods, ran = train({spec: copies[shape[spec]] for spec in turns(args)}, data, args, samples)
     eval_loss = engine.eval_batch(iter(data))
     if engine.global_rank == 0:
         print(f"eval loss {float(eval_loss):.5f}", flush=True)

@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from koala_ds.megatron import add_arguments, install  # noqa: E402
 from koala_ds.megatron.cpu import data_parallel_finalize  # noqa: E402
 from koala_ds.megatron.resolve import MEGATRON, resolve  # noqa: E402
-from koala_ds.runtime.turns import summary, turn_index  # noqa: E402
+from koala_ds.runtime.turns import keeps_own_shape, summary, turn_index  # noqa: E402
 
 log = logging.getLogger("pretrain_gpt")
 
@@ -371,7 +371,6 @@ def alternation(args, report, pp: int, m: int, v: int) -> list[Turn]:
     (build_models), so the rounds can pair a v=2 schedule with 1f1b."""
     from koala_ds.core.ir import KoalaError
     from koala_ds.megatron import get_forward_backward_func as koala_func
-    from koala_ds.resolve import FIXED_SUFFIXES
 
     if not args.alternate_schedules:
         placement = resolve(report.schedule, pp, m, v).placement if report.schedule is not None else None
@@ -384,8 +383,7 @@ def alternation(args, report, pp: int, m: int, v: int) -> list[Turn]:
     turns = [Turn(report.schedule, report.func, resolve(report.schedule, pp, m, v).placement, v)]
     words = dataclasses.replace(MEGATRON, schedule="--alternate-schedules")  # how a misfit names the flag
     for spec in args.alternate_schedules.split(","):
-        own = spec.endswith(FIXED_SUFFIXES) and os.path.isfile(spec)
-        placement = resolve(spec, pp, m, None if own else v, words).placement
+        placement = resolve(spec, pp, m, None if keeps_own_shape(spec) else v, words).placement
         if placement.v != v and args.pipeline_model_parallel_layout is not None:
             raise KoalaError(f"--alternate-schedules {spec} has {placement.v} model chunks per rank, "
                              f"--pipeline-model-parallel-layout {v}: an alternate of another v needs the default "

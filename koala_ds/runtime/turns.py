@@ -9,8 +9,18 @@ turn: then on every rank the step before it ran the same schedule, so what the p
 left in flight (the last rank still finishing it, say) is that schedule's own."""
 from __future__ import annotations
 
+import os
 import statistics
 from dataclasses import dataclass
+
+
+def keeps_own_shape(spec: str) -> bool:
+    """Whether an alternate schedule keeps its own v and placement: a fixed schedule file (.json,
+    .csv) was made for them, and runs on a model copy of that shape where the run's model has
+    another; a library name or .koala program is compiled for the run's v and placement."""
+    from ..resolve import FIXED_SUFFIXES
+
+    return str(spec).endswith(FIXED_SUFFIXES) and os.path.isfile(spec)
 
 
 def turn_index(iteration: int, count: int, block: int) -> int:
