@@ -223,7 +223,8 @@ def main() -> None:
     parser.add_argument("--alternate-schedules", default=None, metavar="NAME|FILE[,...]",
                         help="benchmarking: also run these Koala schedules, taking turns with --schedule every "
                              "--alternate-block steps in this one run, so that the machine's drift hits them alike "
-                             "(--schedule's placement; the loss log names each step's schedule; at the end each "
+                             "(another placement, as a schedule file keeps its own, on an engine and model copy of its "
+                             "own; the loss log names each step's schedule; at the end each "
                              "schedule's median step period, its first turn and the first step of every turn left "
                              "out)")
     parser.add_argument("--alternate-block", type=positive_int, default=2, metavar="N",

@@ -74,8 +74,9 @@ def parse_args(argv=None):
     b = ap.add_argument_group("benchmarking")
     b.add_argument("--alternate-schedules", default=None, metavar="NAME|FILE[,...]",
                    help="also run these Koala schedules, taking turns with --koala-schedule every --alternate-block "
-                        "iterations in this one run, so that the machine's drift hits them alike (schedules "
-                        "placing the stages alike; the loss log names each iteration's schedule; at the end "
+                        "iterations in this one run, so that the machine's drift hits them alike (another "
+                        "placement or v, as a schedule file keeps its own, on a model copy of its own; the loss "
+                        "log names each iteration's schedule; at the end "
                         "each schedule's median step period, its first turn and the first iteration of "
                         "every turn left out)")
     b.add_argument("--alternate-block", type=int, default=2, metavar="N",
