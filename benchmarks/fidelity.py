@@ -25,7 +25,8 @@ v = 1 and 2 chunks per rank where the model has the layers, it runs what a user 
    and `koala search --min-gain 0 --ignore-spread` per v: the searched schedule (the faster v's;
    the model's own pick, which the profile's spread would otherwise keep back); predictions
    by `koala simulate --json`; and `koala search` with its defaults (--min-gain 5, the spread),
-   what a user gets: the report says which measured schedule that is;
+   what a user gets: the report says which measured schedule that is, and where it is none of
+   them it is measured too ("default search (placement, v=V)");
 4. the example with each distinct schedule (a searched schedule equal to a library one runs
    once), ALTERNATING: `--rounds` rounds, each a fresh torchrun of every schedule in a rotated
    order, `--iterations` iterations each, the first `--warmup` dropped; the examples' own
@@ -380,7 +381,9 @@ def default_answer(ex: Example, profiles: dict[int, Path], chosen: list[Candidat
                    dry: bool, say) -> str | None:
     """What a user gets from `koala search` with its defaults (--min-gain 5 and the profile's
     spread keeping a known schedule back) on the calibrated profiles, the faster v's answer: the
-    label of the measured candidate it equals, or None (a schedule not measured here)."""
+    label of the measured candidate it equals; where it equals none of them, it joins `chosen`
+    as "default search (placement, v=V)", measured like them (what a user would run); None
+    with --dry-run."""
     base = ["-p", str(ex.p), "-m", str(MICROBATCHES)]
     answers = []
     for v, prof in profiles.items():
@@ -391,9 +394,14 @@ def default_answer(ex: Example, profiles: dict[int, Path], chosen: list[Candidat
     if dry:
         return None
     for cand in answers:
-        cand.predicted_ms = predict(ex, cand, profiles[cand.v], work, dry, say)[0]
-    key = schedule_key(ex, min(answers, key=lambda c: c.predicted_ms), work, dry, say)
-    return next((c.label for c in chosen if schedule_key(ex, c, work, dry, say) == key), None)
+        cand.predicted_ms, cand.placement = predict(ex, cand, profiles[cand.v], work, dry, say)
+    answer = min(answers, key=lambda c: c.predicted_ms)
+    key = schedule_key(ex, answer, work, dry, say)
+    label = next((c.label for c in chosen if schedule_key(ex, c, work, dry, say) == key), None)
+    if label is None:
+        answer.label = label = f"default search ({answer.placement}, v={answer.v})"
+        chosen.append(answer)
+    return label
 
 
 def mark_duplicates(ex: Example, chosen: list[Candidate], work: Path, dry: bool, say) -> None:
@@ -628,7 +636,8 @@ def format_table(rows: list[Row]) -> str:
 
 
 def verdict(rows: list[Row]) -> list[str]:
-    """The targets, row by row of the searched schedules: the speedup error within
+    """The targets, row by row of the searched schedules (and of the default search's answer
+    where it is none of them): the speedup error within
     SPEEDUP_TOLERANCE, the measured speedup at least SEARCHED_FLOOR; and whether the rounds
     resolve that much (2 standard errors of their speedups within SPEEDUP_TOLERANCE)."""
     out = []
@@ -647,7 +656,7 @@ def verdict(rows: list[Row]) -> list[str]:
                    f"spread) answers " + ("a schedule not measured here" if answer is None else
                                           f"{answer.schedule}: measured {answer.speedup_measured:.3f}x of 1f1b"
                                           f"{paired}"))
-    for r in (r for r in rows if r.schedule.startswith("searched")):
+    for r in (r for r in rows if r.schedule.startswith(("searched", "default search"))):
         out.append(f"{r.example}, {r.schedule}: "
                    + _target(r.speedup_measured, r.speedup_error, r.round_speedups, "rounds"))
         if r.paired_round_speedups:

@@ -201,6 +201,40 @@ def test_rows_give_speedups_over_1f1b_and_the_error(fidelity):
     assert said.endswith("(2 standard errors)") and "cannot resolve" not in said
 
 
+def test_the_default_searchs_answer_is_measured_where_it_is_none_of_the_others(fidelity, monkeypatch, tmp_path):
+    """koala search with its defaults may answer a schedule none of the measured candidates is
+    (at 5ee9bef on Megatron 8 layers: a v = 2 schedule, where the model's own pick was zb-h1):
+    then it joins them, measured as a user would run it, with its own target lines."""
+    ex = fidelity.Example("megatron", "gpt-8L", 2, dict(fidelity.MEGATRON_SIZES["gpt-8L-h256-s64"]))
+    profiles = {1: tmp_path / "profile_v1.json", 2: tmp_path / "profile_v2.json"}
+    monkeypatch.setattr(fidelity, "run", lambda *a, **k: "")
+    ms = {1: 100.0, 2: 90.0}
+    monkeypatch.setattr(fidelity, "predict", lambda ex, c, prof, *a: (ms[c.v], "linear" if c.v == 1 else "vshape"))
+    keys = {}
+    monkeypatch.setattr(fidelity, "schedule_key", lambda ex, c, *a: keys.get(c.schedule, c.schedule))
+
+    def chosen():
+        return [fidelity.Candidate("1f1b", "1f1b", 1, predicted_ms=100.0),
+                fidelity.Candidate("searched (linear, v=1)", "s.koala", 1, predicted_ms=95.0)]
+
+    keys[str(tmp_path / "default_v2.koala")] = "s.koala"  # the answer is the searched schedule
+    measured = chosen()
+    assert fidelity.default_answer(ex, profiles, measured, 1.0, tmp_path, False, print) == "searched (linear, v=1)"
+    assert len(measured) == 2
+    keys.clear()  # the answer is another schedule: measured too
+    measured = chosen()
+    label = fidelity.default_answer(ex, profiles, measured, 1.0, tmp_path, False, print)
+    assert label == "default search (vshape, v=2)" and measured[-1].label == label
+    assert (measured[-1].schedule, measured[-1].v, measured[-1].predicted_ms) == (str(tmp_path / "default_v2.koala"),
+                                                                                 2, 90.0)
+    rows = fidelity.rows_of(ex, measured, {"1f1b": [[100.0]], "searched (linear, v=1)": [[96.0]], label: [[95.0]]},
+                            None, None, label)
+    said = fidelity.verdict(rows)
+    assert said[0].endswith(f"answers {label}: measured {100 / 95:.3f}x of 1f1b")
+    assert [line.split(":")[0] for line in said[1:]] == ["megatron gpt-8L p=2, searched (linear, v=1)",
+                                                         f"megatron gpt-8L p=2, {label}"]
+
+
 def test_rows_give_the_step_time_after_calibrating_on_the_measured_runs(fidelity):
     """recalibrated ms: the schedule simulated on the profile fitted to the measured runs' own
     traces; the verdict says per example whether every schedule is within 10% of it."""
