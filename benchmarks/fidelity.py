@@ -592,12 +592,11 @@ def rows_of(ex: Example, chosen: list[Candidate], times: dict[str, list[list[flo
                        tuple(statistics.median(r) for r in rounds if r), 1.0, 1.0,
                        recalibrated_ms=(recalibrated or {}).get(c.label, float("nan")), default=c.label == default))
     one = out[0]
+    fresh = [_speedups(times[chosen[0].label], times[c.same_as or c.label]) for c in chosen]
     pairs = [_speedups(base, paired.get(c.same_as or c.label, [])) for c in chosen]
-    return [dataclasses.replace(r, speedup_predicted=one.predicted_ms / r.predicted_ms,
-                                speedup_measured=one.measured_ms / r.measured_ms,
-                                round_speedups=tuple(a / b for a, b in zip(one.round_medians, r.round_medians)),
-                                paired_speedup=pair[0], paired_round_speedups=pair[1])
-            for r, pair in zip(out, pairs)]
+    return [dataclasses.replace(r, speedup_predicted=one.predicted_ms / r.predicted_ms, speedup_measured=f[0],
+                                round_speedups=f[1], paired_speedup=pair[0], paired_round_speedups=pair[1])
+            for r, f, pair in zip(out, fresh, pairs)]
 
 
 COLUMNS = ("example", "schedule", "v", "predicted ms", "measured ms", "rounds' medians", "speedup predicted",

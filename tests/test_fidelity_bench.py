@@ -196,6 +196,10 @@ def test_rows_give_speedups_over_1f1b_and_the_error(fidelity):
     one_round = fidelity.rows_of(ex, chosen, {k: v[:1] for k, v in times.items()})
     assert one_round[1].speedup_se is None and "| - |" in fidelity.format_table(one_round)
     assert fidelity.verdict(one_round)[1].endswith("one round: no spread to judge it by")
+    # a round in which a schedule kept no iteration: the other rounds still pair 1f1b's round with
+    # the same round of the schedule (round by round, not the n-th non-empty ones)
+    gap = fidelity.rows_of(ex, chosen, {"1f1b": [[100.0], [200.0]], "best predefined (zb-h1)": [[], [100.0]]})
+    assert gap[1].round_speedups == (2.0,) and gap[1].speedup_measured == 1.5
     steady = {"1f1b": [[120.0]] * 4 + [[121.0]] * 4, "best predefined (zb-h1)": [[100.0]] * 8}
     said = fidelity.verdict(fidelity.rows_of(ex, chosen, steady))[1]  # 8 close rounds resolve the target
     assert said.endswith("(2 standard errors)") and "cannot resolve" not in said
