@@ -162,25 +162,21 @@ def test_calibrate_recovers_the_profile_and_overheads_that_made_the_trace(capsys
         assert cells[-1] in ("+0.0%", "-0.0%") and cells[-3] not in ("+0.0%", "-0.0%")
 
 
-def test_a_split_microbatchs_costlier_forward_is_charged_to_i_as_a_profile_does(tmp_path):
-    """The deferrable forward of a split microbatch costs more than a full backward's plain one
-    (the DeepSpeed example at dim 64: 5-8% of a step's F). Fitting F over both made 1f1b too slow
-    and zb-h1 too fast (0.971x predicted where the runs taking turns measured 0.917x); now
-    `forward` is the plain F and `backward_input` carries the difference, as koala profile's."""
+def test_the_forward_is_fitted_over_every_microbatch_split_backward_or_not(tmp_path):
+    """765f19e charged the F of a split microbatch beyond the plain F to I. The two come from
+    different traced runs, minutes apart, and the machine's drift between them is larger than
+    the deferrable forward's cost: in three fidelity runs' traces the charge made zb-h1's
+    predicted speedup over 1f1b worse in 5 of 9 cases (DeepSpeed dim 64: 0.752x where the
+    schedules taking turns measured 0.966x; 0.939x without it). So F is fitted over both, and a
+    run that was slower leaves I alone."""
     stages = truth_stages(4)
-    extra = [0.3 + 0.05 * s for s in range(4)]
-    deferring = [dataclasses.replace(st, forward=st.forward + x) for st, x in zip(stages, extra)]
+    slower = [dataclasses.replace(st, forward=st.forward * 1.2) for st in stages]  # a drift of 20% in F
     write_trace(tmp_path / "1f1b.json", load_schedule("1f1b", 4, 8, 1), stages)
-    write_trace(tmp_path / "zb-h1.json", load_schedule("zb-h1", 4, 8, 1), deferring)
-    runs = load_runs([tmp_path / "1f1b.json", tmp_path / "zb-h1.json"])
-    fitted = fit(runs, 4)
-    for s, (st, x) in enumerate(zip(stages, extra)):
-        assert fitted.stages[(s, "forward")].value == pytest.approx(st.forward, abs=1e-6), s
-        assert fitted.stages[(s, "backward_input")].value == pytest.approx(st.backward_input + x, abs=1e-6), s
-        assert fitted.stages[(s, "backward")].value == pytest.approx(st.backward_full, abs=1e-6), s
-    only_split = fit(runs[1:], 4)  # no full backward traced: the forward is the one that ran
-    assert only_split.stages[(0, "forward")].value == pytest.approx(stages[0].forward + extra[0], abs=1e-6)
-    assert only_split.stages[(0, "backward_input")].value == pytest.approx(stages[0].backward_input, abs=1e-6)
+    write_trace(tmp_path / "zb-h1.json", load_schedule("zb-h1", 4, 8, 1), slower)
+    fitted = fit(load_runs([tmp_path / "1f1b.json", tmp_path / "zb-h1.json"]), 4)
+    for s, (st, drifted) in enumerate(zip(stages, slower)):
+        assert st.forward < fitted.stages[(s, "forward")].value < drifted.forward, s
+        assert fitted.stages[(s, "backward_input")].value == pytest.approx(st.backward_input, abs=1e-6), s
 
 
 def test_calibrated_predictions_match_a_noisy_trace_within_ten_percent(tmp_path):

@@ -6,11 +6,11 @@ step. From the complete steps of every traced run (ms; "typical" is the mean of 
 less the lowest and the highest 5%, see below):
 
 - stage times: per (stage, op), the typical compute of its actions (span less input wait): F
-  gives `forward`, I `backward_input`, W `backward_weight`, B `backward`, except that the F of
-  a microbatch whose backward is split (I + W) is the deferrable forward, costlier than a full
-  backward's: `forward` comes from the others' F and `backward_input` gets the difference, as
-  in a profile (`_charge_deferral`; measured on the DeepSpeed example at dim 64, 2026-12-06:
-  the ranks' F of a zb-h1 step 5-8% above 1f1b's); and the stage's
+  gives `forward` (over every microbatch, split backward or not: the deferrable forward of a
+  split one may cost a few percent more, but between traced runs minutes apart the machine
+  drifts by more, and charging the difference to I, as 765f19e did, turned that drift into a
+  cost of the split schedules; docs/profiling.md), I `backward_input`, W `backward_weight`, B
+  `backward`; and the stage's
   `spread` of those fields, how precisely the samples give them (`profile.value_spread`). A field no trace
   measured (I and W under full-backward schedules only, B under split ones) keeps the input
   profile's value, scaled by that stage's measured / profiled `forward` (and its spread); the
@@ -72,8 +72,6 @@ log = logging.getLogger(__name__)
 
 #: The profile field each op's measured compute gives.
 FIELDS = {Op.F: "forward", Op.I: "backward_input", Op.W: "backward_weight", Op.B: "backward"}
-#: The fit's own key for the forwards of microbatches whose backward is split (`_charge_deferral`).
-SPLIT_FORWARD = "forward before I"
 TIME_FIELDS = ("forward", "backward_input", "backward_weight", "backward")
 #: The share of samples left out at each end before averaging (`typical`).
 TRIM = 0.05
@@ -166,15 +164,14 @@ def fit(runs: Sequence[TracedRun], entries: int) -> Fit:
     beside: list[float] = []
     for run in runs:
         schedule = run.schedule
-        split = {(a.stage, a.microbatch) for order in schedule.ranks for a in order if a.op is Op.I}
         for step in run.steps:
             for r, spans in enumerate(step.ranks):
                 order = schedule.ranks[r]
                 for span in spans:
                     a = order[span.index]
                     switched = span.index > 0 and order[span.index - 1].stage != a.stage
-                    field = SPLIT_FORWARD if a.op is Op.F and (a.stage, a.microbatch) in split else FIELDS[a.op]
-                    (after if switched else same)[(entry_of(a.stage, schedule, entries), field)].append(span.compute)
+                    (after if switched else same)[(entry_of(a.stage, schedule, entries), FIELDS[a.op])].append(
+                        span.compute)
                 gaps += [b.start - a.end for a, b in zip(spans, spans[1:])]
             arrivals += message_delays(schedule, step)
         beside += [step.time - step.span for step in run.timed_steps]
@@ -183,25 +180,7 @@ def fit(runs: Sequence[TracedRun], entries: int) -> Fit:
     switch = _switch_costs(same, after)
     stages = {key: _stage_time(same[key], after[key], switch[key[0]].value if key[0] in switch else None)
               for key in sorted(same.keys() | after.keys())}
-    return Fit(_charge_deferral(stages), overhead, Estimate.of(arrivals, c), Estimate.of(beside, c), switch)
-
-
-def _charge_deferral(stages: dict[tuple[int, str], "Estimate"]) -> dict[tuple[int, str], "Estimate"]:
-    """The forward of a microbatch whose backward is split runs the deferrable forward (its
-    layers save what W needs), which costs more than the plain forward of a full backward. As
-    `koala profile` does, `forward` is the plain one and `backward_input` carries the difference
-    (at least 0), so F + I + W is a split microbatch's measured cost and F + B a full one's. A
-    stage whose traces ran only split backwards gets their forward as `forward`."""
-    out = {key: est for key, est in stages.items() if key[1] != SPLIT_FORWARD}
-    for (entry, field), split in stages.items():
-        if field != SPLIT_FORWARD:
-            continue
-        plain, i = out.get((entry, "forward")), out.get((entry, "backward_input"))
-        if plain is None:
-            out[(entry, "forward")] = split
-        elif i is not None:
-            out[(entry, "backward_input")] = dataclasses.replace(i, value=i.value + max(0.0, split.value - plain.value))
-    return dict(sorted(out.items()))
+    return Fit(stages, overhead, Estimate.of(arrivals, c), Estimate.of(beside, c), switch)
 
 
 def _stage_time(same: list[float], after: list[float], switch: float | None) -> Estimate:
