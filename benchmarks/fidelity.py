@@ -712,7 +712,8 @@ def header(argv: list[str], args) -> list[str]:
                "measured runs' traces of the schedule's v")
             + f"; paired: {args.paired_rounds} round(s), each one untraced torchrun of {args.paired_iterations} "
               f"iterations in which every distinct schedule takes turns, {PAIRED_BLOCK} iterations each "
-              f"(the examples' --alternate-schedules; another v or placement on a model copy of its own; the first {args.warmup} iterations and the first of each turn "
+              f"(the examples' --alternate-schedules; another v or placement on a model copy of its own; the "
+              f"first {args.warmup} iterations and the first of each turn "
               f"dropped)"]
 
 

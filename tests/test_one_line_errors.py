@@ -293,19 +293,26 @@ def test_deepspeed_example_user_error_is_one_line_on_one_rank(tmp_path):
     assert results[1].stderr.strip() == "" or "error" not in results[1].stderr.lower()
 
 
-def test_deepspeed_example_alternates_run_on_the_model_copy_of_their_placement(tmp_path):
-    """--alternate-schedules: a schedule placed as --schedule shares its engine; another
-    placement (a library name compiled for --chunks, or a fixed file of any --chunks) names the
-    (chunks, placement) of the engine and model copy it gets."""
+def ds_example():
+    """examples/deepspeed_pipe/train.py as a module (it imports DeepSpeed: skipped without it)."""
     pytest.importorskip("deepspeed")
-    import argparse
     import importlib.util
-
-    from koala_ds.resolve import load_schedule
 
     spec = importlib.util.spec_from_file_location("ds_example_train", ROOT / "examples/deepspeed_pipe/train.py")
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
+    return example
+
+
+def test_deepspeed_example_alternates_run_on_the_model_copy_of_their_placement(tmp_path):
+    """--alternate-schedules: a schedule placed as --schedule shares its engine; another
+    placement (a library name compiled for --chunks, or a fixed file of any --chunks) names the
+    (chunks, placement) of the engine and model copy it gets."""
+    import argparse
+
+    from koala_ds.resolve import load_schedule
+
+    example = ds_example()
     zbv = tmp_path / "zbv.json"
     zbv.write_text(load_schedule("zb-v", 2, 8, 2).to_json())
 
@@ -343,12 +350,7 @@ def test_deepspeed_example_flags_are_checked_in_its_own_words_before_deepspeed_s
     """The example's flags used to reach DeepSpeed unchecked: --microbatches 0 was an
     AssertionError traceback, a schedule that did not fit named the KoalaPipelineModule's chunks
     and "pipeline.koala.schedule" (settings the script's user never wrote)."""
-    pytest.importorskip("deepspeed")
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("ds_example_train", ROOT / "examples/deepspeed_pipe/train.py")
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = ds_example()
     if "P4" in flags:  # a schedule file made for 4 pipeline ranks
         from koala_ds.resolve import load_schedule
 

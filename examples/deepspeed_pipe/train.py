@@ -40,7 +40,7 @@ from koala_ds.commands import positive_int
 from koala_ds.core.errors import rank_zero_argument_errors, run_main
 from koala_ds.core.ir import KoalaError, Placement
 from koala_ds.core.outputs import atomic_write, check_output
-from koala_ds.resolve import DEEPSPEED, Setting, resolve
+from koala_ds.resolve import DEEPSPEED, Setting, check_fit, resolve
 from koala_ds.runtime.trace_record import check_trace_path
 from koala_ds.runtime.turns import keeps_own_shape, summary, turn_index
 
@@ -134,11 +134,12 @@ def shapes(args, pp: int) -> dict[str, tuple[int, str]]:
                          "one schedule (drop one of the two flags)")
     words = replace(FLAGS, schedule="--alternate-schedules")
     for spec in args.alternate_schedules.split(","):
-        placement = resolve(spec, pp, args.microbatches, None if keeps_own_shape(spec) else args.chunks,
-                            words).placement
-        out[spec] = (placement.v, placement.style)
-        resolve(spec, pp, args.microbatches, placement.v, words, placement=Placement.named(placement.style, pp,
-                                                                                          placement.v))
+        schedule = resolve(spec, pp, args.microbatches, None if keeps_own_shape(spec) else args.chunks, words)
+        v, style = schedule.placement.v, schedule.placement.style
+        out[spec] = (v, style)
+        # the module build_engine makes for it must hold its stages as it places them
+        check_fit(schedule, pp, args.microbatches, v, words, f"--alternate-schedules {spec}",
+                  Placement.named(style, pp, v))
     return out
 
 
