@@ -13,13 +13,16 @@ v = 1 and 2 chunks per rank where the model has the layers, it runs what a user 
 1. `koala profile megatron-gpt ...` / `koala profile deepspeed --layers ... --input ...` (the
    example's own layer list, `train:layers`, or a two-line module returning `build_layers(dim)`
    for another --dim), one profile per v (DeepSpeed cuts p x v parts anew);
-2. `calibrate()`: per v, short traced runs of library schedules on the real engine (v = 1: 1f1b
-   and zb-h1; v = 2: interleaved-1f1b and zb-v; `--calib-iterations` each, Megatron --koala-trace FILE,
-   DeepSpeed --trace FILE), `--calib-rounds` fresh runs of each, every v's schedules alternating in
-   one rotation (v = 1 and v = 2 calibrated over the same moments), then `koala calibrate
-   TRACE... --profile profile_v{v}.json -o calibrated_v{v}.json` over all of them: the stage times
-   as they ran in the engine, the per-action, per-step and p2p costs, averaged over the machine's
-   drift between runs; what it printed goes into the report;
+2. `calibrate()`: short traced runs of the library schedules of every v on the real engine
+   (v = 1: 1f1b and zb-h1; v = 2: interleaved-1f1b and zb-v), all of them TAKING TURNS in one
+   run, CALIB_BLOCK iterations each (the examples' --alternate-schedules with Megatron
+   --koala-trace FILE / DeepSpeed --trace FILE: a trace per schedule, FILE.<name>), `--calib-rounds`
+   such runs of `--calib-iterations`, the first schedule rotated; then, per v, `koala calibrate
+   TRACE... --profile profile_v{v}.json -o calibrated_v{v}.json` over that v's traces, leaving
+   out each schedule's first turn and the first step of every turn: the stage times as they
+   ran in the engine, the per-action, per-step and p2p costs, every schedule over the same
+   minutes of the machine (fresh runs minutes apart put one schedule 10-40% apart); what it
+   printed goes into the report;
 3. on the CALIBRATED profiles, `koala compare --json` per v: 1f1b and the best predefined
    schedule (the fastest that fits the memory limit and that the engines run: one pipeline),
    and `koala search --min-gain 0 --ignore-spread` per v: the searched schedule (the faster v's;
@@ -88,6 +91,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from koala_ds.commands.search import DEFAULT_MIN_GAIN_PCT  # noqa: E402  (what the report names)
+from koala_ds.runtime.trace_record import schedule_file as schedule_trace_file  # noqa: E402  (the recorder's names)
 from koala_ds.runtime.turns import kept_periods  # noqa: E402  (plain Python: the examples' own rule)
 MEGATRON_EXAMPLE = ROOT / "examples" / "megatron_gpt" / "pretrain_gpt.py"
 DEEPSPEED_EXAMPLE = ROOT / "examples" / "deepspeed_pipe" / "train.py"
@@ -174,10 +178,11 @@ class Example:
         return name
 
     def run_cmd(self, sched: "Candidate", iterations: int, log: Path, trace: Path | None = None,
-                alternate: tuple = ()) -> list[str]:
+                alternate: tuple = (), block: int = PAIRED_BLOCK) -> list[str]:
         """The example's torchrun for `sched`; `trace`: also record the measured trace there
-        (Megatron --koala-trace FILE, the DeepSpeed example's --trace FILE); `alternate`: candidates
-        taking turns with `sched` in the same run, PAIRED_BLOCK iterations each (`alternates`)."""
+        (Megatron --koala-trace FILE, the DeepSpeed example's --trace FILE; with `alternate`, each
+        other schedule's in FILE.<its name>); `alternate`: candidates taking turns with `sched` in
+        the same run, `block` iterations each."""
         torchrun = [str(venv_bin() / "torchrun"), "--standalone", "--nproc-per-node", str(self.p)]
         flag = "--koala-trace" if self.engine == "megatron" else "--trace"
         traced = [flag, str(trace)] if trace is not None else []
@@ -188,21 +193,20 @@ class Example:
             return [*torchrun, str(MEGATRON_EXAMPLE), "--pipeline-model-parallel-size", str(self.p), *chunks, *flags,
                     "--global-batch-size", str(gbs), "--train-iters", str(iterations), "--log-interval",
                     str(iterations), "--pipeline-schedule", "koala", "--koala-schedule", sched.schedule,
-                    "--loss-log", str(log), *traced, *self._alternate_flags(alternate)]
+                    "--loss-log", str(log), *traced, *self._alternate_flags(alternate, block)]
         chunks = ["--chunks", str(sched.v), "--placement", sched.placement] if sched.v > 1 else []
         return [*torchrun, str(DEEPSPEED_EXAMPLE), "--dim", str(self.size["dim"]), "--microbatches",
                 str(MICROBATCHES), "--steps", str(iterations), "--schedule", sched.schedule, *chunks,
-                "--loss-log", str(log), *traced, *self._alternate_flags(alternate)]
+                "--loss-log", str(log), *traced, *self._alternate_flags(alternate, block)]
 
 
     @staticmethod
-    def _alternate_flags(alternate: tuple) -> list[str]:
+    def _alternate_flags(alternate: tuple, block: int) -> list[str]:
         """Both examples' --alternate-schedules (Megatron: a forward_backward_func per schedule;
         DeepSpeed: KoalaPipelineEngine.set_koala_schedule)."""
         if not alternate:
             return []
-        return ["--alternate-schedules", ",".join(c.schedule for c in alternate), "--alternate-block",
-                str(PAIRED_BLOCK)]
+        return ["--alternate-schedules", ",".join(c.schedule for c in alternate), "--alternate-block", str(block)]
 
 
 def plan(args) -> list[Example]:
@@ -277,26 +281,38 @@ class Candidate:
 #: both, -3.4% / -9.6% (2026-12-05, /work/notes/fidelity_findings.md).
 CALIBRATION_SCHEDULES = {1: (("1f1b", "linear"), ("zb-h1", "linear")),
                          2: (("interleaved-1f1b", "interleaved"), ("zb-v", "vshape"))}
+#: calibration runs: iterations of a schedule's turn (its first, after another schedule's, left out)
+CALIB_BLOCK = 4
 
 
 def calibrate(ex: Example, profiles: dict[int, Path], args, work: Path, say) -> tuple[dict[int, Path], str]:
-    """The user's calibration: trace short runs of the library schedules of each v
-    (CALIBRATION_SCHEDULES) on the real engine, `args.calib_rounds` rounds of a fresh run of each,
-    every v's schedules in one rotation (the order rotated every round), so that the calibrations
-    of v = 1 and v = 2 see the same moments of a drifting machine: a searched v = 2 schedule's
-    speedup over 1f1b compares the two. Then, per v, `koala calibrate TRACE... --profile
-    profile_v{v}.json -o calibrated_v{v}.json` over all its runs. The calibrated profiles, and
-    what koala calibrate printed (its table: measured vs predicted per traced run, the fitted values)."""
-    out, printed = {}, []
-    named = [(v, name, placement) for v in profiles for name, placement in CALIBRATION_SCHEDULES.get(v, ())]
+    """The user's calibration, its schedules taking turns: `args.calib_rounds` traced torchruns,
+    in each of which every v's library schedules (CALIBRATION_SCHEDULES, each as its exported
+    JSON, which keeps its own v and placement) take turns, CALIB_BLOCK iterations each (the
+    examples' --alternate-schedules with --koala-trace / --trace: a trace per schedule, FILE and
+    FILE.<name>; the first schedule rotated every round). A drift of the machine then hits every
+    calibration schedule alike, as the paired rounds' does the measured ones; fresh runs minutes
+    apart measured one schedule 10-40% apart on this VM, and the per-schedule predictions missed
+    by that (benchmarks/results/fidelity.txt, the run of 23:55). Then per v `koala calibrate`
+    over that v's traces of every round, `--skip-steps` each schedule's first turn (koala
+    calibrate itself leaves out the first step of every turn, after another schedule's). The
+    calibrated profiles, and what koala calibrate printed."""
+    named = [Candidate(name, name, v, placement) for v in profiles for name, placement in CALIBRATION_SCHEDULES.get(v, ())]
+    files = [dataclasses.replace(c, schedule=str(schedule_file(ex, c, work, args.dry_run, say))) for c in named]
+    names = {c.schedule: schedule_json(ex, c, work, args.dry_run, say).get("name", c.label) for c in files}
     traced: dict[int, list[Path]] = {v: [] for v in profiles}
-    for r in range(args.calib_rounds if named else 0):
-        for v, name, placement in named[r % len(named):] + named[:r % len(named)]:
-            trace = work / f"trace_{name}_v{v}_r{r}.json"
-            log = work / f"calib_{name}_v{v}_r{r}"
-            run(ex.run_cmd(Candidate(name, name, v, placement), args.calib_iterations, log.with_suffix(".json"),
-                           trace), log.with_suffix(".log"), ex.env(work), ROOT, args.dry_run, say)
-            traced[v].append(trace)
+    skip = len(files) * CALIB_BLOCK
+    for r in range(args.calib_rounds if files else 0):
+        order = files[r % len(files):] + files[:r % len(files)]
+        trace, log = work / f"trace_r{r}.json", work / f"calib_r{r}"
+        run(ex.run_cmd(order[0], args.calib_iterations, log.with_suffix(".json"), trace, tuple(order[1:]),
+                       CALIB_BLOCK), log.with_suffix(".log"), ex.env(work), ROOT, args.dry_run, say)
+        taken = {str(trace)}  # the trace's file per schedule, as the runtimes' recorder names them
+        for k, c in enumerate(order):
+            file = str(trace) if k == 0 else schedule_trace_file(str(trace), names[c.schedule], taken)
+            taken.add(file)
+            traced[c.v].append(Path(file))
+    out, printed = {}, []
     for v, prof in profiles.items():
         traces = traced[v]
         if not traces:
@@ -305,13 +321,14 @@ def calibrate(ex: Example, profiles: dict[int, Path], args, work: Path, say) -> 
             continue
         out[v] = work / f"calibrated_v{v}.json"
         text = run([str(venv_bin() / "koala"), "calibrate", *map(str, traces), "--profile", str(prof),
-                    "--skip-steps", str(args.calib_skip), "-o", str(out[v])], work / f"calibrate_v{v}.log",
+                    "--skip-steps", str(skip), "-o", str(out[v])], work / f"calibrate_v{v}.log",
                    ex.env(work), work, args.dry_run, say)
-        printed.append(f"v={v}: koala calibrate {' '.join(t.stem for t in traces)} "
-                       f"({args.calib_rounds} round(s), {args.calib_iterations} iterations each, the first "
-                       f"{args.calib_skip} skipped):\n"
+        printed.append(f"v={v}: koala calibrate {' '.join(t.stem for t in traces)} ({args.calib_rounds} round(s) "
+                       f"of {args.calib_iterations} iterations, the schedules taking turns of {CALIB_BLOCK}, the "
+                       f"first {skip} and the first of each turn left out):\n"
                        + "\n".join("    " + line for line in text.splitlines() if not line.startswith("wrote ")))
-    return out, "\n  ".join(["koala calibrate per v, on traced runs of library schedules", *printed])
+    return out, "\n  ".join(["koala calibrate per v, on traced runs where the library schedules take turns",
+                             *printed])
 
 
 def choose(ex: Example, profiles: dict[int, Path], budget: float, work: Path, dry: bool, say) -> list[Candidate]:
@@ -700,7 +717,8 @@ def load_average() -> str:
 def header(argv: list[str], args) -> list[str]:
     return [f"$ {shlex.join(['python', 'benchmarks/fidelity.py', *argv])}",
             f"machine: {machine()}; {load_average()} before",
-            f"started {time.strftime('%Y-%m-%d %H:%M:%S')}; calibration: {args.calib_rounds} round(s) of traced runs; "
+            f"started {time.strftime('%Y-%m-%d %H:%M:%S')}; calibration: {args.calib_rounds} traced run(s) in which the "
+            f"library schedules take turns of {CALIB_BLOCK} iterations; "
             f"{args.rounds} measured round(s), each a fresh torchrun per schedule, "
             f"{args.iterations} iterations of {MICROBATCHES} microbatches, the first {args.warmup} dropped; "
             f"measured = median of the kept iterations' step periods (--loss-log period_ms, from one iteration's "
@@ -730,15 +748,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--paired-iterations", type=int, default=None,
                     help="iterations per paired run (default 48; --quick: 16)")
     ap.add_argument("--calib-rounds", type=int, default=None,
-                    help="fresh traced runs per calibration schedule, alternating (default 3; --quick: 1)")
+                    help="traced calibration runs, in each of which the calibration schedules take turns "
+                         "(default 3; --quick: 1)")
     ap.add_argument("--iterations", type=int, default=None, help="iterations per torchrun (default 20; --quick: 8)")
     ap.add_argument("--warmup", type=int, default=None, help="first iterations dropped (default 4; --quick: 3)")
     ap.add_argument("--calib-iterations", type=int, default=None,
-                    help="iterations per traced calibration run (default 16; --quick: 6; cheap beside a "
-                         "torchrun's start)")
-    ap.add_argument("--calib-skip", type=int, default=None,
-                    help="first iterations of a calibration run that koala calibrate leaves out (--skip-steps; "
-                         "default 2)")
+                    help=f"iterations per traced calibration run (default 64; --quick: 24), {CALIB_BLOCK} per turn "
+                         f"of a schedule; koala calibrate leaves out each schedule's first turn")
     ap.add_argument("--search-budget", type=float, default=None, help="koala search --time-budget S (default 5; "
                                                                       "--quick: 2)")
     ap.add_argument("--quick", action="store_true", help="the examples' default sizes, v = 1, one round")
@@ -751,7 +767,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = ap.parse_args(argv)
     q = args.quick
     for name, full, quick in (("rounds", 8, 1), ("calib_rounds", 3, 1), ("iterations", 20, 8), ("warmup", 4, 3),
-                              ("search_budget", 5.0, 2.0), ("calib_iterations", 16, 6), ("calib_skip", 2, 2),
+                              ("search_budget", 5.0, 2.0), ("calib_iterations", 64, 24),
                               ("paired_rounds", 6, 1), ("paired_iterations", 48, 16)):
         if getattr(args, name) is None:
             setattr(args, name, quick if q else full)
@@ -765,9 +781,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for name in ("rounds", "calib_rounds", "iterations"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if not 0 <= args.calib_skip < args.calib_iterations - 1:
-        ap.error(f"--calib-skip {args.calib_skip} must be >= 0 and leave at least 2 of --calib-iterations "
-                 f"{args.calib_iterations} (koala calibrate times a step up to the next one's start)")
+    turn = CALIB_BLOCK * sum(len(CALIBRATION_SCHEDULES.get(v, ())) for v in args.chunks)
+    if args.calib_iterations < 2 * turn:
+        ap.error(f"--calib-iterations {args.calib_iterations} must be at least {2 * turn}: two turns of "
+                 f"{CALIB_BLOCK} iterations of each calibration schedule (the first turn is left out)")
     if not 0 <= args.warmup < args.iterations:
         ap.error(f"--warmup {args.warmup} must be >= 0 and below --iterations {args.iterations}")
     if args.paired_rounds < 0:

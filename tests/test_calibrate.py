@@ -493,6 +493,26 @@ def test_the_search_reports_step_times_with_the_step_overhead():
     assert with_k.makespan == pytest.approx(simulate(with_k.schedule, model_of(stages, k=4.0)).makespan)
 
 
+def _record_step(rec, clock: list, schedule, res, r: int, t0: float, stretch: float = 1.0) -> None:
+    """One step of rank `r` through the runtimes' recorder, its clock (`clock`, popped by the
+    patched _perf_ns) scripted with the simulated times `res` from `t0` (ms); `stretch`: every
+    action's compute that much longer (the timeline's starts kept)."""
+    prev, times = 0.0, []
+    timeline = res.rank_timeline(r)
+    for t in timeline:
+        times += [(t0 + prev) * 1e6, (t0 + t.start + (t.end - C - t.start) * stretch) * 1e6]
+        prev = t.end
+    clock[:] = [int(x) for x in times] + [int((t0 + res.makespan + 0.7 * K) * 1e6)]
+    assert rec.begin_step(schedule, r, 0, start_ns=int((t0 - 0.3 * K) * 1e6))
+    before = 0.0
+    for t in timeline:
+        rec.begin(t.index)
+        rec.wait_ns = int((t.start - before) * 1e6)
+        rec.end()
+        before = t.end
+    rec.end_step()
+
+
 def test_the_runtimes_recorder_writes_what_calibrate_reads(tmp_path, monkeypatch):
     """The same simulated run written through the runtimes' own recorder (koala_ds.runtime.trace_record,
     its clock scripted with the simulated times) calibrates back to the same profile."""
@@ -507,20 +527,7 @@ def test_the_runtimes_recorder_writes_what_calibrate_reads(tmp_path, monkeypatch
         monkeypatch.setattr(trace_record, "_perf_ns", lambda: clock.pop(0))
         t0 = 1000.0
         for _ in range(4):
-            prev, times = 0.0, []
-            timeline = res.rank_timeline(r)
-            for t in timeline:
-                times += [(t0 + prev) * 1e6, (t0 + t.end - C) * 1e6]
-                prev = t.end
-            clock[:] = [int(x) for x in times] + [int((t0 + res.makespan + 0.7 * K) * 1e6)]
-            assert rec.begin_step(schedule, r, 0, start_ns=int((t0 - 0.3 * K) * 1e6))
-            before = 0.0
-            for t in timeline:
-                rec.begin(t.index)
-                rec.wait_ns = int((t.start - before) * 1e6)
-                rec.end()
-                before = t.end
-            rec.end_step()
+            _record_step(rec, clock, schedule, res, r, t0)
             t0 += res.makespan + K
         rec.close()
     run_ = load_runs([str(tmp_path / "t.json")])[0]
@@ -529,6 +536,50 @@ def test_the_runtimes_recorder_writes_what_calibrate_reads(tmp_path, monkeypatch
     assert fitted.action_overhead.value == pytest.approx(C, abs=1e-3)
     assert fitted.p2p_latency.value == pytest.approx(LAT, abs=1e-3)
     assert fitted.stages[(1, "backward_input")].value == pytest.approx(stages[1].backward_input, abs=1e-3)
+
+
+def test_schedules_taking_turns_calibrate_from_the_steps_that_follow_their_own(capsys, tmp_path, monkeypatch):
+    """1f1b and zb-h1 taking turns of 2 steps in one process, through one recorder (as the
+    examples' --alternate-schedules with a trace): two runs, t.json and t.zb-h1.json. The first
+    step of each turn, after the other schedule's, is left out (here its computes take 1.5x, as
+    what the other schedule left in flight would make them), and the last one's period ends at
+    the next turn's pipeline start (its `next-pipeline` event): the fit is the truth's."""
+    from koala_ds.runtime import trace_record
+
+    stages = truth_stages(2)
+    schedules = [load_schedule(name, 2, 4, 1) for name in ("1f1b", "zb-h1")]
+    results = [simulate(s, model_of(stages, k=0.0), timeline=True) for s in schedules]
+    for r in range(2):
+        clock: list[int] = []
+        rec = trace_record.TraceRecorder(str(tmp_path / "t.json"), "megatron", "--koala-trace", global_rank=r)
+        monkeypatch.setattr(trace_record, "_perf_ns", lambda: clock.pop(0))
+        t0 = 1000.0
+        for step in range(12):
+            k = (step // 2) % 2
+            _record_step(rec, clock, schedules[k], results[k], r, t0, 1.5 if step % 2 == 0 and step else 1.0)
+            t0 += results[k].makespan + K
+        rec.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.rank0.json", "t.rank1.json", "t.zb-h1.rank0.json",
+                                                           "t.zb-h1.rank1.json"]
+    runs = load_runs([str(tmp_path / "t.json"), str(tmp_path / "t.zb-h1.json")])
+    assert [r.schedule.name for r in runs] == ["1f1b", "zb-h1"]
+    assert [s.number for s in runs[0].steps] == [1, 5, 9] and [s.number for s in runs[1].steps] == [3, 7, 11]
+    assert [round(t, 6) for t in runs[0].step_times] == [round(results[0].makespan + K, 6)] * 3
+    assert [round(t, 6) for t in runs[1].step_times] == [round(results[1].makespan + K, 6)] * 2  # 11: the last
+    assert "steps 4, 8 left out" in runs[0].notes[0]
+    fitted = fit(runs, 2)
+    assert fitted.step_overhead.value == pytest.approx(K, abs=1e-3)
+    for (stage, field), est in fitted.stages.items():
+        truth = getattr(stages[stage], field)
+        assert est.value == pytest.approx(truth, abs=1e-3), (stage, field)
+    # the command: it says which steps it left out, and does not advise taking turns to runs that did
+    monkeypatch.undo()
+    code, text, err = run(capsys, "calibrate", tmp_path / "t.json", tmp_path / "t.zb-h1.json", "--profile",
+                          input_profile(tmp_path, stages), "-o", tmp_path / "cal.json")
+    assert code == 0, err
+    assert f"note: {tmp_path / 't.rank0.json'}: steps 4, 8 left out, each the first after a step of another " \
+           f"schedule (schedules took turns)" in text.splitlines()
+    assert "one run per schedule" not in text
 
 
 def test_the_latency_is_matched_to_the_runs_step_times_where_the_waits_say_otherwise(two_runs):
@@ -623,4 +674,5 @@ def test_runs_of_one_schedule_say_how_far_apart_the_machine_put_them(capsys, tmp
     code, text, err = run(capsys, "calibrate", *runs, "--profile", prof, "-o", tmp_path / "cal2.json")
     assert code == 0, err
     assert [line for line in text.splitlines() if "one run per schedule" in line][0].endswith(
-        "trace each schedule in 2-3 runs, alternating, and give them all")
+        "trace the schedules taking turns in one run (the examples' --alternate-schedules with a trace: a trace "
+        "per schedule; docs/profiling.md)")

@@ -61,20 +61,24 @@ def _commands(stderr: str) -> list[str]:
 
 
 def test_dry_run_calibrates_on_traced_library_runs_before_choosing(tmp_path):
-    """The user's path: profile -> traced short runs of 1f1b and zb-h1 -> koala calibrate on
-    those traces and the profile -> compare / search / simulate on the calibrated profile."""
+    """The user's path: profile -> a traced run in which 1f1b and zb-h1 take turns (a trace per
+    schedule) -> koala calibrate on those traces and the profile, each schedule's first turn left
+    out -> compare / search / simulate on the calibrated profile."""
     res = _run("--dry-run", "--quick", "--work", str(tmp_path / "w"))
     assert res.returncode == 0, res.stderr
     for engine, flag in (("megatron", "--koala-trace"), ("deepspeed", "--trace")):
         work = tmp_path / "w" / ("megatron-gpt-4L-h64-s32-p2" if engine == "megatron" else "deepspeed-dim64-p2")
         cmds = [c for c in _commands(res.stderr) if str(work) in c]
+        first = "--koala-schedule" if engine == "megatron" else "--schedule"
         traced = [c for c in cmds if f" {flag} " in c and "/trace_" in c]
-        assert [c.split("--koala-schedule " if engine == "megatron" else "--schedule ")[1].split()[0]
-                for c in traced] == ["1f1b", "zb-h1"]
-        assert all("torchrun" in c and ("--train-iters 6 " in c or "--steps 6 " in c) for c in traced)
+        assert len(traced) == 1 and f"{first} {work}/export_1f1b_v1.json " in traced[0]
+        assert f" {flag} {work}/trace_r0.json " in traced[0]
+        assert traced[0].endswith(f"--alternate-schedules {work}/export_zb-h1_v1.json --alternate-block 4")
+        assert "torchrun" in traced[0] and ("--train-iters 24 " in traced[0] or "--steps 24 " in traced[0])
         cal = [c for c in cmds if " calibrate " in c and "recalibrated" not in c]
-        assert cal == [f"{Path(cal[0].split()[0])} calibrate {work}/trace_1f1b_v1_r0.json {work}/trace_zb-h1_v1_r0.json "
-                       f"--profile {work}/profile_v1.json --skip-steps 2 -o {work}/calibrated_v1.json"]
+        assert cal == [f"{Path(cal[0].split()[0])} calibrate {work}/trace_r0.json {work}/trace_r0.zb-h1.json "
+                       f"--profile {work}/profile_v1.json --skip-steps 8 -o {work}/calibrated_v1.json"]
+        traced.insert(1, traced[0])
         order = [cmds.index(c) for c in (traced[0], traced[1], cal[0])]
         assert order == sorted(order) and all(" profile " not in c for c in cmds[order[-1]:])
         first_run = next(i for i, c in enumerate(cmds) if i > order[-1] and "torchrun" in c)
@@ -117,21 +121,26 @@ def test_full_plan_alternates_fresh_runs_and_profiles_each_v(tmp_path, fidelity)
     assert len(paired) == 6 and paired[0] != paired[1]  # --paired-rounds' default, the first schedule rotating
     assert runs[:3] != runs[3:] and sorted(runs[:3]) == sorted(runs[3:])  # the order rotates
     traced = [c for c in dim64 if "/trace_" in c]  # calibration: per v a full and a split backward,
-    # every v's in one rotation (v = 1 and v = 2 calibrated over the same moments), 3 rounds of fresh runs
-    assert [c.split("--schedule ")[1].split()[0] for c in traced] == \
-        ["1f1b", "zb-h1", "interleaved-1f1b", "zb-v", "zb-h1", "interleaved-1f1b", "zb-v", "1f1b",
-         "interleaved-1f1b", "zb-v", "1f1b", "zb-h1"]
-    assert "--chunks 2 --placement interleaved" in traced[2] and "--chunks 2 --placement vshape" in traced[3]
-    assert " --chunks " not in traced[0] + traced[1]
-    assert all("--steps 16 " in c for c in traced)
-    assert len({c.split("--trace ")[1].split()[0] for c in traced}) == len(traced)  # a file per run
+    # every v's taking turns in one run (v = 1 and v = 2 calibrated over the same moments), 3 runs,
+    # the first schedule rotated
+    w = tmp_path / "w" / "deepspeed-dim64-p2"
+    names = ["1f1b_v1", "zb-h1_v1", "interleaved-1f1b_v2", "zb-v_v2"]
+    assert [c.split("--schedule ")[1].split()[0] for c in traced] == [f"{w}/export_{n}.json" for n in names[:3]]
+    for r, c in enumerate(traced):
+        rest = [f"{w}/export_{n}.json" for n in names[r + 1:] + names[:r]]
+        assert c.endswith(f"--alternate-schedules {','.join(rest)} --alternate-block 4") and "--steps 64 " in c
+        assert f"--trace {w}/trace_r{r}.json " in c
+    assert "--chunks 2 --placement interleaved" in traced[2] and " --chunks " not in traced[0] + traced[1]
     cal = [c for c in cmds if " calibrate " in c and "dim64" in c and "recalibrated" not in c]
     recal = [c for c in cmds if " calibrate " in c and "dim64" in c and "recalibrated" in c]
     assert len(recal) == 1 and recal[0].count("/measured_round") == 2 * 3
-    assert len(cal) == 2 and "profile_v1.json" in cal[0] and "trace_interleaved-1f1b_v2_r2.json" in cal[1] \
-        and cal[1].count(".json") == 6 + 2 and "trace_zb-v_v2_r2.json --profile" in cal[1] \
-        and f"--profile {tmp_path / 'w' / 'deepspeed-dim64-p2' / 'profile_v2.json'}" in cal[1] \
-        and "calibrated_v2.json" in cal[1] and "--skip-steps 2" in cal[1]
+    files = [c.split(" calibrate ")[1].split(" --profile")[0].split() for c in cal]
+    assert files[0] == [f"{w}/trace_r0.json", f"{w}/trace_r0.zb-h1.json", f"{w}/trace_r1.json",
+                        f"{w}/trace_r1.1f1b.json", f"{w}/trace_r2.1f1b.json", f"{w}/trace_r2.zb-h1.json"]
+    assert files[1] == [f"{w}/trace_r0.interleaved-1f1b.json", f"{w}/trace_r0.zb-v.json",
+                        f"{w}/trace_r1.interleaved-1f1b.json", f"{w}/trace_r1.zb-v.json", f"{w}/trace_r2.json",
+                        f"{w}/trace_r2.zb-v.json"]
+    assert f"--profile {w}/profile_v2.json --skip-steps 16 -o {w}/calibrated_v2.json" in cal[1]
 
 
 @pytest.mark.parametrize("args, says", [
@@ -141,7 +150,8 @@ def test_full_plan_alternates_fresh_runs_and_profiles_each_v(tmp_path, fidelity)
     (["--rounds", "0"], "--rounds must be >= 1"),
     (["--calib-rounds", "0"], "--calib-rounds must be >= 1"),
     (["--search-budget", "0"], "--search-budget must be > 0"),
-    (["--calib-iterations", "3", "--calib-skip", "2"], "--calib-skip 2 must be >= 0 and leave at least 2"),
+    (["--calib-iterations", "31"], "--calib-iterations 31 must be at least 32: two turns of 4 iterations of each "
+                                   "calibration schedule"),
     (["--engines", "torch"], "invalid choice: 'torch'"),
     (["--paired-rounds", "-1"], "--paired-rounds must be >= 0"),
     (["--paired-iterations", "11"], "--paired-iterations 11 must be at least --warmup 4 + 8"),
@@ -405,8 +415,10 @@ def test_the_examples_schedules_take_turns_with_the_losses_of_one(tmp_path):
     zbv.write_text(load_schedule("zb-v", 2, 8, 2).to_json())
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     logs, out = {}, {}
-    for label, extra in (("one", []), ("turns", ["--alternate-schedules", "zb-h1"]),
-                         ("copies", ["--alternate-schedules", str(zbv)])):
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    for label, extra in (("one", []), ("turns", ["--alternate-schedules", "zb-h1", "--trace", str(traces / "a.json")]),
+                         ("copies", ["--alternate-schedules", str(zbv), "--trace", str(traces / "b.json")])):
         logs[label] = tmp_path / f"{label}.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                str(ROOT / "examples" / "deepspeed_pipe" / "train.py"), "--schedule", "1f1b", "--steps", "6",
@@ -424,6 +436,18 @@ def test_the_examples_schedules_take_turns_with_the_losses_of_one(tmp_path):
     assert copies["iteration_schedules"] == ["1f1b", "1f1b", str(zbv), str(zbv), "1f1b", "1f1b"]
     first = one["losses"]
     assert copies["losses"] == pytest.approx([first[0], first[1], first[0], first[1], first[2], first[3]], rel=1e-6)
+    # --trace: a trace per schedule (the copy's engine records into the first's recorder), their
+    # steps numbered together; koala calibrate's reader leaves out each turn's first step
+    from koala_ds.sim.measured import load_runs
+
+    assert sorted(p.name for p in traces.iterdir()) == sorted(
+        f"{x}.rank{g}.json" for x in ("a", "a.zb-h1", "b", "b.zb-v") for g in (0, 1))
+    for run, other, v in (("a", "zb-h1", 1), ("b", "zb-v", 2)):
+        mine, theirs = load_runs([str(traces / f"{run}.json"), str(traces / f"{run}.{other}.json")])
+        assert mine.schedule.name == "1f1b" and (theirs.schedule.name, theirs.schedule.v) == (other, v)
+        assert [s.number for s in mine.steps] == [1, 5] and [s.number for s in theirs.steps] == [3]
+        assert mine.steps[0].period is not None and theirs.steps[0].period is not None  # to the next turn's start
+        assert mine.steps[1].period is None  # the run's last step
 
 
 @pytest.mark.slow

@@ -7,9 +7,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from koala_ds.runtime.trace_record import TraceRecorder
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAGS = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
@@ -139,9 +141,21 @@ def test_same_loss_whichever_schedule_and_it_goes_down(tmp_path, _megatron_core)
         assert other["losses"] == pytest.approx(base["losses"], rel=1e-6), schedule
     # two schedules taking turns on one model (--alternate-schedules): the same losses, each
     # iteration logged with the schedule that ran it
-    turns = run(tmp_path, "1f1b", [*size, *gloo, "--alternate-schedules", "zb-h1"])
+    # (traced: a trace per schedule, t.json and t.zb-h1.json, their steps numbered together)
+    trace = tmp_path / "traces" / "t.json"
+    trace.parent.mkdir()
+    turns = run(tmp_path, "1f1b", [*size, *gloo, "--alternate-schedules", "zb-h1", "--koala-trace", str(trace)])
     assert turns["iteration_schedules"] == ["1f1b", "1f1b", "zb-h1", "zb-h1", "1f1b", "1f1b"]
     assert turns["losses"] == pytest.approx(base["losses"], rel=1e-6)
+    assert sorted(p.name for p in trace.parent.iterdir()) == ["t.rank0.json", "t.rank1.json", "t.zb-h1.rank0.json",
+                                                              "t.zb-h1.rank1.json"]
+    from koala_ds.sim.measured import load_runs
+
+    mine, theirs = load_runs([str(trace), str(trace.parent / "t.zb-h1.json")])
+    assert (mine.schedule.name, theirs.schedule.name) == ("1f1b", "zb-h1")
+    # a turn's first step (2, 4) follows the other schedule's: left out; 1's period ends at 2's start
+    assert [s.number for s in mine.steps] == [1, 5] and [s.number for s in theirs.steps] == [3]
+    assert mine.steps[0].period is not None and theirs.steps[0].period is not None
     # the run's end: each schedule's median step period over its counted iterations (here only
     # the sixth, 1f1b's: the first turn of each schedule is its warm-up, and a turn's first
     # iteration follows the other schedule)
@@ -204,9 +218,9 @@ def test_alternate_schedules_take_turns_each_on_the_model_copy_of_its_placement(
 
     ex = example_module()
 
-    def turns(schedule, flags, v=1):
+    def turns(schedule, flags, v=1, recorder=None):
         args = ex.parse_args(flags)
-        return ex.alternation(args, InstallReport(schedule, func=object()), 2, 4, v), args
+        return ex.alternation(args, InstallReport(schedule, func=SimpleNamespace(recorder=recorder)), 2, 4, v), args
 
     assert [(t.name, t.func, t.v) for t in turns("1f1b", [])[0]] == [("1f1b", None, 1)]
     assert [(t.name, t.placement, t.stages(2, 1)) for t in turns(None, [], 2)[0]] == [("default", None, (1, 3))]
@@ -215,6 +229,10 @@ def test_alternate_schedules_take_turns_each_on_the_model_copy_of_its_placement(
     assert [ex.turn_of(args, got, it).name for it in range(10)] == ["1f1b"] * 3 + ["zb-h1"] * 3 + \
         ["gpipe"] * 3 + ["1f1b"]
     assert {t.stages(2, 0) for t in got} == {(0,)}  # one placement: one model copy
+    # --koala-trace: every alternate records into the installed function's recorder
+    recorder = TraceRecorder(str(tmp_path / "t.json"), "megatron", "--koala-trace")
+    got, _ = turns("1f1b", ["--alternate-schedules", "zb-h1,gpipe", "--koala-trace", "t.json"], recorder=recorder)
+    assert [t.func.recorder for t in got[1:]] == [recorder, recorder]
     # another placement of the run's v: its own copy
     got, _ = turns("zb-v", ["--alternate-schedules", "interleaved-1f1b"], 2)
     assert [(t.v, t.stages(2, 0)) for t in got] == [(2, (0, 3)), (2, (0, 2))]
@@ -225,8 +243,6 @@ def test_alternate_schedules_take_turns_each_on_the_model_copy_of_its_placement(
     assert [(t.v, t.stages(2, 0), t.stages(2, 1)) for t in got] == [(1, (0,), (1,)), (2, (0, 3), (1, 2))]
     cases = [
         (None, ["--alternate-schedules", "zb-h1"], 1, "--alternate-schedules needs --pipeline-schedule koala"),
-        ("1f1b", ["--alternate-schedules", "zb-h1", "--koala-trace", "t.json"], 1,
-         "--alternate-schedules with --koala-trace: a trace's steps are one schedule's"),
         ("1f1b", ["--alternate-schedules", "no-such-schedule"], 1, "--alternate-schedules: unknown schedule "
                                                                    "'no-such-schedule'"),
         ("1f1b", ["--alternate-schedules", "zb-v"], 1, "--alternate-schedules zb-v: schedule 'zb-v' needs v == 2"),

@@ -338,8 +338,6 @@ def test_deepspeed_example_alternates_run_on_the_model_copy_of_their_placement(t
                            "multiple of 4 processes)"),
     # --alternate-schedules (benchmarks/fidelity.py's paired rounds): what cannot take turns with --schedule
     (["--alternate-schedules", "zb-h1"], "--alternate-schedules needs --schedule"),
-    (["--schedule", "1f1b", "--alternate-schedules", "zb-h1", "--trace", "t.json"],
-     "--alternate-schedules with --trace: a trace's steps are one schedule's"),
     (["--schedule", "1f1b", "--alternate-schedules", "zb-h1,zb-v"], "--alternate-schedules zb-v: schedule 'zb-v' "
                                                                     "needs v == 2"),
     (["--schedule", "1f1b", "--alternate-schedules", "zb-h1", "--alternate-block", "0"],

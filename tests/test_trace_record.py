@@ -115,10 +115,35 @@ def test_sync_runs_before_each_action_end_is_read(tmp_path):
     assert all(e["dur"] >= 2000 for e in read_trace(rec.path) if e.get("cat") in ("forward", "backward"))
 
 
-def test_a_step_of_another_schedule_is_not_recorded(tmp_path):
-    rec = _record(tmp_path, load_schedule("1f1b", 2, 2), rank=0, steps=1, close=False)
-    assert not rec.begin_step(load_schedule("1f1b", 2, 4), 0)
-    assert rec.begin_step(load_schedule("1f1b", 2, 2), 0)  # the same schedule compiled again: recorded
+def test_schedules_taking_turns_write_a_file_each_numbered_over_all_steps(tmp_path):
+    """One recorder, steps of two schedules in turns of two (the examples' --alternate-schedules
+    with a trace): the first schedule writes FILE's file, the other FILE.<name>'s; the steps are
+    numbered over both, and the last step of a turn gets a next-pipeline event in its own file at
+    the next turn's first compute (its input wait over) on this rank."""
+    one, other = load_schedule("1f1b", 2, 2), load_schedule("zb-h1", 2, 4)
+    rec = TraceRecorder(str(tmp_path / "trace.json"), "megatron", "--koala-trace", global_rank=1)
+    wait = timed_wait(rec, time.sleep)
+    firsts = {}
+    for n, schedule in enumerate([one, one, other, other, one]):
+        assert rec.begin_step(schedule if n else one, 0)
+        for index in range(len(schedule.ranks[0])):
+            rec.begin(index)
+            if index == 0:
+                wait(0.002)
+                firsts[n] = (rec._t0 + rec.wait_ns) / 1e3
+            rec.end()
+        rec.end_step()
+    rec.close()
+    assert rec.paths == [tmp_path / "trace.rank1.json", tmp_path / "trace.zb-h1.rank1.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trace.rank1.json", "trace.zb-h1.rank1.json"]
+    mine, theirs = (json.loads(p.read_text()) for p in rec.paths)
+    assert [e["args"]["step"] for e in mine if e["name"] == "step"] == [0, 1, 4]
+    assert [e["args"]["step"] for e in theirs if e["name"] == "step"] == [2, 3]
+    assert next(e for e in theirs if e["name"] == "koala_trace")["args"]["schedule"] == "zb-h1"
+    marks = [(f, e) for f in (mine, theirs) for e in f if e["name"] == "next-pipeline"]
+    assert [(f is mine, e["args"]["step"]) for f, e in marks] == [(True, 1), (False, 3)]
+    assert [e["ts"] for _, e in marks] == [pytest.approx(firsts[2]), pytest.approx(firsts[4])]
+    assert mine[-1]["args"] == {"steps": 3} and theirs[-1]["args"] == {"steps": 2}
 
 
 def test_unwritable_trace_file_is_one_line_naming_the_setting(tmp_path):

@@ -18,7 +18,9 @@ which returns after the step's optimizer update; `period_ms`: from one step's st
 the loop's own work included, the step `koala calibrate` measures) as JSON, as
 examples/megatron_gpt's flag does.
 `--trace FILE` records the measured timeline of every training step (the DeepSpeed config's
-"pipeline.koala.trace"): each process writes FILE.rank<global rank>.json (docs/deepspeed.md).
+"pipeline.koala.trace"): each process writes FILE.rank<global rank>.json (docs/deepspeed.md);
+with --alternate-schedules each other schedule FILE.<its name>.rank<global rank>.json, every one a
+run `koala calibrate` reads (it leaves out the first step of each turn).
 `--alternate-schedules A[,B...]` (benchmarking) runs --schedule and these in turn, --alternate-block
 steps each: on the one engine where placed as --schedule (KoalaPipelineEngine.set_koala_schedule;
 docs/deepspeed.md), else on an engine and model copy of its own (a schedule file keeps its own
@@ -121,17 +123,14 @@ def shapes(args, pp: int) -> dict[str, tuple[int, str]]:
     """Per schedule taking turns (--schedule first), the (chunks, placement) of the model it runs
     on: --chunks / --placement for --schedule; an alternate's own placement (a library schedule
     compiled for --chunks, a fixed schedule file as made: keeps_own_shape), on an engine and model
-    copy of its own where it differs. One line for --alternate-schedules without --schedule, with
-    --trace, or with a schedule that does not fit."""
+    copy of its own where it differs. One line for --alternate-schedules without --schedule or
+    with a schedule that does not fit."""
     own = (args.chunks, "linear" if args.chunks == 1 else args.placement)
     out = {args.schedule: own}
     if args.alternate_schedules is None:
         return out
     if args.schedule is None:
         raise KoalaError("--alternate-schedules needs --schedule (the Koala engine's first schedule)")
-    if args.trace is not None:
-        raise KoalaError("--alternate-schedules with --trace: a trace's steps are one schedule's; trace a run of "
-                         "one schedule (drop one of the two flags)")
     words = replace(FLAGS, schedule="--alternate-schedules")
     for spec in args.alternate_schedules.split(","):
         schedule = resolve(spec, pp, args.microbatches, None if keeps_own_shape(spec) else args.chunks, words)
@@ -227,7 +226,8 @@ def main() -> None:
                              "(another placement, as a schedule file keeps its own, on an engine and model copy of its "
                              "own; the loss log names each step's schedule; at the end each "
                              "schedule's median step period, its first turn and the first step of every turn left "
-                             "out)")
+                             "out; with --trace each schedule writes its own trace, FILE.<its name>.rank<g>.json "
+                             "beside --schedule's)")
     parser.add_argument("--alternate-block", type=positive_int, default=2, metavar="N",
                         help="steps of a schedule before the next takes its turn (default 2)")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by `deepspeed`
@@ -242,6 +242,8 @@ def main() -> None:
     for spec in turns(args)[1:]:
         if shape[spec] not in copies:
             copies[shape[spec]] = build_engine(args, pp, world, *shape[spec], spec)
+            if args.trace is not None:  # one recorder: a run per schedule (FILE.<name>), steps numbered together
+                copies[shape[spec]].record_into(engine.koala_recorder)
     samples = MICRO_BATCH * args.microbatches * (world // pp)
 
     gen = torch.Generator().manual_seed(1 + engine.grid.data_parallel_id)

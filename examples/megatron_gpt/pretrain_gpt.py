@@ -78,7 +78,8 @@ def parse_args(argv=None):
                         "placement or v, as a schedule file keeps its own, on a model copy of its own; the loss "
                         "log names each iteration's schedule; at the end "
                         "each schedule's median step period, its first turn and the first iteration of "
-                        "every turn left out)")
+                        "every turn left out; with --koala-trace each schedule writes its own trace, "
+                        "FILE.<its name>.rank<g>.json beside --koala-schedule's)")
     b.add_argument("--alternate-block", type=int, default=2, metavar="N",
                    help="iterations of a schedule before the next takes its turn (default 2)")
     args = ap.parse_args(argv)
@@ -378,9 +379,6 @@ def alternation(args, report, pp: int, m: int, v: int) -> list[Turn]:
         return [Turn(report.schedule or "default", None, placement, v)]  # None: get_forward_backward_func()
     if report.schedule is None:
         raise KoalaError("--alternate-schedules needs --pipeline-schedule koala (with --koala-schedule)")
-    if args.koala_trace is not None:
-        raise KoalaError("--alternate-schedules with --koala-trace: a trace's steps are one schedule's; "
-                         "trace a run of one schedule (drop one of the two flags)")
     turns = [Turn(report.schedule, report.func, resolve(report.schedule, pp, m, v).placement, v)]
     words = dataclasses.replace(MEGATRON, schedule="--alternate-schedules")  # how a misfit names the flag
     for spec in args.alternate_schedules.split(","):
@@ -392,8 +390,10 @@ def alternation(args, report, pp: int, m: int, v: int) -> list[Turn]:
         if args.num_layers % (pp * placement.v):
             raise KoalaError(f"--alternate-schedules {spec} has {placement.v} model chunks per rank: --num-layers "
                              f"{args.num_layers} must be a multiple of PP x {placement.v} = {pp * placement.v}")
+        # with --koala-trace, the installed function's recorder: FILE.<schedule name> per alternate
         turns.append(Turn(spec, koala_func(spec, args.koala_profile, timeout_s=args.koala_p2p_timeout,
-                                           timeout_name="--koala-p2p-timeout"), placement, placement.v))
+                                           timeout_name="--koala-p2p-timeout", trace=report.func.recorder),
+                          placement, placement.v))
     return turns
 
 

@@ -72,7 +72,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     print()
     print(_fit_table(raw, data, fitted))
     ranges = schedule_ranges(checks)
-    for line in [n for r in runs for n in r.notes] + notes + drift_notes(ranges, len(checks)):
+    drift = drift_notes(ranges, len(checks), any(r.took_turns for r in runs))
+    for line in [n for r in runs for n in r.notes] + notes + drift:
         print(f"note: {line}")
     for line in miss_lines(checks, ranges):
         print(line)
@@ -119,19 +120,20 @@ def schedule_ranges(checks: list[RunCheck]) -> dict[str, tuple[float, float, int
     return {name: (min(times), max(times), len(times)) for name, times in by_schedule.items()}
 
 
-def drift_notes(ranges: dict[str, tuple[float, float, int]], runs: int) -> list[str]:
+def drift_notes(ranges: dict[str, tuple[float, float, int]], runs: int, took_turns: bool = False) -> list[str]:
     """Per schedule traced in several runs, how far apart their measured step times are (the
     machine's drift between runs, which the fit averages; `ranges`: `schedule_ranges`); where
-    every schedule is one of `runs` > 1 runs, the advice to trace each in several alternating runs."""
+    every schedule is one of `runs` > 1 runs, and they did not take turns in one run
+    (`took_turns`), the advice to trace them so."""
     out = []
     for name, (lo, hi, n) in ranges.items():
         if n > 1 and lo > 0:
             out.append(f"{name}'s {n} runs measured {lo:.4g}-{hi:.4g} ms ({hi / lo - 1:.1%} apart): "
                        f"the fit averages them")
-    if not out and runs > 1:
+    if not out and runs > 1 and not took_turns:
         out.append("one run per schedule: where the machine's speed drifts between runs (on a shared 2-core VM "
-                   "one schedule's fresh runs measured up to 28% apart), trace each schedule in 2-3 runs, "
-                   "alternating, and give them all")
+                   "one schedule's fresh runs measured up to 28% apart), trace the schedules taking turns in one "
+                   "run (the examples' --alternate-schedules with a trace: a trace per schedule; docs/profiling.md)")
     return out
 
 
@@ -198,7 +200,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"the stage profile to calibrate: a JSON file or a bundled name ({', '.join(bundled_profiles())})")
     p.add_argument("-o", "--output", required=True, metavar="OUT.json", help="write the calibrated profile here")
     p.add_argument("--skip-steps", type=nonnegative_int, default=1, metavar="N",
-                   help="leave out each run's first N steps (default 1: step 0 is the warm-up)")
+                   help="leave out each run's first N steps (default 1: step 0 is the warm-up); where schedules "
+                        "took turns, steps are numbered over all of them, and the first of each turn is left out too")
     p.add_argument("--timeline", metavar="MERGED.json",
                    help="write a Chrome trace of the measured step beside the calibrated prediction (Perfetto)")
     p.add_argument("--gantt", metavar="OUT.png|OUT.svg",

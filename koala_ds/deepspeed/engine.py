@@ -200,9 +200,23 @@ class KoalaPipelineEngine(PipeComm, CheckpointLayout, PipelineEngine):
         label = kcfg.trace_source if kcfg.trace_source == ENV_KOALA_TRACE else f"DeepSpeed config {kcfg.trace_source}"
         # on a GPU an action ends when its kernels have run, not when they were queued
         sync = torch.cuda.synchronize if self.device.type == "cuda" else None
-        self._koala_recorder = recorder = TraceRecorder(kcfg.trace, "deepspeed", label, self.global_rank, sync)
+        self.record_into(TraceRecorder(kcfg.trace, "deepspeed", label, self.global_rank, sync))
+
+    def record_into(self, recorder: TraceRecorder) -> None:
+        """Record this engine's training steps into `recorder`: its own (the config's trace), or
+        another engine's, so that schedules taking turns on engines of their own (another
+        placement, a model copy) write one run per schedule with their steps numbered together
+        (koala_ds.runtime.trace_record). Once per engine."""
+        if self._koala_recorder is not None:
+            raise KoalaError("record_into: this engine already records a trace")
+        self._koala_recorder = recorder
         object.__setattr__(self, "_take", timed_wait(recorder, self._take))
         object.__setattr__(self, "_recv_meta", timed_wait(recorder, self._recv_meta))
+
+    @property
+    def koala_recorder(self) -> TraceRecorder | None:
+        """The recorder of this engine's trace (None: not traced)."""
+        return self._koala_recorder
 
     # -- set-up checks ------------------------------------------------------------------
     @staticmethod

@@ -277,12 +277,12 @@ class KoalaForwardBackward:
     """Callable with megatron-core's forward_backward_func keyword signature."""
 
     def __init__(self, schedule, profile=None, timeout_s: float | None = None, per_direction_groups: bool | None = None,
-                 timeout_name: str = "get_forward_backward_func(timeout_s=...)", trace: str | None = None,
-                 trace_name: str = "get_forward_backward_func(trace=...)"):
+                 timeout_name: str = "get_forward_backward_func(timeout_s=...)",
+                 trace: "str | TraceRecorder | None" = None, trace_name: str = "get_forward_backward_func(trace=...)"):
         _resolve.check_spec(schedule)
         # a measured timeline of the training steps (koala_ds.runtime.trace_record); None: no recording at all
-        self.recorder: TraceRecorder | None = None
-        if trace is not None:
+        self.recorder: TraceRecorder | None = trace if isinstance(trace, TraceRecorder) else None
+        if trace is not None and self.recorder is None:
             try:
                 check_trace_path(trace, trace_name)
             except KoalaError as exc:
@@ -745,7 +745,7 @@ class _StepRunner:
 def get_forward_backward_func(schedule="1f1b", profile=None, *, timeout_s: float | None = None,
                               per_direction_groups: bool | None = None,
                               timeout_name: str = "get_forward_backward_func(timeout_s=...)",
-                              trace: str | None = None,
+                              trace: "str | TraceRecorder | None" = None,
                               trace_name: str = "get_forward_backward_func(trace=...)") -> KoalaForwardBackward:
     """A drop-in for megatron-core's `get_forward_backward_func()` that runs a Koala schedule.
 
@@ -757,5 +757,7 @@ def get_forward_backward_func(schedule="1f1b", profile=None, *, timeout_s: float
     each pipeline link (default: on for NCCL, off for gloo). `timeout_name`: how error messages
     name the setting timeout_s came from (a launcher passes its flag). `trace`: FILE: each
     process records the measured timeline of every training call in FILE.rank{global rank}.json
-    (koala_ds.runtime.trace_record; its folder is checked here); `trace_name`: how messages name it."""
+    (koala_ds.runtime.trace_record; its folder is checked here), or another function's `.recorder`:
+    schedules taking turns in one process record into one recorder, each its own file
+    (FILE.<schedule name>), their steps numbered together; `trace_name`: how messages name it."""
     return KoalaForwardBackward(schedule, profile, timeout_s, per_direction_groups, timeout_name, trace, trace_name)

@@ -18,7 +18,12 @@ calibrate` reads (version 1):
   microseconds of `time.perf_counter` (one clock for the processes of a machine), args stage,
   microbatch, op, chunk, index (position in the rank's order), step, wait_ms;
 - per step a `step` event (the runtime's whole step) and an `after-pipeline` one (from the end
-  of the last action to the end of the step), args {"step": n}, steps numbered from 0.
+  of the last action to the end of the step), args {"step": n}, steps numbered from 0;
+- schedules taking turns in one process share a recorder: the first traced writes FILE's
+  files, each other one FILE.<its name>'s (`trace.zb-h1.rank0.json`); steps are numbered over
+  all of them (a gap in a file is another schedule's turn), and a step followed by another
+  schedule's gets a `next-pipeline` instant event (`ph` "i", args.step) in its own file at the
+  successor's first compute on this rank, where its period ends.
 
 The recorder is plain Python. Its per-action work is `begin(index)` / `end()` (a clock read
 and a tuple each) and the timed input wait; the JSON lines are made at `end_step`. Runtimes
@@ -33,6 +38,7 @@ import atexit
 import json
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,10 +107,45 @@ def _line(event: dict) -> str:
     return json.dumps(event) + ",\n"
 
 
+def schedule_file(file: str | os.PathLike, name: str, taken: set) -> str:
+    """The FILE of another schedule traced by the same recorder: `trace.json` + "zb-h1" ->
+    `trace.zb-h1.json` (the name made safe for a file name; `-2`, `-3`... where it is `taken`)."""
+    path = Path(file)
+    safe = re.sub(r"[^A-Za-z0-9_.+-]+", "-", name).strip(".-") or "schedule"
+    stem, suffix = (path.stem, path.suffix) if path.suffix else (path.name, "")
+    out, k = str(path.with_name(f"{stem}.{safe}{suffix}")), 1
+    while out in taken:
+        k += 1
+        out = str(path.with_name(f"{stem}.{safe}-{k}{suffix}"))
+    return out
+
+
+@dataclass(eq=False)
+class _ScheduleFile:
+    """The trace file of one schedule: its user-level FILE, its open file and action templates."""
+
+    file: str
+    path: Path
+    schedule: Schedule
+    rank: int
+    fh: IO[str] | None
+    templates: tuple
+    steps: int = 0  # steps written
+
+
 @dataclass(eq=False)
 class TraceRecorder:
     """The measured trace of one process (see the module docstring). `file`: the user's FILE;
-    `setting`: how messages name it (a flag or config key); `engine`: "megatron", "deepspeed"."""
+    `setting`: how messages name it (a flag or config key); `engine`: "megatron", "deepspeed".
+
+    Schedules taking turns in one process (the examples' --alternate-schedules) share one
+    recorder: the first schedule traced writes FILE, each other one FILE.<its name> (`trace.json`
+    -> `trace.zb-h1.rank0.json`), every one a run `koala calibrate` reads. Steps are numbered in
+    the recorder's order, whichever schedule ran them, so a gap in one file's numbers is where
+    another schedule ran (koala calibrate leaves out a step that follows another schedule's);
+    and when a step's successor ran another schedule, its file gets a `next-pipeline` instant
+    event (args.step: the step) at the successor's first compute, its input wait over, on this
+    rank: where the step's period ends."""
 
     file: str
     engine: str
@@ -115,39 +156,38 @@ class TraceRecorder:
     #: (else an action would end when its kernels were queued); None on the CPU.
     sync: Callable[[], None] | None = None
     wait_ns: int = 0  # input wait of the current action (timed_wait adds to it)
-    schedule: Schedule | None = field(default=None, init=False)
+    schedule: Schedule | None = field(default=None, init=False)  # the schedule of the step recorded last
     rank: int = field(default=0, init=False)  # pipeline rank
-    steps: int = field(default=0, init=False)  # steps written
-    _fh: IO[str] | None = field(default=None, init=False, repr=False)
-    _templates: tuple = field(default=(), init=False, repr=False)
+    steps: int = field(default=0, init=False)  # steps written, every schedule's
+    _files: list = field(default_factory=list, init=False, repr=False)  # _ScheduleFile, first traced first
+    _current: _ScheduleFile | None = field(default=None, init=False, repr=False)
+    _previous: _ScheduleFile | None = field(default=None, init=False, repr=False)  # the last step's file
     _spans: list = field(default_factory=list, init=False, repr=False)
     _index: int = field(default=-1, init=False, repr=False)
     _t0: int = field(default=0, init=False, repr=False)
     _step_t0: int = field(default=0, init=False, repr=False)
     _closed: bool = field(default=False, init=False, repr=False)
-    _warned: bool = field(default=False, init=False, repr=False)
 
     @property
     def path(self) -> Path:
-        return rank_path(self.file, self.global_rank)
+        """The file of the first schedule traced (of FILE itself before any step)."""
+        return self._files[0].path if self._files else rank_path(self.file, self.global_rank)
+
+    @property
+    def paths(self) -> list[Path]:
+        """Every file written, one per schedule traced, the first traced first."""
+        return [f.path for f in self._files]
 
     # -- steps ---------------------------------------------------------------------------
     def begin_step(self, schedule: Schedule, rank: int, pipeline: int = 0, start_ns: int | None = None) -> bool:
         """Start recording a step of `schedule` on pipeline rank `rank` (of data-parallel
         replica `pipeline`) that began at `start_ns` (perf_counter_ns; default now). The first
-        step opens the file and writes the header; a later step of another schedule is not
-        recorded (False; said once)."""
-        if self._fh is None:
-            if self._closed:
-                return False
-            self._open(schedule, rank, pipeline)
-        elif schedule is not self.schedule and not schedule.same_order(self.schedule):
-            if not self._warned:
-                log.warning("koala trace %s: a step of schedule %r (m=%d) differs from the traced %r (m=%d): "
-                            "not recorded", self.path, schedule.name, schedule.m, self.schedule.name,
-                            self.schedule.m)
-                self._warned = True
+        step of a schedule opens its file and writes the header (False once closed)."""
+        if self._closed:
             return False
+        found = next((f for f in self._files if f.schedule is schedule or f.schedule.same_order(schedule)), None)
+        self._current = found or self._open(schedule, rank, pipeline)
+        self.schedule, self.rank = schedule, rank
         self._spans.clear()
         self._index = -1
         self._step_t0 = _perf_ns() if start_ns is None else start_ns
@@ -168,47 +208,66 @@ class TraceRecorder:
         self._spans.append((self._index, self._t0, _perf_ns(), self.wait_ns))
 
     def end_step(self) -> None:
-        """The step ended: append its events (actions, "step", "after-pipeline") and flush."""
+        """The step ended: append its events (actions, "step", "after-pipeline") and flush; where
+        the step before it was another schedule's, that file's `next-pipeline` event."""
         t_end = _perf_ns()
-        if self._fh is None:
+        f = self._current
+        if f is None or f.fh is None:
             return
-        n, r, templates = self.steps, self.rank, self._templates
+        n, r, templates = self.steps, self.rank, f.templates
         lines = [templates[i] % (t0 / 1e3, (t1 - t0) / 1e3, n, w / 1e6) for i, t0, t1, w in self._spans]
         last = self._spans[-1][2] if self._spans else self._step_t0
         for name, t0 in (("step", self._step_t0), ("after-pipeline", last)):
             lines.append(_line({"name": name, "cat": "step", "ph": "X", "pid": 0, "tid": r, "ts": t0 / 1e3,
                                 "dur": (t_end - t0) / 1e3, "args": {"step": n}}))
+        first = next((s for s in self._spans if s[0] == 0), None)
+        before = self._previous
         self._spans.clear()
-        self._write("".join(lines))
+        self._write(f, "".join(lines))
+        if before is not None and before is not f and before.fh is not None and first is not None:
+            _, t0, _, w = first
+            self._write(before, _line({"name": "next-pipeline", "cat": "step", "ph": "i", "s": "t", "pid": 0,
+                                       "tid": before.rank, "ts": (t0 + w) / 1e3, "args": {"step": n - 1}}))
+        f.steps += 1
         self.steps += 1
+        self._previous, self._current = f, None
 
     def close(self) -> None:
-        """End the list (a metadata event with the number of steps, then `]`); idempotent.
+        """End each file's list (a metadata event with its number of steps, then `]`); idempotent.
         Also run at interpreter exit."""
-        if self._fh is None:
-            self._closed = True
+        if self._closed:
             return
-        fh, self._fh, self._closed = self._fh, None, True
+        self._closed = True
         atexit.unregister(self.close)
-        try:
-            fh.write(json.dumps({"name": "koala_trace_end", "ph": "M", "pid": 0, "tid": self.rank,
-                                 "args": {"steps": self.steps}}) + "\n]\n")
-            fh.close()
-        except OSError as exc:
-            log.warning("koala trace %s: could not close it: %s", self.path, exc)
+        for f in self._files:
+            fh, f.fh = f.fh, None
+            if fh is None:
+                continue
+            try:
+                fh.write(json.dumps({"name": "koala_trace_end", "ph": "M", "pid": 0, "tid": f.rank,
+                                     "args": {"steps": f.steps}}) + "\n]\n")
+                fh.close()
+            except OSError as exc:
+                log.warning("koala trace %s: could not close it: %s", f.path, exc)
 
-    # -- file ----------------------------------------------------------------------------
-    def _open(self, schedule: Schedule, rank: int, pipeline: int) -> None:
-        self.schedule, self.rank = schedule, rank
-        self._templates = tuple(_event_template(schedule, rank, i) for i in range(len(schedule.ranks[rank])))
+    # -- files ---------------------------------------------------------------------------
+    def _open(self, schedule: Schedule, rank: int, pipeline: int) -> _ScheduleFile:
+        user_file = self.file if not self._files else schedule_file(self.file, schedule.name,
+                                                                   {f.file for f in self._files})
+        path = rank_path(user_file, self.global_rank)
         try:
-            self._fh = open(self.path, "w", encoding="utf-8")
+            fh = open(path, "w", encoding="utf-8")
         except OSError as exc:
-            raise TraceOpenError(f"{self.setting} {self.file}: cannot write {self.path}: {exc.strerror or exc}") \
+            raise TraceOpenError(f"{self.setting} {self.file}: cannot write {path}: {exc.strerror or exc}") \
                 from None
-        atexit.register(self.close)
-        self._write("[\n" + "".join(_line(e) for e in self._header(schedule, rank, pipeline)))
-        log.info("koala trace: rank %d writes %s", self.global_rank, self.path)
+        if not self._files:
+            atexit.register(self.close)
+        templates = tuple(_event_template(schedule, rank, i) for i in range(len(schedule.ranks[rank])))
+        f = _ScheduleFile(user_file, path, schedule, rank, fh, templates)
+        self._files.append(f)
+        self._write(f, "[\n" + "".join(_line(e) for e in self._header(schedule, rank, pipeline)))
+        log.info("koala trace: rank %d writes %s (schedule %s)", self.global_rank, path, schedule.name)
+        return f
 
     def _header(self, schedule: Schedule, rank: int, pipeline: int) -> list[dict]:
         meta = {"version": TRACE_VERSION, "engine": self.engine, "schedule": schedule.name, "p": schedule.p,
@@ -220,12 +279,12 @@ class TraceRecorder:
                 {"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": rank, "args": {"sort_index": rank}},
                 {"name": "koala_trace", "ph": "M", "pid": 0, "tid": rank, "args": meta}]
 
-    def _write(self, text: str) -> None:
+    def _write(self, f: _ScheduleFile, text: str) -> None:
         try:
-            self._fh.write(text)
-            self._fh.flush()
+            f.fh.write(text)
+            f.fh.flush()
         except OSError as exc:
-            raise TraceOpenError(f"{self.setting} {self.file}: writing {self.path} failed: {exc.strerror or exc}") \
+            raise TraceOpenError(f"{self.setting} {self.file}: writing {f.path} failed: {exc.strerror or exc}") \
                 from None
 
 

@@ -14,7 +14,11 @@ module reads them for `koala calibrate` (koala_ds.sim.calibrate), tolerantly:
 - the files of a run are grouped by pipeline (the data-parallel replica, the header's
   `pipeline`); a step of a pipeline is *complete* when every one of its p ranks' files has the
   step's "step" event and all of that rank's actions; the first `skip_steps` steps (default 1:
-  step 0 is the warm-up) are left out.
+  step 0 is the warm-up) are left out;
+- schedules that took turns in one run (the examples' --alternate-schedules with a trace) are
+  one run each (FILE, FILE.<name>): a step whose predecessor is not in its files ran after
+  another schedule's and is left out (what that one left in flight is not its own cost), and a
+  step whose successor ran another schedule ends its period at that one's `next-pipeline` event.
 
 Times are read in microseconds (the Chrome trace's unit) and kept in milliseconds (the
 profile's). Every error is a `TraceError`: one line naming the file.
@@ -79,6 +83,8 @@ class RankTrace:
     spans: dict[int, dict[int, Span]] = field(default_factory=dict)   # step -> index -> span
     steps: dict[int, tuple[float, float]] = field(default_factory=dict)  # step -> "step" event (start, end)
     events: dict[int, list[dict]] = field(default_factory=dict)  # step -> its raw events, as read
+    #: step -> when the next step, another schedule's, started its pipeline on this rank (ms)
+    next_starts: dict[int, float] = field(default_factory=dict)
 
     def complete(self, step: int) -> bool:
         """Whether this rank recorded step `step` whole: its "step" event and every action."""
@@ -136,6 +142,11 @@ class TracedRun:
     files: tuple[RankTrace, ...]
     steps: tuple[Step, ...]
     notes: tuple[str, ...] = ()
+
+    @property
+    def took_turns(self) -> bool:
+        """Whether other schedules ran between this run's steps (its step numbers have gaps)."""
+        return any(f.next_starts or _gaps(f.steps.keys() | f.spans.keys()) for f in self.files)
 
     @property
     def timed_steps(self) -> list[Step]:
@@ -247,7 +258,20 @@ def read_rank_trace(path: Path) -> RankTrace:
     for line, event in events:
         if event.get("ph") == "X":
             _add_event(trace, line, event)
+        elif event.get("ph") == "i" and event.get("name") == "next-pipeline":
+            _add_next_start(trace, line, event)
     return trace
+
+
+def _add_next_start(trace: RankTrace, line: int, event: dict) -> None:
+    """A `next-pipeline` event: the next step ran another schedule (in another file) and its
+    first compute started then on this rank."""
+    args = event.get("args") if isinstance(event.get("args"), dict) else {}
+    ts, step = event.get("ts"), args.get("step")
+    if not (_number(ts) and _whole(step)):
+        raise TraceError(f"{trace.path}:{line}: event 'next-pipeline' needs a number ts (us) and args.step, got "
+                         f"ts={ts!r} step={step!r}")
+    trace.next_starts[step] = ts / 1e3
 
 
 def _from_header(path: Path, header: dict) -> RankTrace:
@@ -357,23 +381,35 @@ def _run(name: str, files: list[RankTrace], skip: int) -> TracedRun:
 
 def _pipeline_steps(schedule: Schedule, pipeline: int, ranks: dict[int, RankTrace], skip: int
                     ) -> tuple[list[Step], str | None]:
-    """The complete steps of one pipeline from step `skip` on, and why steps were left out."""
+    """The complete steps of one pipeline from step `skip` on that follow a step of their own
+    schedule (in a run where schedules took turns, the first of each turn follows another's: left
+    out), and why steps were left out."""
     missing = [r for r in range(schedule.p) if r not in ranks]
     if missing:
         some = ranks[min(ranks)].path
         return [], (f"{some}: pipeline {pipeline} has no file of pipeline rank {missing[0]} (of p={schedule.p}): "
                     f"every rank of a traced run writes its own FILE.rank{{g}}.json; give them all")
     complete = sorted(set.intersection(*(set(f.complete_steps()) for f in ranks.values())))
-    used = [n for n in complete if n >= skip]
+    recorded = set().union(*(f.steps.keys() | f.spans.keys() for f in ranks.values()))
+    late = [n for n in complete if n >= skip]
+    used = [n for n in late if n == 0 or n - 1 in recorded]
+    turned = [n for n in late if n not in used]
     short = min(ranks.values(), key=lambda f: (max(f.steps, default=-1), f.rank))
     last = max(short.steps, default=-1)
     killed = last < max(max(f.steps, default=-1) for f in ranks.values())
     head = f"{short.path} ends in step {last + 1} (a killed rank?)" if killed else str(short.path)
     if used:
-        why = f"{head}: steps {_steps_text(used)} of pipeline {pipeline} are complete and used" if killed else None
+        why = [f"{head}: steps {_steps_text(used)} of pipeline {pipeline} are complete and used"] if killed else []
+        if turned:
+            why.append(f"{ranks[min(ranks)].path}: steps {_steps_text(turned)} left out, each the first after a step "
+                       f"of another schedule (schedules took turns)")
         steps = [_step(pipeline, n, ranks) for n in used]
         after = {s.number: s.anchor for s in steps}
-        return [dataclasses.replace(s, next_anchor=after.get(s.number + 1)) for s in steps], why
+        return [dataclasses.replace(s, next_anchor=after.get(s.number + 1, _next_start(ranks, s.number)))
+                for s in steps], "; ".join(why) or None
+    if turned:
+        return [], (f"{ranks[min(ranks)].path}: every complete step ({_steps_text(turned)}) is the first after a "
+                    f"step of another schedule: let each schedule's turn be 2 steps or more (--alternate-block)")
     if complete:
         many = len(complete) > 1
         return [], (f"{head}: step{'s' if many else ''} {_steps_text(complete)} {'are' if many else 'is'} complete, "
@@ -388,12 +424,24 @@ def _pipeline_steps(schedule: Schedule, pipeline: int, ranks: dict[int, RankTrac
                 f"every rank's file; complete steps per rank: {per_rank}")
 
 
+def _next_start(ranks: dict[int, RankTrace], step: int) -> float | None:
+    """When the step after `step`, another schedule's, started its pipeline (the earliest of the
+    ranks' `next-pipeline` times); None unless every rank recorded one."""
+    starts = [f.next_starts.get(step) for f in ranks.values()]
+    return None if None in starts else min(starts)
+
+
 def _step(pipeline: int, n: int, ranks: dict[int, RankTrace]) -> Step:
     order = sorted(ranks)
     start = min(ranks[r].steps[n][0] for r in order)
     end = max(ranks[r].steps[n][1] for r in order)
     spans = tuple(tuple(s for _, s in sorted(ranks[r].spans[n].items())) for r in order)
     return Step(pipeline, n, start, end, spans)
+
+
+def _gaps(numbers: set[int]) -> bool:
+    """Whether step numbers miss some between their lowest and highest."""
+    return bool(numbers) and max(numbers) - min(numbers) + 1 > len(numbers)
 
 
 def _steps_text(steps: Iterable[int]) -> str:
