@@ -299,7 +299,7 @@ def calibrate(ex: Example, profiles: dict[int, Path], args, work: Path, say) -> 
     calibrated profiles, and what koala calibrate printed."""
     named = [Candidate(name, name, v, placement) for v in profiles for name, placement in CALIBRATION_SCHEDULES.get(v, ())]
     files = [dataclasses.replace(c, schedule=str(schedule_file(ex, c, work, args.dry_run, say))) for c in named]
-    names = {c.schedule: schedule_json(ex, c, work, args.dry_run, say).get("name", c.label) for c in files}
+    names = {f.schedule: schedule_json(ex, c, work, args.dry_run, say).get("name", c.label) for c, f in zip(named, files)}
     traced: dict[int, list[Path]] = {v: [] for v in profiles}
     skip = len(files) * CALIB_BLOCK
     for r in range(args.calib_rounds if files else 0):

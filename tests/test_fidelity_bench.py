@@ -78,6 +78,7 @@ def test_dry_run_calibrates_on_traced_library_runs_before_choosing(tmp_path):
         cal = [c for c in cmds if " calibrate " in c and "recalibrated" not in c]
         assert cal == [f"{Path(cal[0].split()[0])} calibrate {work}/trace_r0.json {work}/trace_r0.zb-h1.json "
                        f"--profile {work}/profile_v1.json --skip-steps 8 -o {work}/calibrated_v1.json"]
+        assert not any("/export_export_" in c for c in cmds)  # each schedule exported once
         traced.insert(1, traced[0])
         order = [cmds.index(c) for c in (traced[0], traced[1], cal[0])]
         assert order == sorted(order) and all(" profile " not in c for c in cmds[order[-1]:])
