@@ -32,9 +32,12 @@ SKIP = {
     "--micro-batch-size 2 -p 2 -o prof.json":
         "README.md, 'From profile to a faster run': its path is benchmarks/fidelity.py's (a real profile of "
         "a model that takes a minute here; the koala profile line above runs)",
-    "koala calibrate runs/1f1b.json runs/zb-h1.json --profile prof.json --skip-steps 2 -o calibrated.json "
+    "koala calibrate runs/t.json runs/t.zb-h1.json --profile prof.json --skip-steps 8 -o calibrated.json "
     "--gantt steps.png":
-        "README.md: needs the traces of the torchrun lines before it",
+        "README.md: needs the traces of the torchrun line before it",
+    "koala calibrate runs/t.json runs/t.zb-h1.json --profile prof.json --skip-steps 8 -o calibrated.json":
+        "docs/profiling.md: needs the traces of the torchrun line before it (schedules taking turns); "
+        "tests/test_calibrate.py calibrates such traces",
     "koala search --profile calibrated.json -m 8 -o best.koala":
         "README.md: needs the calibrated profile of the line before",
 }
