@@ -278,7 +278,7 @@ class KoalaForwardBackward:
 
     def __init__(self, schedule, profile=None, timeout_s: float | None = None, per_direction_groups: bool | None = None,
                  timeout_name: str = "get_forward_backward_func(timeout_s=...)",
-                 trace: "str | TraceRecorder | None" = None, trace_name: str = "get_forward_backward_func(trace=...)"):
+                 trace: str | TraceRecorder | None = None, trace_name: str = "get_forward_backward_func(trace=...)"):
         _resolve.check_spec(schedule)
         # a measured timeline of the training steps (koala_ds.runtime.trace_record); None: no recording at all
         self.recorder: TraceRecorder | None = trace if isinstance(trace, TraceRecorder) else None
@@ -745,7 +745,7 @@ class _StepRunner:
 def get_forward_backward_func(schedule="1f1b", profile=None, *, timeout_s: float | None = None,
                               per_direction_groups: bool | None = None,
                               timeout_name: str = "get_forward_backward_func(timeout_s=...)",
-                              trace: "str | TraceRecorder | None" = None,
+                              trace: str | TraceRecorder | None = None,
                               trace_name: str = "get_forward_backward_func(trace=...)") -> KoalaForwardBackward:
     """A drop-in for megatron-core's `get_forward_backward_func()` that runs a Koala schedule.
 
