@@ -538,27 +538,34 @@ def test_the_runtimes_recorder_writes_what_calibrate_reads(tmp_path, monkeypatch
     assert fitted.stages[(1, "backward_input")].value == pytest.approx(stages[1].backward_input, abs=1e-3)
 
 
+def _record_turns(file: Path, monkeypatch, schedules, results, steps: int = 12) -> None:
+    """`schedules` taking turns of 2 steps in one process through one recorder per rank, each
+    step as simulated in `results`; the first step of each turn after another's has 1.5x computes."""
+    from koala_ds.runtime import trace_record
+
+    for r in range(schedules[0].p):
+        clock: list[int] = []
+        rec = trace_record.TraceRecorder(str(file), "megatron", "--koala-trace", global_rank=r)
+        monkeypatch.setattr(trace_record, "_perf_ns", lambda: clock.pop(0))
+        t0 = 1000.0
+        for step in range(steps):
+            k = (step // 2) % len(schedules)
+            _record_step(rec, clock, schedules[k], results[k], r, t0, 1.5 if step % 2 == 0 and step else 1.0)
+            t0 += results[k].makespan + K
+        rec.close()
+    monkeypatch.undo()
+
+
 def test_schedules_taking_turns_calibrate_from_the_steps_that_follow_their_own(capsys, tmp_path, monkeypatch):
     """1f1b and zb-h1 taking turns of 2 steps in one process, through one recorder (as the
     examples' --alternate-schedules with a trace): two runs, t.json and t.zb-h1.json. The first
     step of each turn, after the other schedule's, is left out (here its computes take 1.5x, as
     what the other schedule left in flight would make them), and the last one's period ends at
     the next turn's pipeline start (its `next-pipeline` event): the fit is the truth's."""
-    from koala_ds.runtime import trace_record
-
     stages = truth_stages(2)
     schedules = [load_schedule(name, 2, 4, 1) for name in ("1f1b", "zb-h1")]
     results = [simulate(s, model_of(stages, k=0.0), timeline=True) for s in schedules]
-    for r in range(2):
-        clock: list[int] = []
-        rec = trace_record.TraceRecorder(str(tmp_path / "t.json"), "megatron", "--koala-trace", global_rank=r)
-        monkeypatch.setattr(trace_record, "_perf_ns", lambda: clock.pop(0))
-        t0 = 1000.0
-        for step in range(12):
-            k = (step // 2) % 2
-            _record_step(rec, clock, schedules[k], results[k], r, t0, 1.5 if step % 2 == 0 and step else 1.0)
-            t0 += results[k].makespan + K
-        rec.close()
+    _record_turns(tmp_path / "t.json", monkeypatch, schedules, results)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.rank0.json", "t.rank1.json", "t.zb-h1.rank0.json",
                                                            "t.zb-h1.rank1.json"]
     runs = load_runs([str(tmp_path / "t.json"), str(tmp_path / "t.zb-h1.json")])
@@ -573,13 +580,40 @@ def test_schedules_taking_turns_calibrate_from_the_steps_that_follow_their_own(c
         truth = getattr(stages[stage], field)
         assert est.value == pytest.approx(truth, abs=1e-3), (stage, field)
     # the command: it says which steps it left out, and does not advise taking turns to runs that did
-    monkeypatch.undo()
     code, text, err = run(capsys, "calibrate", tmp_path / "t.json", tmp_path / "t.zb-h1.json", "--profile",
                           input_profile(tmp_path, stages), "-o", tmp_path / "cal.json")
     assert code == 0, err
     assert f"note: {tmp_path / 't.rank0.json'}: steps 4, 8 left out, each the first after a step of another " \
            f"schedule (schedules took turns)" in text.splitlines()
     assert "one run per schedule" not in text
+
+
+def test_taking_turns_the_split_forwards_extra_is_charged_to_i(capsys, tmp_path, monkeypatch):
+    """The deferrable forward of a split schedule costs more than a full one's (a profile charges
+    the difference to I). Traced taking turns in one process, a drift of the machine hits both
+    alike, so `koala calibrate` tells them apart there: F is 1f1b's, and I gains what zb-h1's F
+    took over it (here 0.25 ms per stage). Runs minutes apart keep F fitted over both
+    (test_the_forward_is_fitted_over_every_microbatch_split_backward_or_not)."""
+    extra = 0.25
+    stages = truth_stages(2)
+    deferrable = [dataclasses.replace(st, forward=st.forward + extra) for st in stages]
+    schedules = [load_schedule(name, 2, 4, 1) for name in ("1f1b", "zb-h1")]
+    results = [simulate(schedules[0], model_of(stages, k=0.0), timeline=True),
+               simulate(schedules[1], model_of(deferrable, k=0.0), timeline=True)]
+    _record_turns(tmp_path / "t.json", monkeypatch, schedules, results)
+    runs = load_runs([str(tmp_path / "t.json"), str(tmp_path / "t.zb-h1.json")])
+    fitted = fit(runs, 2)
+    for s, st in enumerate(stages):
+        assert fitted.stages[(s, "forward")].value == pytest.approx(st.forward, abs=1e-3), s
+        assert fitted.stages[(s, "backward_input")].value == pytest.approx(st.backward_input + extra, abs=1e-3), s
+        assert fitted.forward_extra[s].value == pytest.approx(extra, abs=1e-3)
+    assert fit(runs[1:], 2).forward_extra == {}  # one kind traced: nothing to tell apart
+    assert fit(runs[1:], 2).stages[(0, "forward")].value == pytest.approx(deferrable[0].forward, abs=1e-3)
+    code, text, err = run(capsys, "calibrate", tmp_path / "t.json", tmp_path / "t.zb-h1.json", "--profile",
+                          input_profile(tmp_path, stages), "-o", tmp_path / "cal.json")
+    assert code == 0, err
+    assert "I includes what the split schedules' F took over the full ones' (both traced taking turns): " \
+           "stage 0 +0.25 ms, stage 1 +0.25 ms" in text
 
 
 def test_the_latency_is_matched_to_the_runs_step_times_where_the_waits_say_otherwise(two_runs):

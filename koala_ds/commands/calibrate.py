@@ -183,6 +183,9 @@ def _fit_table(raw: dict, data: dict, fitted: Fit) -> str:
     table = format_table(rows, ("stage", "F ms", "I ms", "W ms", "B ms", "switch ms"), "<>>>>>")
     lines = [table, "(profile -> calibrated; * not measured: scaled from the profile, a switch kept; switch: the "
                     "extra time of an action after one of another stage on its rank, (its samples))"]
+    if fitted.forward_extra:
+        lines.append("I includes what the split schedules' F took over the full ones' (both traced taking turns): "
+                     + ", ".join(f"stage {i} +{est.value:.4g} ms" for i, est in fitted.forward_extra.items()))
     for name, what in (("p2p_latency", "waits"), ("action_overhead", "gaps"), ("step_overhead", "steps")):
         est = getattr(fitted, name)
         lines.append(f"{name:<16} {raw.get(name, 0.0):.4g} -> {data.get(name, 0.0):.4g} ms"

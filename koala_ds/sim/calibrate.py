@@ -6,12 +6,15 @@ step. From the complete steps of every traced run (ms; "typical" is the mean of 
 less the lowest and the highest 5%, see below):
 
 - stage times: per (stage, op), the typical compute of its actions (span less input wait): F
-  gives `forward` (over every microbatch, split backward or not: the deferrable forward of a
-  split one may cost a few percent more, but between traced runs minutes apart the machine
-  drifts by more, and charging the difference to I, as 765f19e did, turned that drift into a
-  cost of the split schedules; docs/profiling.md), I `backward_input`, W `backward_weight`, B
-  `backward`; and the stage's
-  `spread` of those fields, how precisely the samples give them (`profile.value_spread`). A field no trace
+  gives `forward`, I `backward_input`, W `backward_weight`, B `backward`; and the stage's
+  `spread` of those fields, how precisely the samples give them (`profile.value_spread`). The
+  deferrable forward of a split-backward schedule costs more than a full one's (a profile
+  charges the difference to I, koala_ds.profiler.core). Where every run took turns with the
+  others in one process and both kinds were traced (`forward_apart`), `forward` is the full
+  schedules' F and each stage's I gains what its split schedules' F took over it (at least 0;
+  `Fit.forward_extra`); otherwise F is fitted over every microbatch, split or not: between runs
+  minutes apart the machine drifts by more than the difference, and charging it then (765f19e)
+  turned that drift into a cost of the split schedules (docs/profiling.md). A field no trace
   measured (I and W under full-backward schedules only, B under split ones) keeps the input
   profile's value, scaled by that stage's measured / profiled `forward` (and its spread); the
   result says so.
@@ -73,6 +76,8 @@ log = logging.getLogger(__name__)
 #: The profile field each op's measured compute gives.
 FIELDS = {Op.F: "forward", Op.I: "backward_input", Op.W: "backward_weight", Op.B: "backward"}
 TIME_FIELDS = ("forward", "backward_input", "backward_weight", "backward")
+#: The field under which `fit` gathers a split-backward schedule's F while told apart (`forward_apart`).
+SPLIT_FORWARD = "forward (split backward)"
 #: The share of samples left out at each end before averaging (`typical`).
 TRIM = 0.05
 #: An action that waited less than this (ms) for its input is not a sample of the latency: its
@@ -130,6 +135,9 @@ class Fit:
     step_overhead: Estimate
     #: per profile stage entry, its fitted switch cost (stages without samples left out)
     switch: dict[int, Estimate] = dataclasses.field(default_factory=dict)
+    #: per stage entry, what its split schedules' F took over the full ones' (charged to I;
+    #: only where `forward_apart`)
+    forward_extra: dict[int, Estimate] = dataclasses.field(default_factory=dict)
 
 
 def entry_of(stage: int, schedule: Schedule, entries: int) -> int:
@@ -157,6 +165,7 @@ def check_fits(runs: Sequence[TracedRun], profile: CostProfile, meta: dict | Non
 def fit(runs: Sequence[TracedRun], entries: int) -> Fit:
     """The fit of the module docstring over every complete step of `runs`, for a profile of
     `entries` stage entries."""
+    apart = forward_apart(runs)
     same: dict[tuple[int, str], list[float]] = defaultdict(list)  # after an action of the same stage (or first)
     after: dict[tuple[int, str], list[float]] = defaultdict(list)  # after an action of another stage
     gaps: list[float] = []
@@ -170,8 +179,8 @@ def fit(runs: Sequence[TracedRun], entries: int) -> Fit:
                 for span in spans:
                     a = order[span.index]
                     switched = span.index > 0 and order[span.index - 1].stage != a.stage
-                    (after if switched else same)[(entry_of(a.stage, schedule, entries), FIELDS[a.op])].append(
-                        span.compute)
+                    name = SPLIT_FORWARD if apart and a.op is Op.F and schedule.backward == "split" else FIELDS[a.op]
+                    (after if switched else same)[(entry_of(a.stage, schedule, entries), name)].append(span.compute)
                 gaps += [b.start - a.end for a, b in zip(spans, spans[1:])]
             arrivals += message_delays(schedule, step)
         beside += [step.time - step.span for step in run.timed_steps]
@@ -180,7 +189,32 @@ def fit(runs: Sequence[TracedRun], entries: int) -> Fit:
     switch = _switch_costs(same, after)
     stages = {key: _stage_time(same[key], after[key], switch[key[0]].value if key[0] in switch else None)
               for key in sorted(same.keys() | after.keys())}
-    return Fit(stages, overhead, Estimate.of(arrivals, c), Estimate.of(beside, c), switch)
+    extra = _charge_split_forward(stages)
+    return Fit(stages, overhead, Estimate.of(arrivals, c), Estimate.of(beside, c), switch, extra)
+
+
+def forward_apart(runs: Sequence[TracedRun]) -> bool:
+    """Whether `fit` tells the split schedules' forward from the full ones': both kinds traced,
+    and every run took turns with others in one process (so a drift of the machine hits both
+    kinds alike; module docstring)."""
+    return {r.schedule.backward for r in runs} >= {"split", "full"} and all(r.took_turns for r in runs)
+
+
+def _charge_split_forward(stages: dict[tuple[int, str], Estimate]) -> dict[int, Estimate]:
+    """Fold the SPLIT_FORWARD entries of `stages` (in place): where the stage's full schedules'
+    F was measured too, I gains what the split F took over it (at least 0), as in a profile;
+    else the split F is the stage's `forward`. Returns the extra charged per stage entry."""
+    extra = {}
+    for entry, field in sorted(k for k in stages if k[1] == SPLIT_FORWARD):
+        split, full = stages.pop((entry, field)), stages.get((entry, "forward"))
+        i = stages.get((entry, "backward_input"))
+        if full is None or i is None:
+            stages.setdefault((entry, "forward"), split)
+            continue
+        more = max(0.0, split.value - full.value)
+        stages[(entry, "backward_input")] = dataclasses.replace(i, value=i.value + more)
+        extra[entry] = Estimate(more, split.samples)
+    return extra
 
 
 def _stage_time(same: list[float], after: list[float], switch: float | None) -> Estimate:
