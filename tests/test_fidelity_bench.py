@@ -79,6 +79,8 @@ def test_dry_run_calibrates_on_traced_library_runs_before_choosing(tmp_path):
         assert cal == [f"{Path(cal[0].split()[0])} calibrate {work}/trace_r0.json {work}/trace_r0.zb-h1.json "
                        f"--profile {work}/profile_v1.json --skip-steps 8 -o {work}/calibrated_v1.json"]
         assert not any("/export_export_" in c for c in cmds)  # each schedule exported once
+        exports = [c for c in cmds[:cmds.index(traced[0])] if " export " in c]
+        assert len(exports) == len(set(exports)) == 2  # 1f1b, zb-h1: once each before the calibration
         traced.insert(1, traced[0])
         order = [cmds.index(c) for c in (traced[0], traced[1], cal[0])]
         assert order == sorted(order) and all(" profile " not in c for c in cmds[order[-1]:])
@@ -248,6 +250,13 @@ def test_the_default_searchs_answer_is_measured_where_it_is_none_of_the_others(f
     assert said[0].endswith(f"answers {label}: measured {100 / 95:.3f}x of 1f1b")
     assert [line.split(":")[0] for line in said[1:]] == ["megatron gpt-8L p=2, searched (linear, v=1)",
                                                          f"megatron gpt-8L p=2, {label}"]
+    # another v's answer by less than --min-gain's default over the first v's: the first v's, as
+    # within one search (at 2cf472c a v = 2 answer 0.1% faster than 1f1b was taken, and measured 0.908x)
+    keys[str(tmp_path / "default_v1.koala")] = "1f1b"
+    for faster, want in ((0.999, "1f1b"), (1 / (1 + fidelity.DEFAULT_MIN_GAIN_PCT / 100) - 0.001, label)):
+        ms[2] = 100.0 * faster
+        measured = chosen()
+        assert fidelity.default_answer(ex, profiles, measured, 1.0, tmp_path, False, print) == want, faster
 
 
 def test_rows_give_the_step_time_after_calibrating_on_the_measured_runs(fidelity):

@@ -1,0 +1,180 @@
+"""Does taking turns in one run change a schedule's step time? The A/B behind fidelity.py's paired rounds.
+
+    python benchmarks/turns_bias.py              # DeepSpeed --dim 1024: 1f1b and zb-v (v = 2), 5 rounds (~7 min)
+    python benchmarks/turns_bias.py --engine megatron --size gpt-8L-h256-s64 --other zb-h1
+    python benchmarks/turns_bias.py --other best.koala --v 2 --placement vshape   # a searched schedule
+    python benchmarks/turns_bias.py --dry-run    # the commands, nothing run
+
+fidelity.py's paired rounds time the schedules taking turns in one torchrun (the examples'
+--alternate-schedules), so that a drift of the machine hits them alike; a schedule of another v
+or placement takes its turns on a model copy of its own in that process. A user runs one
+schedule in a process of its own. Each round here runs four torchruns, in an order rotated by
+one every round: A alone and B alone (--iterations each), A and B taking turns of --block
+iterations with A's engine built first, and the same with B's first (2 x --iterations), each
+schedule as its exported JSON file (koala export), as fidelity.py gives them. Kept: the
+iterations after --warmup and, taking turns, all but the first of each turn; a round's figure
+per schedule is the median of its kept step periods (--loss-log period_ms). It prints each
+round's medians and, over the rounds, the mean and standard error of: B's speedup over A alone
+(fresh) and taking turns; each schedule's step taking turns over its step alone.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from fidelity import (MEGATRON_SIZES, ROOT, BenchError, Candidate, Example, load_average, machine,  # noqa: E402
+                      read_schedules, read_times, run, schedule_file)
+
+from koala_ds.runtime.turns import kept_periods  # noqa: E402
+
+PLACEMENTS = {"zb-v": "vshape", "v-half": "vshape", "v-min": "vshape", "interleaved-1f1b": "interleaved"}
+#: the runs of a round: (label, the schedules in the order their engines are built)
+RUNS = (("A alone", "A"), ("B alone", "B"), ("A, B taking turns", "AB"), ("B, A taking turns", "BA"))
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engine", choices=("deepspeed", "megatron"), default="deepspeed")
+    ap.add_argument("--size", default=None, help="DeepSpeed: --dim N (default 1024); Megatron: one of "
+                                                 f"{', '.join(MEGATRON_SIZES)} (default the second)")
+    ap.add_argument("--base", default="1f1b", metavar="NAME", help="schedule A (default 1f1b)")
+    ap.add_argument("--other", default="zb-v", metavar="NAME", help="schedule B (default zb-v)")
+    ap.add_argument("--v", type=int, default=None, help="B's chunks per rank (default 2 for a V-shape or "
+                                                        "interleaved library schedule, else 1)")
+    ap.add_argument("--placement", default=None, choices=("linear", "interleaved", "vshape"),
+                    help="B's placement where it has v >= 2 (default: a library schedule's own; else vshape)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--iterations", type=int, default=48, help="iterations of a run alone (taking turns: twice)")
+    ap.add_argument("--block", type=int, default=4, help="iterations of a turn (default 4)")
+    ap.add_argument("--warmup", type=int, default=8, help="first iterations of a run dropped (default 8)")
+    ap.add_argument("--work", default=None, help="folder for the runs' files (default a new temporary one)")
+    ap.add_argument("--out", default=None, help="also write the report to this file")
+    ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    args = ap.parse_args(argv)
+    for name in ("rounds", "iterations", "block"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be at least 1")
+    if args.warmup < 0 or args.warmup >= args.iterations:
+        ap.error("--warmup must be at least 0 and below --iterations")
+    if args.engine == "megatron" and (args.size or list(MEGATRON_SIZES)[1]) not in MEGATRON_SIZES:
+        ap.error(f"--size: one of {', '.join(MEGATRON_SIZES)} for --engine megatron")
+    if args.engine == "deepspeed" and args.size is not None and not args.size.isdigit():
+        ap.error("--size: the DeepSpeed example's --dim, a whole number (e.g. 1024)")
+    return args
+
+
+def example(args) -> Example:
+    if args.engine == "megatron":
+        label = args.size or list(MEGATRON_SIZES)[1]
+        return Example("megatron", label, 2, dict(MEGATRON_SIZES[label]))
+    dim = int(args.size or 1024)
+    return Example("deepspeed", f"dim{dim}", 2, {"dim": dim})
+
+
+def candidates(args) -> dict[str, Candidate]:
+    v = args.v or (2 if args.other in PLACEMENTS else 1)
+    return {"A": Candidate(args.base, args.base, 1, PLACEMENTS.get(args.base, "linear")),
+            "B": Candidate(args.other, args.other, v,
+                           args.placement or PLACEMENTS.get(args.other, "vshape" if v > 1 else "linear"))}
+
+
+def one_round(ex: Example, files: dict[str, Candidate], r: int, args, work: Path, say) -> dict[str, dict[str, float]]:
+    """Per run label, each schedule's median kept step period (ms) in that run."""
+    out = {}
+    for label, order in RUNS[r % len(RUNS):] + RUNS[:r % len(RUNS)]:
+        log = work / f"r{r}_{order}.json"
+        first, rest = files[order[0]], tuple(files[k] for k in order[1:])
+        iterations = args.iterations * len(order)
+        run(ex.run_cmd(first, iterations, log, alternate=rest, block=args.block), log.with_suffix(".log"),
+            ex.env(work), ROOT, args.dry_run, say)
+        if args.dry_run:
+            continue
+        times = read_times(ex, log)
+        if len(order) == 1:
+            out[label] = {order: statistics.median(times[args.warmup:])}
+            continue
+        kept = kept_periods(times, read_schedules(log), args.warmup, args.block)
+        out[label] = {k: statistics.median(kept[files[k].schedule]) for k in order if kept.get(files[k].schedule)}
+    return out
+
+
+def _mean_se(values: list[float]) -> str:
+    if not values:
+        return "-"
+    se = statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else float("nan")
+    return f"{statistics.fmean(values):.3f} (SE {se:.3f}; rounds {' '.join(f'{x:.3f}' for x in values)})"
+
+
+def report(rounds: list[dict[str, dict[str, float]]], names: dict[str, str]) -> list[str]:
+    a, b = names["A"], names["B"]
+    lines = [f"| round | {a} alone | {b} alone | {a}, {b} taking turns ({a} first) | {b}, {a} taking turns "
+             f"({b} first) |", "|---|---|---|---|---|"]
+    for r, got in enumerate(rounds):
+        ab, ba = got[RUNS[2][0]], got[RUNS[3][0]]
+        lines.append(f"| {r} | {got[RUNS[0][0]]['A']:.1f} | {got[RUNS[1][0]]['B']:.1f} | {ab['A']:.1f}, {ab['B']:.1f} "
+                     f"| {ba['B']:.1f}, {ba['A']:.1f} |")
+    alone = [(g[RUNS[0][0]]["A"], g[RUNS[1][0]]["B"]) for g in rounds]
+    turns = [(g[RUNS[2][0]], g[RUNS[3][0]]) for g in rounds]
+    lines += ["", "over the rounds, mean (standard error):",
+              f"{b} over {a}, each alone (fresh): {_mean_se([x / y for x, y in alone])}",
+              f"{b} over {a}, taking turns, {a} first: {_mean_se([t['A'] / t['B'] for t, _ in turns])}",
+              f"{b} over {a}, taking turns, {b} first: {_mean_se([t['A'] / t['B'] for _, t in turns])}",
+              f"{a} taking turns / alone, {a} first: {_mean_se([t['A'] / x for (t, _), (x, _) in zip(turns, alone)])}",
+              f"{a} taking turns / alone, {b} first: {_mean_se([t['A'] / x for (_, t), (x, _) in zip(turns, alone)])}",
+              f"{b} taking turns / alone, {a} first: {_mean_se([t['B'] / y for (t, _), (_, y) in zip(turns, alone)])}",
+              f"{b} taking turns / alone, {b} first: {_mean_se([t['B'] / y for (_, t), (_, y) in zip(turns, alone)])}"]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    if args.out:
+        from koala_ds.core.outputs import OutputError, check_output
+
+        try:
+            check_output(args.out, "--out")
+        except OutputError as exc:
+            print(f"turns_bias.py: {exc}", file=sys.stderr)
+            return 2
+    ex = example(args)
+    say = (lambda s: print(s, file=sys.stderr, flush=True))
+    work = Path(args.work or (Path(tempfile.gettempdir()) / "koala-turns-DRYRUN" if args.dry_run
+                              else tempfile.mkdtemp(prefix="koala-turns-")))
+    head = [f"$ python benchmarks/turns_bias.py {' '.join(argv)}".rstrip(),
+            f"machine: {machine()}; {load_average()} before; started {time.strftime('%Y-%m-%d %H:%M:%S')}",
+            f"{ex.engine} {ex.label} p={ex.p}: A = {args.base}, B = {args.other}; {args.rounds} rounds of 4 torchruns "
+            f"(alone: {args.iterations} iterations; taking turns: {2 * args.iterations}, turns of {args.block}); "
+            f"kept: after {args.warmup} iterations, and the first of each turn dropped; per run the median step "
+            f"period (ms)"]
+    print("\n".join(head), flush=True)
+    try:
+        if not args.dry_run:
+            work.mkdir(parents=True, exist_ok=True)
+        cands = candidates(args)
+        files = {k: Candidate(c.label, str(schedule_file(ex, c, work, args.dry_run, say)), c.v, c.placement)
+                 for k, c in cands.items()}
+        rounds = [one_round(ex, files, r, args, work, say) for r in range(args.rounds)]
+    except BenchError as exc:
+        print(f"turns_bias.py: {exc}", file=sys.stderr)
+        return 1
+    if args.dry_run:
+        return 0
+    lines = report(rounds, {"A": Path(args.base).name, "B": Path(args.other).name})
+    lines.append(f"finished {time.strftime('%H:%M:%S')}; {load_average()} after; work folder {work}")
+    print("\n".join(lines), flush=True)
+    if args.out:
+        from koala_ds.core.outputs import atomic_write
+
+        atomic_write(args.out, "\n".join(head + [""] + lines) + "\n", "--out")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
