@@ -821,17 +821,26 @@ def bench_one(ex: Example, args, work: Path, say) -> tuple[list[Row], str]:
     return ([] if args.dry_run else rows_of(ex, chosen, times, recalibrated, paired, default)), how
 
 
+def refuse_out(out: str | None, script: str) -> bool:
+    """Whether `out` (--out) cannot be written: then one line on stderr naming `script`; checked
+    before anything runs."""
+    if not out:
+        return False
+    from koala_ds.core.outputs import OutputError, check_output
+
+    try:
+        check_output(out, "--out")
+    except OutputError as exc:
+        print(f"{script}: {exc}", file=sys.stderr)
+        return True
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
-    if args.out:
-        from koala_ds.core.outputs import OutputError, check_output
-
-        try:
-            check_output(args.out, "--out")
-        except OutputError as exc:
-            print(f"fidelity.py: {exc}", file=sys.stderr)
-            return 2
+    if refuse_out(args.out, "fidelity.py"):
+        return 2
     lines = header(argv, args)
     print("\n".join(lines), flush=True)
     if args.dry_run:  # nothing is written: the plan names a folder that is not made

@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fidelity import (MEGATRON_SIZES, ROOT, BenchError, Candidate, Example, load_average, machine,  # noqa: E402
-                      read_schedules, read_times, run, schedule_file)
+                      read_schedules, read_times, refuse_out, run, schedule_file)
 
 from koala_ds.runtime.turns import kept_periods  # noqa: E402
 
@@ -135,14 +135,8 @@ def report(rounds: list[dict[str, dict[str, float]]], names: dict[str, str]) -> 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
-    if args.out:
-        from koala_ds.core.outputs import OutputError, check_output
-
-        try:
-            check_output(args.out, "--out")
-        except OutputError as exc:
-            print(f"turns_bias.py: {exc}", file=sys.stderr)
-            return 2
+    if refuse_out(args.out, "turns_bias.py"):
+        return 2
     ex = example(args)
     say = (lambda s: print(s, file=sys.stderr, flush=True))
     work = Path(args.work or (Path(tempfile.gettempdir()) / "koala-turns-DRYRUN" if args.dry_run
