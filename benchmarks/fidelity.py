@@ -299,8 +299,8 @@ def calibrate(ex: Example, profiles: dict[int, Path], args, work: Path, say) -> 
     calibrated profiles, and what koala calibrate printed."""
     named = [Candidate(name, name, v, placement) for v in profiles for name, placement in CALIBRATION_SCHEDULES.get(v, ())]
     files = [dataclasses.replace(c, schedule=str(schedule_file(ex, c, work, args.dry_run, say))) for c in named]
-    names = {f.schedule: ({} if args.dry_run else json.loads(Path(f.schedule).read_text(encoding="utf-8"))).get(
-        "name", c.label) for c, f in zip(named, files)}  # each exported once (schedule_json would print it again)
+    # read from the files just exported: schedule_json would export them again (and print it, in --dry-run)
+    names = {f.schedule: read_json(Path(f.schedule), args.dry_run).get("name", c.label) for c, f in zip(named, files)}
     traced: dict[int, list[Path]] = {v: [] for v in profiles}
     skip = len(files) * CALIB_BLOCK
     for r in range(args.calib_rounds if files else 0):
@@ -385,8 +385,12 @@ def schedule_file(ex: Example, cand: Candidate, work: Path, dry: bool, say) -> P
 
 def schedule_json(ex: Example, cand: Candidate, work: Path, dry: bool, say) -> dict:
     """`cand` as koala export writes it (JSON)."""
-    out = schedule_file(ex, cand, work, dry, say)
-    return {} if dry else json.loads(out.read_text(encoding="utf-8"))
+    return read_json(schedule_file(ex, cand, work, dry, say), dry)
+
+
+def read_json(path: Path, dry: bool) -> dict:
+    """An exported schedule's JSON; {} with --dry-run (nothing was written)."""
+    return {} if dry else json.loads(path.read_text(encoding="utf-8"))
 
 
 def schedule_key(ex: Example, cand: Candidate, work: Path, dry: bool, say) -> str:

@@ -28,12 +28,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fidelity import (MEGATRON_SIZES, ROOT, BenchError, Candidate, Example, load_average, machine,  # noqa: E402
-                      read_schedules, read_times, refuse_out, run, schedule_file)
+from fidelity import (MEGATRON_SIZES, MICROBATCHES, ROOT, BenchError, Candidate, Example,  # noqa: E402
+                      load_average, machine, read_schedules, read_times, refuse_out, run, schedule_file)
 
+from koala_ds.core.ir import KoalaError  # noqa: E402
+from koala_ds.resolve import load_schedule  # noqa: E402
 from koala_ds.runtime.turns import kept_periods  # noqa: E402
 
-PLACEMENTS = {"zb-v": "vshape", "v-half": "vshape", "v-min": "vshape", "interleaved-1f1b": "interleaved"}
 #: the runs of a round: (label, the schedules in the order their engines are built)
 RUNS = (("A alone", "A"), ("B alone", "B"), ("A, B taking turns", "AB"), ("B, A taking turns", "BA"))
 
@@ -45,10 +46,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                                  f"{', '.join(MEGATRON_SIZES)} (default the second)")
     ap.add_argument("--base", default="1f1b", metavar="NAME", help="schedule A (default 1f1b)")
     ap.add_argument("--other", default="zb-v", metavar="NAME", help="schedule B (default zb-v)")
-    ap.add_argument("--v", type=int, default=None, help="B's chunks per rank (default 2 for a V-shape or "
-                                                        "interleaved library schedule, else 1)")
+    ap.add_argument("--v", type=int, default=None, help="B's chunks per rank (default: the first of 1, 2 it is "
+                                                        "made for)")
     ap.add_argument("--placement", default=None, choices=("linear", "interleaved", "vshape"),
-                    help="B's placement where it has v >= 2 (default: a library schedule's own; else vshape)")
+                    help="B's placement (default: the schedule's own)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iterations", type=int, default=48, help="iterations of a run alone (taking turns: twice)")
     ap.add_argument("--block", type=int, default=4, help="iterations of a turn (default 4)")
@@ -62,26 +63,36 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             ap.error(f"--{name} must be at least 1")
     if args.warmup < 0 or args.warmup >= args.iterations:
         ap.error("--warmup must be at least 0 and below --iterations")
-    if args.engine == "megatron" and (args.size or list(MEGATRON_SIZES)[1]) not in MEGATRON_SIZES:
+    if args.size is None:
+        args.size = list(MEGATRON_SIZES)[1] if args.engine == "megatron" else "1024"
+    if args.engine == "megatron" and args.size not in MEGATRON_SIZES:
         ap.error(f"--size: one of {', '.join(MEGATRON_SIZES)} for --engine megatron")
-    if args.engine == "deepspeed" and args.size is not None and not args.size.isdigit():
+    if args.engine == "deepspeed" and not args.size.isdigit():
         ap.error("--size: the DeepSpeed example's --dim, a whole number (e.g. 1024)")
     return args
 
 
 def example(args) -> Example:
     if args.engine == "megatron":
-        label = args.size or list(MEGATRON_SIZES)[1]
-        return Example("megatron", label, 2, dict(MEGATRON_SIZES[label]))
-    dim = int(args.size or 1024)
-    return Example("deepspeed", f"dim{dim}", 2, {"dim": dim})
+        return Example("megatron", args.size, 2, dict(MEGATRON_SIZES[args.size]))
+    return Example("deepspeed", f"dim{args.size}", 2, {"dim": int(args.size)})
 
 
-def candidates(args) -> dict[str, Candidate]:
-    v = args.v or (2 if args.other in PLACEMENTS else 1)
-    return {"A": Candidate(args.base, args.base, 1, PLACEMENTS.get(args.base, "linear")),
-            "B": Candidate(args.other, args.other, v,
-                           args.placement or PLACEMENTS.get(args.other, "vshape" if v > 1 else "linear"))}
+def candidate(spec: str, flag: str, p: int, v: int | None = None, placement: str | None = None) -> Candidate:
+    """`spec` (a library name or a file) as it runs: its v (`v`, else the first of 1, 2 it is
+    made for) and placement (`placement`, else its own, koala_ds.resolve); `flag` names it in an error."""
+    for tried in [v] if v else [1, 2]:
+        try:
+            schedule = load_schedule(spec, p, MICROBATCHES, tried)
+        except (KoalaError, OSError) as exc:
+            why = exc
+            continue
+        return Candidate(spec, spec, tried, placement or schedule.placement.style)
+    raise BenchError(f"{flag} {spec}: {why}")
+
+
+def candidates(args, p: int) -> dict[str, Candidate]:
+    return {"A": candidate(args.base, "--base", p), "B": candidate(args.other, "--other", p, args.v, args.placement)}
 
 
 def one_round(ex: Example, files: dict[str, Candidate], r: int, args, work: Path, say) -> dict[str, dict[str, float]]:
@@ -151,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not args.dry_run:
             work.mkdir(parents=True, exist_ok=True)
-        cands = candidates(args)
+        cands = candidates(args, ex.p)
         files = {k: Candidate(c.label, str(schedule_file(ex, c, work, args.dry_run, say)), c.v, c.placement)
                  for k, c in cands.items()}
         rounds = [one_round(ex, files, r, args, work, say) for r in range(args.rounds)]

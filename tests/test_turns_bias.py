@@ -48,13 +48,15 @@ def test_dry_run_runs_each_schedule_alone_and_both_taking_turns_either_engine_fi
 
 
 def test_a_schedule_file_of_two_chunks_runs_with_the_placement_given(tmp_path):
-    res = _run("--dry-run", "--rounds", "1", "--other", "best.koala", "--v", "2", "--placement", "interleaved",
-               "--work", str(tmp_path / "w"))
-    assert res.returncode == 0, res.stderr
-    cmds = [line.strip()[2:] for line in res.stderr.splitlines() if line.strip().startswith("$ ")]
-    assert any(c.endswith(f"export best.koala -p 2 -m 8 -v 2 -o {tmp_path}/w/export_best_v2.json") for c in cmds)
-    alone = [c for c in cmds if f"--schedule {tmp_path}/w/export_best_v2.json" in c]
-    assert alone and all("--chunks 2 --placement interleaved" in c for c in alone)
+    best = tmp_path / "best.koala"
+    best.write_text((ROOT / "koala_ds" / "library" / "zb-v.koala").read_text())  # a V-shape v = 2 schedule
+    for flags, placement in ((["--v", "2", "--placement", "interleaved"], "interleaved"), ([], "vshape")):
+        res = _run("--dry-run", "--rounds", "1", "--other", str(best), *flags, "--work", str(tmp_path / "w"))
+        assert res.returncode == 0, res.stderr
+        cmds = [line.strip()[2:] for line in res.stderr.splitlines() if line.strip().startswith("$ ")]
+        assert any(c.endswith(f"export {best} -p 2 -m 8 -v 2 -o {tmp_path}/w/export_best_v2.json") for c in cmds)
+        alone = [c for c in cmds if f"--schedule {tmp_path}/w/export_best_v2.json" in c]
+        assert alone and all(f"--chunks 2 --placement {placement}" in c for c in alone), flags
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -66,6 +68,16 @@ def test_a_schedule_file_of_two_chunks_runs_with_the_placement_given(tmp_path):
 def test_bad_arguments_are_one_line(args, needle):
     res = _run("--dry-run", *args)
     assert res.returncode == 2 and needle in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--other", "nosuch"], "turns_bias.py: --other nosuch: unknown schedule 'nosuch'"),
+    (["--other", "zb-v", "--v", "1"], "turns_bias.py: --other zb-v: schedule 'zb-v' needs v == 2"),
+])
+def test_a_schedule_that_cannot_run_is_one_line_naming_its_flag(args, says):
+    res = _run("--dry-run", *args)
+    assert res.returncode == 1 and res.stderr.startswith(says) and "Traceback" not in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and "$ " not in res.stderr
 
 
 def test_an_output_file_that_cannot_be_written_is_one_line_before_anything_runs(tmp_path):
