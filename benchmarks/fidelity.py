@@ -283,6 +283,10 @@ CALIBRATION_SCHEDULES = {1: (("1f1b", "linear"), ("zb-h1", "linear")),
                          2: (("interleaved-1f1b", "interleaved"), ("zb-v", "vshape"))}
 #: calibration runs: iterations of a schedule's turn (its first, after another schedule's, left out)
 CALIB_BLOCK = 4
+#: iterations per calibration run: with the four schedules of v = 1, 2 taking turns of 4, 27 kept
+#: steps per schedule and run (64 kept 9: the calibrated prediction of a run then missed it by up to
+#: 22% on Megatron 4x64 and its speedups followed the few steps' noise; 2026-12-07, README)
+CALIB_ITERATIONS = 160
 
 
 def calibrate(ex: Example, profiles: dict[int, Path], args, work: Path, say) -> tuple[dict[int, Path], str]:
@@ -763,7 +767,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--iterations", type=int, default=None, help="iterations per torchrun (default 20; --quick: 8)")
     ap.add_argument("--warmup", type=int, default=None, help="first iterations dropped (default 4; --quick: 3)")
     ap.add_argument("--calib-iterations", type=int, default=None,
-                    help=f"iterations per traced calibration run (default 64; --quick: 24), {CALIB_BLOCK} per turn "
+                    help=f"iterations per traced calibration run (default 160; --quick: 24), {CALIB_BLOCK} per turn "
                          f"of a schedule; koala calibrate leaves out each schedule's first turn")
     ap.add_argument("--search-budget", type=float, default=None, help="koala search --time-budget S (default 5; "
                                                                       "--quick: 2)")
@@ -777,7 +781,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = ap.parse_args(argv)
     q = args.quick
     for name, full, quick in (("rounds", 8, 1), ("calib_rounds", 3, 1), ("iterations", 20, 8), ("warmup", 4, 3),
-                              ("search_budget", 5.0, 2.0), ("calib_iterations", 64, 24),
+                              ("search_budget", 5.0, 2.0), ("calib_iterations", CALIB_ITERATIONS, 24),
                               ("paired_rounds", 6, 1), ("paired_iterations", 48, 16)):
         if getattr(args, name) is None:
             setattr(args, name, quick if q else full)

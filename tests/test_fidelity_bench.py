@@ -131,7 +131,7 @@ def test_full_plan_alternates_fresh_runs_and_profiles_each_v(tmp_path, fidelity)
     assert [c.split("--schedule ")[1].split()[0] for c in traced] == [f"{w}/export_{n}.json" for n in names[:3]]
     for r, c in enumerate(traced):
         rest = [f"{w}/export_{n}.json" for n in names[r + 1:] + names[:r]]
-        assert c.endswith(f"--alternate-schedules {','.join(rest)} --alternate-block 4") and "--steps 64 " in c
+        assert c.endswith(f"--alternate-schedules {','.join(rest)} --alternate-block 4") and "--steps 160 " in c
         assert f"--trace {w}/trace_r{r}.json " in c
     assert "--chunks 2 --placement interleaved" in traced[2] and " --chunks " not in traced[0] + traced[1]
     cal = [c for c in cmds if " calibrate " in c and "dim64" in c and "recalibrated" not in c]
