@@ -538,20 +538,22 @@ def test_the_runtimes_recorder_writes_what_calibrate_reads(tmp_path, monkeypatch
     assert fitted.stages[(1, "backward_input")].value == pytest.approx(stages[1].backward_input, abs=1e-3)
 
 
-def _record_turns(file: Path, monkeypatch, schedules, results, steps: int = 12) -> None:
+def _record_turns(file: Path, monkeypatch, schedules, results, steps: int = 12, start: float = 1000.0,
+                  beside: tuple = ()) -> None:
     """`schedules` taking turns of 2 steps in one process through one recorder per rank, each
-    step as simulated in `results`; the first step of each turn after another's has 1.5x computes."""
+    step as simulated in `results`, the first at `start` ms; the first step of each turn after
+    another's has 1.5x computes; `beside[k]`: ms more between schedule k's steps than K."""
     from koala_ds.runtime import trace_record
 
     for r in range(schedules[0].p):
         clock: list[int] = []
         rec = trace_record.TraceRecorder(str(file), "megatron", "--koala-trace", global_rank=r)
         monkeypatch.setattr(trace_record, "_perf_ns", lambda: clock.pop(0))
-        t0 = 1000.0
+        t0 = start
         for step in range(steps):
             k = (step // 2) % len(schedules)
             _record_step(rec, clock, schedules[k], results[k], r, t0, 1.5 if step % 2 == 0 and step else 1.0)
-            t0 += results[k].makespan + K
+            t0 += results[k].makespan + K + (beside[k] if beside else 0.0)
         rec.close()
     monkeypatch.undo()
 
@@ -710,3 +712,56 @@ def test_runs_of_one_schedule_say_how_far_apart_the_machine_put_them(capsys, tmp
     assert [line for line in text.splitlines() if "one run per schedule" in line][0].endswith(
         "trace the schedules taking turns in one run (the examples' --alternate-schedules with a trace: a trace "
         "per schedule; docs/profiling.md)")
+
+
+def test_the_speedups_of_schedules_taking_turns_are_printed_beside_the_calibrated_ones(capsys, tmp_path, monkeypatch):
+    """Schedules traced taking turns in one process measure their speedup with the machine's drift
+    taken out; koala calibrate prints it per process beside the calibrated profile's and keeps it
+    in meta.calibration.turn_speedups. Two processes (t, u) of 1f1b and zb-h1: the fit reproduces
+    the speedup the truth made; runs of separate processes are not paired."""
+    from koala_ds.sim.turn_speedups import processes
+
+    stages = truth_stages(2)
+    schedules = [load_schedule(name, 2, 4, 1) for name in ("1f1b", "zb-h1")]
+    results = [simulate(s, model_of(stages, k=0.0), timeline=True) for s in schedules]
+    _record_turns(tmp_path / "t.json", monkeypatch, schedules, results)
+    _record_turns(tmp_path / "u.json", monkeypatch, schedules, results, start=1e6)
+    names = ["t.json", "t.zb-h1.json", "u.json", "u.zb-h1.json"]
+    runs = load_runs([str(tmp_path / n) for n in names])
+    assert processes(runs) == [[0, 1], [2, 3]]
+    truth = (results[0].makespan + K) / (results[1].makespan + K)
+    code, text, err = run(capsys, "calibrate", *(tmp_path / n for n in names), "--profile",
+                          input_profile(tmp_path, stages), "-o", tmp_path / "cal.json")
+    assert code == 0, err
+    line = next(x for x in text.splitlines() if x.strip().startswith("zb-h1 over 1f1b: measured"))
+    assert f"measured {truth:.3f}, {truth:.3f} (mean {truth:.3f}, SE 0.000); calibrated {truth:.3f} (+0.000)" in line \
+        or f"(-0.000)" in line, line
+    assert "warning" not in text
+    kept = json.loads((tmp_path / "cal.json").read_text())["meta"]["calibration"]["turn_speedups"]
+    assert [(k["schedule"], k["over"], len(k["measured"])) for k in kept] == [("zb-h1", "1f1b", 2)]
+    assert kept[0]["measured"][0] == pytest.approx(truth, rel=1e-4)
+    assert kept[0]["calibrated"] == pytest.approx(truth, rel=1e-3)
+    # each run from a process of its own: nothing taken turns with, nothing paired
+    _, alone, _ = run(capsys, "calibrate", tmp_path / "t.json", "--profile", input_profile(tmp_path, stages),
+                      "-o", tmp_path / "cal2.json")
+    assert "speedups between" not in alone
+
+
+def test_a_speedup_the_calibrated_profile_cannot_reproduce_is_a_warning(capsys, tmp_path, monkeypatch):
+    """zb-h1's steps paying 30% of a step more beside the pipeline than 1f1b's (a cost of one schedule
+    the model has no term for: its step overhead is one for all): measured taking turns, zb-h1 is
+    far slower than the calibrated profile says, and koala calibrate warns, naming both speedups."""
+    stages = truth_stages(2)
+    schedules = [load_schedule(name, 2, 4, 1) for name in ("1f1b", "zb-h1")]
+    results = [simulate(s, model_of(stages, k=0.0), timeline=True) for s in schedules]
+    extra = 0.3 * results[1].makespan
+    for name, start in (("t.json", 1000.0), ("u.json", 1e6), ("w.json", 2e6)):
+        _record_turns(tmp_path / name, monkeypatch, schedules, results, start=start, beside=(0.0, extra))
+    names = [n for x in "tuw" for n in (f"{x}.json", f"{x}.zb-h1.json")]
+    code, text, err = run(capsys, "calibrate", *(tmp_path / n for n in names), "--profile",
+                          input_profile(tmp_path, stages), "-o", tmp_path / "cal.json")
+    assert code == 0, err
+    measured = (results[0].makespan + K) / (results[1].makespan + K + extra)
+    assert f"zb-h1 over 1f1b: measured {measured:.3f}, {measured:.3f}, {measured:.3f}" in text
+    warning = [x for x in text.splitlines() if x.startswith("warning: the calibrated profile puts zb-h1 at")]
+    assert len(warning) == 1 and f"the runs measured {measured:.3f}x" in warning[0], text

@@ -21,6 +21,7 @@ from ..sim import MODES, CostProfile, bundled_profiles, resolve_profile
 from ..sim.calibrate import (NOISE_SPREADS, Fit, RunCheck, calibrated_profile, check_fits, check_runs, fit,
                              matched_latency, merged_timeline)
 from ..sim.measured import load_runs
+from ..sim.turn_speedups import SPEEDUP_TOLERANCE, TurnSpeedup, turn_speedups
 from ..sim.profile import ProfileError
 from . import nonnegative_int
 from .model import GANTT_SUFFIXES
@@ -77,6 +78,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         print(f"note: {line}")
     for line in miss_lines(checks, ranges):
         print(line)
+    for line in speedup_lines(_turn_speedups(checks, data)):
+        print(line)
     atomic_write(args.output, json.dumps(data, indent=1) + "\n", "-o")
     print(f"wrote calibrated profile {args.output}")
     if args.timeline:
@@ -109,6 +112,31 @@ def miss_lines(checks: list[RunCheck], ranges: dict[str, tuple[float, float, int
             out.append(f"note: {head}, within {NOISE_SPREADS:g} x the largest spread of the runs' medians "
                        f"(+-{c.noise:.1%}): their steps vary too much to tell a missing term from noise; "
                        f"trace more steps")
+    return out
+
+
+def _turn_speedups(checks: list[RunCheck], data: dict) -> list[TurnSpeedup]:
+    """The speedups between schedules that took turns, also kept in the calibrated profile's
+    meta.calibration.turn_speedups."""
+    speedups = turn_speedups([c.run for c in checks], [c.measured for c in checks], [c.calibrated_ms for c in checks])
+    data["meta"]["calibration"]["turn_speedups"] = [
+        {"schedule": t.schedule, "over": t.over, "measured": [round(x, 6) for x in t.measured],
+         "calibrated": round(t.predicted, 6)} for t in speedups]
+    return speedups
+
+
+def speedup_lines(speedups: list[TurnSpeedup]) -> list[str]:
+    """The speedups measured between schedules that took turns in one process, beside the
+    calibrated profile's (koala_ds.sim.turn_speedups); a warning per one the profile misses."""
+    if not speedups:
+        return []
+    out = ["speedups between the schedules that took turns (per process, their median steps), and the calibrated "
+           "profile's:"] + [f"  {t.line()}" for t in speedups]
+    for t in (t for t in speedups if t.misses):
+        out.append(f"warning: the calibrated profile puts {t.schedule} at {t.predicted:.3f}x of {t.over}, the runs "
+                   f"measured {t.mean:.3f}x: off by more than {SPEEDUP_TOLERANCE:g} and twice its SE; a search on "
+                   f"this profile misjudges such schedules by as much (docs/profiling.md, \"Calibrating from a "
+                   f"measured run\")")
     return out
 
 
