@@ -22,7 +22,8 @@ v = 1 and 2 chunks per rank where the model has the layers, it runs what a user 
    out each schedule's first turn and the first step of every turn: the stage times as they
    ran in the engine, the per-action, per-step and p2p costs, every schedule over the same
    minutes of the machine (fresh runs minutes apart put one schedule 10-40% apart); what it
-   printed goes into the report;
+   printed goes into the report, and the runs' speedups across v beside the calibrated
+   profiles' (`across_v_lines`: koala calibrate judges those within one v);
 3. on the CALIBRATED profiles, `koala compare --json` per v: 1f1b and the best predefined
    schedule (the fastest that fits the memory limit and that the engines run: one pipeline),
    and `koala search --min-gain 0 --ignore-spread` per v: the searched schedule (the faster v's;
@@ -332,8 +333,47 @@ def calibrate(ex: Example, profiles: dict[int, Path], args, work: Path, say) -> 
                        f"of {args.calib_iterations} iterations, the schedules taking turns of {CALIB_BLOCK}, the "
                        f"first {skip} and the first of each turn left out):\n"
                        + "\n".join("    " + line for line in text.splitlines() if not line.startswith("wrote ")))
+    if not args.dry_run and sum(1 for v in traced if traced[v]) > 1:
+        printed.append(across_v_lines(traced, out, skip))
     return out, "\n  ".join(["koala calibrate per v, on traced runs where the library schedules take turns",
                              *printed])
+
+
+def across_v_lines(traced: dict[int, list[Path]], calibrated: dict[int, Path], skip: int) -> str:
+    """The calibration runs' speedups across v (koala calibrate prints those within one v): per
+    schedule of another v than the first traced one (1f1b), its speedup over it in each run
+    where both took turns, beside the one the calibrated profiles of their v's give. A search's
+    v = 2 answer is judged against 1f1b on two profiles fitted apart; this is how far they agree
+    on the runs they were fitted on."""
+    from koala_ds.core.ir import KoalaError
+    from koala_ds.sim.measured import load_runs
+    from koala_ds.sim.profile import load_profile
+
+    try:
+        runs = {v: load_runs([str(f) for f in files], skip_steps=skip) for v, files in traced.items() if files}
+        profiles = {v: load_profile(str(calibrated[v])) for v in runs}
+        speedups = across_v(runs, profiles)
+    except (KoalaError, OSError) as exc:  # the traces koala calibrate has just read
+        raise BenchError(f"speedups across v from the calibration traces: {exc}") from None
+    head = "across v (each v's calibrated profile; per calibration run, the median steps):"
+    return "\n    ".join([head, *(s.line() for s in speedups)] if speedups else [head + " none took turns"])
+
+
+def across_v(runs: dict[int, list], profiles: dict) -> list:
+    """koala_ds.sim.turn_speedups over every v's traced runs (`runs[v]`, the first v's first run
+    the base), each predicted on its v's profile (`profiles[v]`): the speedups of the runs of another
+    v than the base's."""
+    from koala_ds.sim.simulator import simulate
+    from koala_ds.sim.turn_speedups import turn_speedups
+
+    every = [(v, r) for v, rs in runs.items() for r in rs]
+    if not every:
+        return []
+    base_v = every[0][0]
+    predicted = [simulate(r.schedule, profiles[v], timeline=False).makespan for v, r in every]
+    other = {r.schedule.name for v, r in every if v != base_v}
+    return [s for s in turn_speedups([r for _, r in every], [r.measured_ms for _, r in every], predicted)
+            if s.schedule in other]
 
 
 def choose(ex: Example, profiles: dict[int, Path], budget: float, work: Path, dry: bool, say) -> list[Candidate]:
