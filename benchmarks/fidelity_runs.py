@@ -28,11 +28,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fidelity import ROOT, SEARCHED_FLOOR, SPEEDUP_TOLERANCE, load_average, refuse_out  # noqa: E402
+from fidelity import ROOT, SEARCHED_FLOOR, SPEEDUP_TOLERANCE, _se, load_average, refuse_out  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "fidelity.txt"
 #: the first line of every report fidelity.py writes
 RUN_START = "$ python benchmarks/fidelity.py"
+#: a report's start time, in its header (fidelity.header)
+STARTED = re.compile(r"^started (\S+ \S+?);")
 #: the rows pooled, by how the table's schedule column begins
 KINDS = ("searched", "best predefined", "default search")
 
@@ -74,7 +76,7 @@ def parse_runs(text: str, source: str) -> list[tuple[str, str, list[RunRow]]]:
     chunks = [c for c in text.split(RUN_START) if c.strip()]
     for chunk in chunks:
         lines = chunk.splitlines()
-        started = next((m.group(1) for m in map(re.compile(r"^started (\S+ \S+?);").match, lines) if m), None)
+        started = next((m.group(1) for m in map(STARTED.match, lines) if m), None)
         head = next((i for i, line in enumerate(lines) if line.startswith("| example |")), None)
         if started is None or head is None:
             continue
@@ -123,7 +125,7 @@ def _mean_se(values: list[float]) -> str:
         return "-"
     if len(values) == 1:
         return f"{values[0]:+.3f}"
-    return f"{statistics.fmean(values):+.3f} ({statistics.stdev(values) / len(values) ** 0.5:.3f})"
+    return f"{statistics.fmean(values):+.3f} ({_se(values):.3f})"
 
 
 def _verdict(errors: list[float]) -> str:
@@ -131,7 +133,7 @@ def _verdict(errors: list[float]) -> str:
     more than two standard errors (a bias), within the target (none), or neither (cannot tell)."""
     if len(errors) < 2:
         return "too few runs"
-    mean, se = statistics.fmean(errors), statistics.stdev(errors) / len(errors) ** 0.5
+    mean, se = statistics.fmean(errors), _se(errors)
     if abs(mean) - 2 * se > SPEEDUP_TOLERANCE:
         return f"biased by {mean:+.3f}"
     if abs(mean) + 2 * se <= SPEEDUP_TOLERANCE:

@@ -78,7 +78,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         print(f"note: {line}")
     for line in miss_lines(checks, ranges):
         print(line)
-    for line in speedup_lines(_turn_speedups(checks, data)):
+    speedups = turn_speedups([c.run for c in checks], [c.measured for c in checks], [c.calibrated_ms for c in checks])
+    data["meta"]["calibration"]["turn_speedups"] = [t.to_dict() for t in speedups]
+    for line in speedup_lines(speedups):
         print(line)
     atomic_write(args.output, json.dumps(data, indent=1) + "\n", "-o")
     print(f"wrote calibrated profile {args.output}")
@@ -113,16 +115,6 @@ def miss_lines(checks: list[RunCheck], ranges: dict[str, tuple[float, float, int
                        f"(+-{c.noise:.1%}): their steps vary too much to tell a missing term from noise; "
                        f"trace more steps")
     return out
-
-
-def _turn_speedups(checks: list[RunCheck], data: dict) -> list[TurnSpeedup]:
-    """The speedups between schedules that took turns, also kept in the calibrated profile's
-    meta.calibration.turn_speedups."""
-    speedups = turn_speedups([c.run for c in checks], [c.measured for c in checks], [c.calibrated_ms for c in checks])
-    data["meta"]["calibration"]["turn_speedups"] = [
-        {"schedule": t.schedule, "over": t.over, "measured": [round(x, 6) for x in t.measured],
-         "calibrated": round(t.predicted, 6)} for t in speedups]
-    return speedups
 
 
 def speedup_lines(speedups: list[TurnSpeedup]) -> list[str]:

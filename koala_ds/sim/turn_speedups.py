@@ -58,6 +58,11 @@ class TurnSpeedup:
         """Off by more than SPEEDUP_TOLERANCE and by more than twice the measured mean's SE."""
         return abs(self.error) > SPEEDUP_TOLERANCE and abs(self.error) > 2 * (self.se or 0.0)
 
+    def to_dict(self) -> dict:
+        """As the calibrated profile keeps it (meta.calibration.turn_speedups)."""
+        return {"schedule": self.schedule, "over": self.over, "measured": [round(x, 6) for x in self.measured],
+                "calibrated": round(self.predicted, 6)}
+
     def line(self) -> str:
         se = f", SE {self.se:.3f}" if self.se is not None else ""
         each = ", ".join(f"{x:.3f}" for x in self.measured)
