@@ -17,13 +17,13 @@ v = 1 and 2 chunks per rank where the model has the layers, it runs what a user 
    (v = 1: 1f1b and zb-h1; v = 2: interleaved-1f1b and zb-v), all of them TAKING TURNS in one
    run, CALIB_BLOCK iterations each (the examples' --alternate-schedules with Megatron
    --koala-trace FILE / DeepSpeed --trace FILE: a trace per schedule, FILE.<name>), `--calib-rounds`
-   such runs of `--calib-iterations`, the first schedule rotated; then, per v, `koala calibrate
-   TRACE... --profile profile_v{v}.json -o calibrated_v{v}.json` over that v's traces, leaving
-   out each schedule's first turn and the first step of every turn: the stage times as they
-   ran in the engine, the per-action, per-step and p2p costs, every schedule over the same
-   minutes of the machine (fresh runs minutes apart put one schedule 10-40% apart); what it
-   printed goes into the report, and the runs' speedups across v beside the calibrated
-   profiles' (`across_v_lines`: koala calibrate judges those within one v);
+   such runs of `--calib-iterations`, the first schedule rotated; then one `koala calibrate
+   TRACE... --profile profile_v1.json -o calibrated_v1.json --profile profile_v2.json -o
+   calibrated_v2.json` (each v's profile fitted to its traces), leaving out each schedule's
+   first turn and the first step of every turn: the stage times as they ran in the engine, the
+   per-action, per-step and p2p costs, every schedule over the same minutes of the machine
+   (fresh runs minutes apart put one schedule 10-40% apart); what it printed goes into the
+   report, with the runs' speedups within and across v beside the calibrated profiles';
 3. on the CALIBRATED profiles, `koala compare --json` per v: 1f1b and the best predefined
    schedule (the fastest that fits the memory limit and that the engines run: one pipeline),
    and `koala search --min-gain 0 --ignore-spread` per v: the searched schedule (the faster v's;
@@ -299,10 +299,11 @@ def calibrate(ex: Example, profiles: dict[int, Path], args, work: Path, say) -> 
     FILE.<name>; the first schedule rotated every round). A drift of the machine then hits every
     calibration schedule alike, as the paired rounds' does the measured ones; fresh runs minutes
     apart measured one schedule 10-40% apart on this VM, and the per-schedule predictions missed
-    by that (benchmarks/results/fidelity.txt, the run of 23:55). Then per v `koala calibrate`
-    over that v's traces of every round, `--skip-steps` each schedule's first turn (koala
-    calibrate itself leaves out the first step of every turn, after another schedule's). The
-    calibrated profiles, and what koala calibrate printed."""
+    by that (benchmarks/results/fidelity.txt, the run of 23:55). Then one `koala calibrate` over
+    every round's traces with a --profile (and -o) per v: each v's profile fitted to its traces,
+    `--skip-steps` each schedule's first turn (koala calibrate itself leaves out the first step
+    of every turn, after another schedule's), and the speedups across v printed beside the
+    calibrated profiles'. The calibrated profiles, and what koala calibrate printed."""
     named = [Candidate(name, name, v, placement) for v in profiles for name, placement in CALIBRATION_SCHEDULES.get(v, ())]
     files = [dataclasses.replace(c, schedule=str(schedule_file(ex, c, work, args.dry_run, say))) for c in named]
     # read from the files just exported: schedule_json would export them again (and print it, in --dry-run)
@@ -319,62 +320,19 @@ def calibrate(ex: Example, profiles: dict[int, Path], args, work: Path, say) -> 
             file = str(trace) if k == 0 else schedule_trace_file(str(trace), names[c.schedule], taken)
             taken.add(file)
             traced[c.v].append(Path(file))
-    out, printed = {}, []
-    for v, prof in profiles.items():
-        traces = traced[v]
-        if not traces:
-            out[v] = prof
-            printed.append(f"v={v}: no library schedule to trace; the profile as measured")
-            continue
-        out[v] = work / f"calibrated_v{v}.json"
-        text = run([str(venv_bin() / "koala"), "calibrate", *map(str, traces), "--profile", str(prof),
-                    "--skip-steps", str(skip), "-o", str(out[v])], work / f"calibrate_v{v}.log",
-                   ex.env(work), work, args.dry_run, say)
-        printed.append(f"v={v}: koala calibrate {' '.join(t.stem for t in traces)} ({args.calib_rounds} round(s) "
-                       f"of {args.calib_iterations} iterations, the schedules taking turns of {CALIB_BLOCK}, the "
-                       f"first {skip} and the first of each turn left out):\n"
+    out = {v: (work / f"calibrated_v{v}.json" if traced[v] else prof) for v, prof in profiles.items()}
+    printed = [f"v={v}: no library schedule to trace; the profile as measured" for v in profiles if not traced[v]]
+    fitted = [v for v in profiles if traced[v]]
+    if fitted:
+        args_ = [a for v in fitted for a in ("--profile", str(profiles[v]), "-o", str(out[v]))]
+        text = run([str(venv_bin() / "koala"), "calibrate", *(str(t) for v in fitted for t in traced[v]), *args_,
+                    "--skip-steps", str(skip)], work / "calibrate.log", ex.env(work), work, args.dry_run, say)
+        printed.append(f"koala calibrate, a --profile per v ({', '.join(f'v={v}' for v in fitted)}): "
+                       f"{' '.join(t.stem for v in fitted for t in traced[v])} ({args.calib_rounds} round(s) of "
+                       f"{args.calib_iterations} iterations, the schedules taking turns of {CALIB_BLOCK}, the first "
+                       f"{skip} and the first of each turn left out):\n"
                        + "\n".join("    " + line for line in text.splitlines() if not line.startswith("wrote ")))
-    if not args.dry_run and sum(1 for v in traced if traced[v]) > 1:
-        printed.append(across_v_lines(traced, out, skip))
-    return out, "\n  ".join(["koala calibrate per v, on traced runs where the library schedules take turns",
-                             *printed])
-
-
-def across_v_lines(traced: dict[int, list[Path]], calibrated: dict[int, Path], skip: int) -> str:
-    """The calibration runs' speedups across v (koala calibrate prints those within one v): per
-    schedule of another v than the first traced one (1f1b), its speedup over it in each run
-    where both took turns, beside the one the calibrated profiles of their v's give. A search's
-    v = 2 answer is judged against 1f1b on two profiles fitted apart; this is how far they agree
-    on the runs they were fitted on."""
-    from koala_ds.core.ir import KoalaError
-    from koala_ds.sim.measured import load_runs
-    from koala_ds.sim.profile import load_profile
-
-    try:
-        runs = {v: load_runs([str(f) for f in files], skip_steps=skip) for v, files in traced.items() if files}
-        profiles = {v: load_profile(str(calibrated[v])) for v in runs}
-        speedups = across_v(runs, profiles)
-    except (KoalaError, OSError) as exc:  # the traces koala calibrate has just read
-        raise BenchError(f"speedups across v from the calibration traces: {exc}") from None
-    head = "across v (each v's calibrated profile; per calibration run, the median steps):"
-    return "\n    ".join([head, *(s.line() for s in speedups)] if speedups else [head + " none took turns"])
-
-
-def across_v(runs: dict[int, list], profiles: dict) -> list:
-    """koala_ds.sim.turn_speedups over every v's traced runs (`runs[v]`, the first v's first run
-    the base), each predicted on its v's profile (`profiles[v]`): the speedups of the runs of another
-    v than the base's."""
-    from koala_ds.sim.simulator import simulate
-    from koala_ds.sim.turn_speedups import turn_speedups
-
-    every = [(v, r) for v, rs in runs.items() for r in rs]
-    if not every:
-        return []
-    base_v = every[0][0]
-    predicted = [simulate(r.schedule, profiles[v], timeline=False).makespan for v, r in every]
-    other = {r.schedule.name for v, r in every if v != base_v}
-    return [s for s in turn_speedups([r for _, r in every], [r.measured_ms for _, r in every], predicted)
-            if s.schedule in other]
+    return out, "\n  ".join(["koala calibrate on traced runs where the library schedules take turns", *printed])
 
 
 def choose(ex: Example, profiles: dict[int, Path], budget: float, work: Path, dry: bool, say) -> list[Candidate]:

@@ -765,3 +765,95 @@ def test_a_speedup_the_calibrated_profile_cannot_reproduce_is_a_warning(capsys, 
     assert f"zb-h1 over 1f1b: measured {measured:.3f}, {measured:.3f}, {measured:.3f}" in text
     warning = [x for x in text.splitlines() if x.startswith("warning: the calibrated profile puts zb-h1 at")]
     assert len(warning) == 1 and f"the runs measured {measured:.3f}x" in warning[0], text
+
+
+# -- one --profile per v -------------------------------------------------------------------------
+def _across_v_traces(tmp_path: Path, monkeypatch) -> tuple[list, dict, list[Path]]:
+    """1f1b (v = 1, p = 2) and zb-v (v = 2) traced taking turns in two processes through the
+    runtimes' recorder, zb-v 2 ms more beside its steps in the second; the schedules, the truth's
+    profile per v and the trace files (each process's first schedule first)."""
+    one, two = load_schedule("1f1b", 2, 4, 1), load_schedule("zb-v", 2, 4, 2)
+    truth = {1: truth_stages(2), 2: truth_stages(4)}
+    bare = [simulate(s, model_of(truth[s.v], k=0.0), timeline=True) for s in (one, two)]
+    _record_turns(tmp_path / "a.json", monkeypatch, [one, two], bare)
+    _record_turns(tmp_path / "b.json", monkeypatch, [two, one], bare[::-1], start=9000.0, beside=(2.0, 0.0))
+    return [one, two], truth, [tmp_path / n for n in ("a.json", "a.zb-v.json", "b.json", "b.1f1b.json")]
+
+
+def _profile_of_v(tmp_path: Path, stages, v: int) -> Path:
+    path = input_profile(tmp_path, stages).replace(tmp_path / f"input_v{v}.json")
+    return path
+
+
+def test_one_profile_per_v_fits_each_to_its_traces_and_prints_the_speedups_across_them(capsys, tmp_path,
+                                                                                      monkeypatch):
+    """koala calibrate with a --profile (and -o) per v: each profile is fitted to the traces of its
+    stages alone (and recovers its truth), and the speedup of the v = 2 schedule over 1f1b measured
+    per process (the ratio of the recorded steps) is printed beside the one the two calibrated
+    profiles give, kept in both outputs' meta; the timeline predicts each run on its own v's."""
+    (one, two), truth, traces = _across_v_traces(tmp_path, monkeypatch)
+    outs = {v: tmp_path / f"cal_v{v}.json" for v in (1, 2)}
+    code, text, err = run(capsys, "calibrate", *traces, "--profile", _profile_of_v(tmp_path, truth[2], 2),
+                          "-o", outs[2], "--profile", _profile_of_v(tmp_path, truth[1], 1), "-o", outs[1],
+                          "--timeline", tmp_path / "merged.json")
+    assert code == 0, err
+    cal = {v: CostProfile.from_dict(json.loads(path.read_text())) for v, path in outs.items()}
+    for v in (1, 2):
+        assert cal[v].num_stages == len(truth[v])
+        assert cal[v].stages[-1].backward_input == pytest.approx(truth[v][-1].backward_input + C, rel=0.02)
+        runs = json.loads(outs[v].read_text())["meta"]["calibration"]["runs"]
+        assert sorted(r["schedule"] for r in runs) == 2 * [one.name if v == 1 else two.name], runs
+    step = [simulate(s, dataclasses.replace(model_of(truth[s.v]), step_overhead=0.0)).makespan + K for s in (one, two)]
+    measured = (step[0] / step[1], step[0] / (step[1] + 2.0))
+    assert measured[0] != pytest.approx(measured[1], abs=1e-3)  # the processes told apart
+    calibrated = simulate(one, cal[1]).makespan / simulate(two, cal[2]).makespan
+    head = [i for i, x in enumerate(text.splitlines()) if x.startswith("speedups between schedules of different "
+                                                                       "--profiles that took turns")]
+    assert len(head) == 1, text
+    line = text.splitlines()[head[0] + 1].strip()
+    assert line.startswith(f"zb-v over 1f1b: measured {measured[0]:.3f}, {measured[1]:.3f} (mean "
+                           f"{sum(measured) / 2:.3f}, SE ") and line.endswith(f"calibrated {calibrated:.3f} "
+                                                                             f"({calibrated - sum(measured) / 2:+.3f})")
+    assert [x for x in text.splitlines() if x.startswith("--profile ")] == [
+        f"--profile {tmp_path / 'input_v2.json'} (4 stages, 2 traced run(s)):",
+        f"--profile {tmp_path / 'input_v1.json'} (2 stages, 2 traced run(s)):"]
+    for v in (1, 2):
+        kept = json.loads(outs[v].read_text())["meta"]["calibration"]["turn_speedups_across_profiles"]
+        assert [(k["schedule"], k["over"]) for k in kept] == [("zb-v", "1f1b")]
+        assert kept[0]["calibrated"] == pytest.approx(calibrated, rel=1e-5)
+    names = {e["pid"]: e["args"]["name"] for e in json.loads((tmp_path / "merged.json").read_text())["traceEvents"]
+             if e["name"] == "process_name"}
+    assert len(names) == 8
+    ends = {}
+    for e in json.loads((tmp_path / "merged.json").read_text())["traceEvents"]:
+        if e["pid"] % 2 and e.get("ph") == "X" and e["name"] != "step overhead":
+            ends[e["pid"]] = max(ends.get(e["pid"], 0.0), e["ts"] + e["dur"])
+    zb = [pid for pid, name in names.items() if pid % 2 and name.startswith("zb-v")]
+    assert len(zb) == 2
+    span = min(e["ts"] for e in json.loads((tmp_path / "merged.json").read_text())["traceEvents"]
+               if e["pid"] == zb[0] and e.get("ph") == "X")
+    assert (ends[zb[0]] - span) / 1e3 == pytest.approx(simulate(two, cal[2]).makespan - cal[2].step_overhead, rel=1e-3)
+
+
+@pytest.mark.parametrize("case", ["count", "unused", "unfitted", "twice"])
+def test_profiles_per_v_that_do_not_match_the_traces_are_one_line(capsys, tmp_path, monkeypatch, case):
+    """-o per --profile; every --profile the profile of some trace; every trace of one --profile."""
+    _, truth, traces = _across_v_traces(tmp_path, monkeypatch)
+    v1, v2 = _profile_of_v(tmp_path, truth[1], 1), _profile_of_v(tmp_path, truth[2], 2)
+    three = _profile_of_v(tmp_path, truth_stages(3), 3)
+    args, needles = {
+        "count": ([*traces, "--profile", v1, "--profile", v2, "-o", tmp_path / "o.json"],
+                  ("2 --profile and 1 -o", "one -o per --profile")),
+        "unused": ([*traces, "--profile", v1, "-o", tmp_path / "o1.json", "--profile", v2, "-o", tmp_path / "o2.json",
+                    "--profile", three, "-o", tmp_path / "o3.json"],
+                   (f"--profile {three}: none of the traces is of its 3 stages", "leave it out (and its -o)")),
+        "unfitted": ([*traces, "--profile", v1, "-o", tmp_path / "o1.json", "--profile", three,
+                      "-o", tmp_path / "o3.json"],
+                     (f"{tmp_path / 'a.zb-v.json'}: a trace of", "which no --profile fits")),
+        "twice": ([*traces, "--profile", v1, "-o", tmp_path / "o1.json", "--profile", v1, "-o", tmp_path / "o2.json",
+                   "--profile", v2, "-o", tmp_path / "o3.json"],
+                  ("all fit it: give one --profile per v",)),
+    }[case]
+    code, text, err = run(capsys, "calibrate", *args)
+    one_line_error(code, err, *needles)
+    assert not any(p.name.startswith("o") and p.suffix == ".json" for p in tmp_path.iterdir())

@@ -38,6 +38,10 @@ SKIP = {
     "koala calibrate runs/t.json runs/t.zb-h1.json --profile prof.json --skip-steps 8 -o calibrated.json":
         "docs/profiling.md: needs the traces of the torchrun line before it (schedules taking turns); "
         "tests/test_calibrate.py calibrates such traces",
+    "koala calibrate t.json t.zb-v.json --skip-steps 8 --profile prof_v1.json -o cal_v1.json --profile prof_v2.json "
+    "-o cal_v2.json":
+        "docs/profiling.md: needs the traces of the torchrun line before it (1f1b and zb-v taking turns); "
+        "tests/test_calibrate.py calibrates such traces with a --profile per v",
     "koala search --profile calibrated.json -m 8 -o best.koala":
         "README.md: needs the calibrated profile of the line before",
     "koala calibrate t0.json t0.zb-h1.json t1.json t1.1f1b.json t2.json t2.zb-h1.json --profile prof.json "

@@ -2,6 +2,11 @@
 
     koala calibrate trace.json --profile prof.json -o calibrated.json [--skip-steps 1] [--timeline merged.json]
         [--gantt steps.png]
+    koala calibrate t.json t.zb-v.json --profile prof_v1.json -o cal_v1.json --profile prof_v2.json -o cal_v2.json
+
+With one --profile per v, each is fitted to the traces of its stages, and the speedups between
+schedules of different v that took turns in one process are printed beside those their
+calibrated profiles give (what a search weighing v = 1 against v = 2 relies on).
 
 The fit is koala_ds.sim.calibrate's (the traces: koala_ds.sim.measured); this module loads the
 inputs, prints the table (measured step time, predicted with the input and the calibrated
@@ -13,14 +18,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..core.json_input import NotJson, parse_json
 from ..core.outputs import OutputError, atomic_write, check_output
 from ..sim import MODES, CostProfile, bundled_profiles, resolve_profile
-from ..sim.calibrate import (NOISE_SPREADS, Fit, RunCheck, calibrated_profile, check_fits, check_runs, fit,
-                             matched_latency, merged_timeline)
-from ..sim.measured import load_runs
+from ..sim.calibrate import (NOISE_SPREADS, CalibrationError, Fit, RunCheck, calibrated_profile, check_fits,
+                             check_runs, fit, matched_latency, merged_timeline)
+from ..sim.measured import TracedRun, describe, load_runs
 from ..sim.turn_speedups import SPEEDUP_TOLERANCE, TurnSpeedup, turn_speedups
 from ..sim.profile import ProfileError
 from . import nonnegative_int
@@ -44,7 +50,24 @@ def read_profile(name: str) -> tuple[dict, CostProfile]:
     return data, CostProfile.from_dict(data, source)
 
 
-def _match_latency(runs, data: dict, calibrated: CostProfile, notes: list[str], args) -> CostProfile:
+@dataclass
+class Calibration:
+    """One --profile's calibration: its input, the traced runs it fits (those of its stages), the
+    fit, the calibrated profile's JSON (`data`, written to `output`) and what koala calibrate
+    prints of it."""
+
+    name: str
+    output: str
+    raw: dict
+    profile: CostProfile
+    runs: list[TracedRun]
+    data: dict = field(default_factory=dict)
+    calibrated: CostProfile | None = None
+    checks: list[RunCheck] = field(default_factory=list)
+    printed: list[str] = field(default_factory=list)
+
+
+def _match_latency(runs, data: dict, calibrated: CostProfile, notes: list[str], args, output: str) -> CostProfile:
     """The calibrated profile with the p2p latency matched to the runs' step times
     (`matched_latency`); the waits' estimate stays in meta.calibration and a note."""
     waits = calibrated.p2p_latency
@@ -55,44 +78,110 @@ def _match_latency(runs, data: dict, calibrated: CostProfile, notes: list[str], 
     data["meta"]["calibration"]["p2p_latency_from_waits"] = round(waits, 6)
     notes.append(f"p2p_latency: {waits:.4g} ms from the waits for late messages, {latency:.4g} ms where the runs' "
                  f"predicted step times are their measured ones on average (the profile's)")
-    return CostProfile.from_dict(data, source=str(args.output))
+    return CostProfile.from_dict(data, source=output)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     _check_outputs(args)
-    raw, profile = read_profile(args.profile)
+    inputs = [(name, *read_profile(name)) for name in args.profile]
     runs = load_runs(args.traces, args.skip_steps)
-    check_fits(runs, profile, raw.get("meta") if isinstance(raw.get("meta"), dict) else None)
-    fitted = fit(runs, profile.num_stages)
-    data, notes = calibrated_profile(raw, fitted, runs, args.skip_steps, profile.source)
-    calibrated = CostProfile.from_dict(data, source=str(args.output))
+    cals = [Calibration(name, out, raw, prof, group)
+            for (name, raw, prof), out, group in zip(inputs, args.output, assign_runs(runs, inputs))]
+    for cal in cals:
+        calibrate_one(cal, args)
+    across = speedups_across(cals, runs) if len(cals) > 1 else []
+    for i, cal in enumerate(cals):
+        if len(cals) > 1:
+            print("\n" * bool(i) + f"--profile {cal.name} ({cal.profile.num_stages} stages, {len(cal.runs)} traced "
+                  f"run(s)):")
+        print("\n".join(cal.printed))
+        if across:
+            cal.data["meta"]["calibration"]["turn_speedups_across_profiles"] = [t.to_dict() for t in across]
+    for line in speedup_lines(across, ACROSS_HEAD):
+        print(line)
+    for cal in cals:
+        atomic_write(cal.output, json.dumps(cal.data, indent=1) + "\n", "-o")
+        print(f"wrote calibrated profile {cal.output}")
+    _write_pictures(args, cals)
+    return 0
+
+
+def calibrate_one(cal: Calibration, args: argparse.Namespace) -> None:
+    """Fit `cal.profile` to `cal.runs`; fill in the calibrated profile and what to print."""
+    check_fits(cal.runs, cal.profile, cal.raw.get("meta") if isinstance(cal.raw.get("meta"), dict) else None)
+    fitted = fit(cal.runs, cal.profile.num_stages)
+    cal.data, notes = calibrated_profile(cal.raw, fitted, cal.runs, args.skip_steps, cal.profile.source)
+    cal.calibrated = CostProfile.from_dict(cal.data, source=cal.output)
     if fitted.p2p_latency.value is not None:
-        calibrated = _match_latency(runs, data, calibrated, notes, args)
-    checks = check_runs(runs, profile, calibrated, args.mode)
-    print(_runs_table(checks, profile))
-    print()
-    print(_fit_table(raw, data, fitted))
-    ranges = schedule_ranges(checks)
-    drift = drift_notes(ranges, len(checks), any(r.took_turns for r in runs))
-    for line in [n for r in runs for n in r.notes] + notes + drift:
-        print(f"note: {line}")
-    for line in miss_lines(checks, ranges):
-        print(line)
-    speedups = turn_speedups([c.run for c in checks], [c.measured for c in checks], [c.calibrated_ms for c in checks])
-    data["meta"]["calibration"]["turn_speedups"] = [t.to_dict() for t in speedups]
-    for line in speedup_lines(speedups):
-        print(line)
-    atomic_write(args.output, json.dumps(data, indent=1) + "\n", "-o")
-    print(f"wrote calibrated profile {args.output}")
+        cal.calibrated = _match_latency(cal.runs, cal.data, cal.calibrated, notes, args, cal.output)
+    cal.checks = check_runs(cal.runs, cal.profile, cal.calibrated, args.mode)
+    ranges = schedule_ranges(cal.checks)
+    drift = drift_notes(ranges, len(cal.checks), any(r.took_turns for r in cal.runs))
+    speedups = turn_speedups(cal.runs, [c.measured for c in cal.checks], [c.calibrated_ms for c in cal.checks])
+    cal.data["meta"]["calibration"]["turn_speedups"] = [t.to_dict() for t in speedups]
+    cal.printed = ([_runs_table(cal.checks, cal.profile), "", _fit_table(cal.raw, cal.data, fitted)]
+                   + [f"note: {line}" for line in [n for r in cal.runs for n in r.notes] + notes + drift]
+                   + miss_lines(cal.checks, ranges) + speedup_lines(speedups))
+
+
+def assign_runs(runs: list[TracedRun], inputs: list[tuple[str, dict, CostProfile]]) -> list[list[TracedRun]]:
+    """Per --profile, the traced runs it is the profile of (its stages, and the p and v it was
+    profiled for where its meta says): each run to the one profile that fits it (one of as many
+    stages as the run has virtual stages before one of its stages per pipeline); one --profile:
+    every run, check_fits then says which does not fit."""
+    if len(inputs) == 1:
+        return [list(runs)]
+    groups: list[list[TracedRun]] = [[] for _ in inputs]
+    for run in runs:
+        fits = [i for i, (_, raw, prof) in enumerate(inputs) if _fits(run, prof, raw)]
+        exact = [i for i in fits if inputs[i][2].num_stages == run.schedule.placement.num_stages]
+        chosen = exact or fits
+        names = ", ".join(inputs[i][0] for i in chosen)
+        if len(chosen) != 1:
+            raise CalibrationError(
+                f"{run.name}: a trace of {describe(run.schedule)} ({run.schedule.placement.num_stages} virtual "
+                + (f"stages), and --profile {names} all fit it: give one --profile per v"
+                   if chosen else f"stages), which no --profile fits: give the profile of its stages too"))
+        groups[chosen[0]].append(run)
+    for (name, _, prof), group in zip(inputs, groups):
+        if not group:
+            raise CalibrationError(f"--profile {name}: none of the traces is of its {prof.num_stages} stages: "
+                                   f"give a trace of its v, or leave it out (and its -o)")
+    return groups
+
+
+def _fits(run: TracedRun, profile: CostProfile, raw: dict) -> bool:
+    try:
+        check_fits([run], profile, raw.get("meta") if isinstance(raw.get("meta"), dict) else None)
+    except CalibrationError:
+        return False
+    return True
+
+
+def speedups_across(cals: list[Calibration], runs: list[TracedRun]) -> list[TurnSpeedup]:
+    """The speedups between schedules that took turns in one process across --profiles (a v = 2
+    schedule over 1f1b, say): per schedule of another --profile than the first trace's, its speedup
+    over the first trace's schedule measured per process, and as their calibrated profiles give it
+    (each on its own). What a search comparing v = 1 and v = 2 on these profiles relies on."""
+    of = {id(c.run): (cal, c) for cal in cals for c in cal.checks}
+    checks = [of[id(r)][1] for r in runs]
+    base = of[id(runs[0])][0]
+    own = {r.schedule.name for r in base.runs}
+    return [t for t in turn_speedups(runs, [c.measured for c in checks], [c.calibrated_ms for c in checks])
+            if t.schedule not in own]
+
+
+def _write_pictures(args: argparse.Namespace, cals: list[Calibration]) -> None:
+    runs = [r for cal in cals for r in cal.runs]
+    profiles = [cal.calibrated for cal in cals for _ in cal.runs]
     if args.timeline:
-        atomic_write(args.timeline, json.dumps(merged_timeline(runs, calibrated, args.mode)), "--timeline")
+        atomic_write(args.timeline, json.dumps(merged_timeline(runs, profiles, args.mode)), "--timeline")
         print(f"wrote {args.timeline}: measured and predicted side by side (open it in https://ui.perfetto.dev)")
     if args.gantt:
         from ..viz.gantt import write_calibration_gantt
 
-        write_calibration_gantt(runs, calibrated, args.gantt, args.mode, str(args.output))
+        write_calibration_gantt(runs, profiles, args.gantt, args.mode, ", ".join(cal.output for cal in cals))
         print(f"wrote {args.gantt}: each run's measured median step above the calibrated prediction")
-    return 0
 
 
 def miss_lines(checks: list[RunCheck], ranges: dict[str, tuple[float, float, int]]) -> list[str]:
@@ -117,13 +206,18 @@ def miss_lines(checks: list[RunCheck], ranges: dict[str, tuple[float, float, int
     return out
 
 
-def speedup_lines(speedups: list[TurnSpeedup]) -> list[str]:
+TURNS_HEAD = ("speedups between the schedules that took turns (per process, their median steps), and the calibrated "
+              "profile's:")
+ACROSS_HEAD = ("speedups between schedules of different --profiles that took turns (per process, their median steps), "
+               "and their calibrated profiles' (each schedule on its own):")
+
+
+def speedup_lines(speedups: list[TurnSpeedup], head: str = TURNS_HEAD) -> list[str]:
     """The speedups measured between schedules that took turns in one process, beside the
     calibrated profile's (koala_ds.sim.turn_speedups); a warning per one the profile misses."""
     if not speedups:
         return []
-    out = ["speedups between the schedules that took turns (per process, their median steps), and the calibrated "
-           "profile's:"] + [f"  {t.line()}" for t in speedups]
+    out = [head] + [f"  {t.line()}" for t in speedups]
     for t in (t for t in speedups if t.misses):
         out.append(f"warning: the calibrated profile puts {t.schedule} at {t.predicted:.3f}x of {t.over}, the runs "
                    f"measured {t.mean:.3f}x: off by more than {SPEEDUP_TOLERANCE:g} and twice its SE; a search on "
@@ -158,9 +252,14 @@ def drift_notes(ranges: dict[str, tuple[float, float, int]], runs: int, took_tur
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
-    """-o, --timeline and --gantt can be written, each its own file (before any work)."""
-    check_output(args.output, "-o")
-    named = [("-o", args.output)]
+    """One -o per --profile; -o, --timeline and --gantt can be written, each its own file (before any work)."""
+    if len(args.output) != len(args.profile):
+        raise OutputError(f"{len(args.profile)} --profile and {len(args.output)} -o: give one -o per --profile, "
+                          f"in the same order (its calibrated profile)")
+    named = []
+    for out in args.output:
+        check_output(out, "-o")
+        named.append(("-o", out))
     if args.timeline:
         check_output(args.timeline, "--timeline")
         named.append(("--timeline", args.timeline))
@@ -219,9 +318,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("traces", nargs="+", metavar="TRACE",
                    help="a traced run's FILE (its FILE.rank*.json files are read) or trace files; several runs "
                         "(other schedules) may be given")
-    p.add_argument("--profile", required=True, metavar="P.json",
-                   help=f"the stage profile to calibrate: a JSON file or a bundled name ({', '.join(bundled_profiles())})")
-    p.add_argument("-o", "--output", required=True, metavar="OUT.json", help="write the calibrated profile here")
+    p.add_argument("--profile", required=True, action="append", metavar="P.json",
+                   help=f"the stage profile to calibrate: a JSON file or a bundled name ({', '.join(bundled_profiles())}); "
+                        "given once per v (each v's profile, its own -o), each is fitted to the traces of its stages, "
+                        "and the speedups of schedules that took turns across them are printed")
+    p.add_argument("-o", "--output", required=True, action="append", metavar="OUT.json",
+                   help="write the calibrated profile here (one per --profile, in the same order)")
     p.add_argument("--skip-steps", type=nonnegative_int, default=1, metavar="N",
                    help="leave out each run's first N steps (default 1: step 0 is the warm-up); where schedules "
                         "took turns, steps are numbered over all of them, and the first of each turn is left out too")

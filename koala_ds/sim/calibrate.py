@@ -424,30 +424,30 @@ def check_runs(runs: Sequence[TracedRun], profile: CostProfile, calibrated: Cost
     return [dataclasses.replace(c, noise=noise) for c in out]
 
 
-def merged_timeline(runs: Sequence[TracedRun], calibrated: CostProfile, mode: str = "async") -> dict:
+def merged_timeline(runs: Sequence[TracedRun], calibrated: Sequence[CostProfile], mode: str = "async") -> dict:
     """One Chrome trace: per run i, its median complete step as measured (pid 2i) beside the
-    calibrated prediction (pid 2i + 1: koala_ds.viz.trace's rows and names, plus each rank's
-    step overhead), the first actions at the same time."""
+    prediction with its calibrated profile `calibrated[i]` (pid 2i + 1: koala_ds.viz.trace's rows
+    and names, plus each rank's step overhead), the first actions at the same time."""
     from ..viz.trace import chrome_trace
 
     events: list[dict] = []
-    for i, run in enumerate(runs):
+    for i, (run, prof) in enumerate(zip(runs, calibrated)):
         step = run.median_step()
         lead = (step.anchor - step.start) * 1e3  # us from the step's start to the pipeline's
         where = f", pipeline {step.pipeline}" if any(s.pipeline for s in run.steps) else ""
         events += _process(2 * i, f"{run.schedule.name} measured ({run.name}, step {step.number}{where})",
                            run.schedule.p)
         events += [dict(e, pid=2 * i, ts=e["ts"] - step.start * 1e3) for e in run.events_of(step)]
-        result = simulate(run.schedule, calibrated, mode=mode, timeline=True)
+        result = simulate(run.schedule, prof, mode=mode, timeline=True)
         predicted = [dict(e, pid=2 * i + 1) for e in chrome_trace(result, run.schedule)["traceEvents"]
                      if e.get("name") != "process_name"]
         for e in predicted:
             if "ts" in e:
                 e["ts"] += lead
         events += _process(2 * i + 1, f"{run.schedule.name} calibrated prediction", 0) + predicted
-        k = calibrated.step_overhead * 1e3
+        k = prof.step_overhead * 1e3
         events += [{"name": "step overhead", "cat": "step", "ph": "X", "pid": 2 * i + 1, "tid": r,
-                    "ts": lead + end * 1e3 - k, "dur": k, "args": {"step_overhead_ms": calibrated.step_overhead}}
+                    "ts": lead + end * 1e3 - k, "dur": k, "args": {"step_overhead_ms": prof.step_overhead}}
                    for r, end in enumerate(result.finish) if k > 0]
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"koala": "koala calibrate --timeline: measured (even pid) and calibrated prediction (odd pid)"}}

@@ -285,9 +285,10 @@ def _title(ax, head: str, detail: str, axes_width_pt: float) -> None:
     ax.set_title(one_line if fits else f"{head}\n{detail}", fontsize=fontsize, loc="left")
 
 
-def write_calibration_gantt(runs: Sequence[TracedRun], calibrated: CostProfile, path: str | os.PathLike,
+def write_calibration_gantt(runs: Sequence[TracedRun], calibrated: Sequence[CostProfile], path: str | os.PathLike,
                             mode: str = "async", profile_name: str = "") -> Path:
-    """`koala calibrate --gantt`: draw `calibration_figure` of every run to `path` (.png, .svg, .pdf)."""
+    """`koala calibrate --gantt`: draw `calibration_figure` of every run (run i predicted with
+    `calibrated[i]`) to `path` (.png, .svg, .pdf)."""
     image_format(Path(path))
-    panels = [calibration_panels(run, calibrated, mode) for run in runs]
+    panels = [calibration_panels(run, prof, mode) for run, prof in zip(runs, calibrated)]
     return save_figure(calibration_figure(panels, profile_name), path)
