@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import random
 import re
+import statistics
 from pathlib import Path
 
 import pytest
@@ -857,3 +859,38 @@ def test_profiles_per_v_that_do_not_match_the_traces_are_one_line(capsys, tmp_pa
     code, text, err = run(capsys, "calibrate", *args)
     one_line_error(code, err, *needles)
     assert not any(p.name.startswith("o") and p.suffix == ".json" for p in tmp_path.iterdir())
+
+
+def test_a_speedup_measured_too_loosely_to_check_a_promise_says_so(capsys, tmp_path, monkeypatch):
+    """zb-h1's steps paying 0%, 15% and 30% of a step more beside the pipeline in three processes:
+    its speedup over 1f1b is known to more than +-0.05 (twice its SE), so a note says the runs
+    cannot check a promise to 0.05; one process alone: its noise unknown, a note too; two
+    processes that agree: no note."""
+    stages = truth_stages(2)
+    schedules = [load_schedule(name, 2, 4, 1) for name in ("1f1b", "zb-h1")]
+    results = [simulate(s, model_of(stages, k=0.0), timeline=True) for s in schedules]
+    for name, start, extra in (("t.json", 1000.0, 0.0), ("u.json", 1e6, 0.15), ("w.json", 2e6, 0.3)):
+        _record_turns(tmp_path / name, monkeypatch, schedules, results, start=start,
+                      beside=(0.0, extra * results[1].makespan))
+    every = [tmp_path / n for x in "tuw" for n in (f"{x}.json", f"{x}.zb-h1.json")]
+    prof = input_profile(tmp_path, stages)
+
+    def notes(files):
+        code, text, err = run(capsys, "calibrate", *files, "--profile", prof, "-o", tmp_path / "cal.json")
+        assert code == 0, err
+        return [x for x in text.splitlines() if x.startswith("note: zb-h1 over 1f1b measured")], text
+
+    said, text = notes(every)
+    ratios = [float(x) for x in re.search(r"zb-h1 over 1f1b: measured ([\d., ]+) \(", text).group(1).split(", ")]
+    se = statistics.stdev(ratios) / math.sqrt(3)
+    assert 2 * se > 0.05
+    assert said == [f"note: zb-h1 over 1f1b measured to +-{2 * se:.3f} (twice its SE), more than 0.05: the runs "
+                    f"cannot check a promise of this speedup to 0.05; trace more runs (each a process of its own) or "
+                    f"more steps"], text
+    assert not any(x.startswith("warning: the calibrated profile puts") for x in text.splitlines())
+    said, _ = notes(every[:2])
+    assert said == ["note: zb-h1 over 1f1b measured in one process, its noise unknown: the runs cannot check a "
+                    "promise of this speedup to 0.05; trace more runs (each a process of its own) or more steps"]
+    _record_turns(tmp_path / "v.json", monkeypatch, schedules, results, start=3e6)
+    said, text = notes(every[:2] + [tmp_path / "v.json", tmp_path / "v.zb-h1.json"])
+    assert said == [] and "zb-h1 over 1f1b: measured" in text

@@ -125,10 +125,10 @@ def calibrate_one(cal: Calibration, args: argparse.Namespace) -> None:
 
 
 def assign_runs(runs: list[TracedRun], inputs: list[tuple[str, dict, CostProfile]]) -> list[list[TracedRun]]:
-    """Per --profile, the traced runs it is the profile of (its stages, and the p and v it was
-    profiled for where its meta says): each run to the one profile that fits it (one of as many
-    stages as the run has virtual stages before one of its stages per pipeline); one --profile:
-    every run, check_fits then says which does not fit."""
+    """Per --profile, the traced runs it is the profile of: each run to the one profile that fits
+    it (check_fits: as many stages as the run's virtual stages, or as its stages per pipeline,
+    and the p and v of the profile's meta where it gives them), preferring one of as many stages
+    as the run's virtual stages. With one --profile, every run (check_fits then names a misfit)."""
     if len(inputs) == 1:
         return [list(runs)]
     groups: list[list[TracedRun]] = [[] for _ in inputs]
@@ -136,12 +136,11 @@ def assign_runs(runs: list[TracedRun], inputs: list[tuple[str, dict, CostProfile
         fits = [i for i, (_, raw, prof) in enumerate(inputs) if _fits(run, prof, raw)]
         exact = [i for i in fits if inputs[i][2].num_stages == run.schedule.placement.num_stages]
         chosen = exact or fits
-        names = ", ".join(inputs[i][0] for i in chosen)
         if len(chosen) != 1:
-            raise CalibrationError(
-                f"{run.name}: a trace of {describe(run.schedule)} ({run.schedule.placement.num_stages} virtual "
-                + (f"stages), and --profile {names} all fit it: give one --profile per v"
-                   if chosen else f"stages), which no --profile fits: give the profile of its stages too"))
+            what = f"{run.name}: a trace of {describe(run.schedule)} ({run.schedule.placement.num_stages} virtual stages)"
+            raise CalibrationError(f"{what}, and --profile {', '.join(inputs[i][0] for i in chosen)} all fit it: give "
+                                   f"one --profile per v" if chosen else
+                                   f"{what}, which no --profile fits: give the profile of its stages too")
         groups[chosen[0]].append(run)
     for (name, _, prof), group in zip(inputs, groups):
         if not group:
@@ -223,6 +222,11 @@ def speedup_lines(speedups: list[TurnSpeedup], head: str = TURNS_HEAD) -> list[s
                    f"measured {t.mean:.3f}x: off by more than {SPEEDUP_TOLERANCE:g} and twice its SE; a search on "
                    f"this profile misjudges such schedules by as much (docs/profiling.md, \"Calibrating from a "
                    f"measured run\")")
+    for t in (t for t in speedups if t.imprecise and not t.misses):
+        how = ("in one process, its noise unknown" if t.se is None else
+               f"to +-{2 * t.se:.3f} (twice its SE), more than {SPEEDUP_TOLERANCE:g}")
+        out.append(f"note: {t.schedule} over {t.over} measured {how}: the runs cannot check a promise of this "
+                   f"speedup to {SPEEDUP_TOLERANCE:g}; trace more runs (each a process of its own) or more steps")
     return out
 
 

@@ -58,6 +58,12 @@ class TurnSpeedup:
         """Off by more than SPEEDUP_TOLERANCE and by more than twice the measured mean's SE."""
         return abs(self.error) > SPEEDUP_TOLERANCE and abs(self.error) > 2 * (self.se or 0.0)
 
+    @property
+    def imprecise(self) -> bool:
+        """Measured too loosely to judge a promise within SPEEDUP_TOLERANCE: twice the mean's SE is
+        more (or only one process measured it, its noise unknown)."""
+        return self.se is None or 2 * self.se > SPEEDUP_TOLERANCE
+
     def to_dict(self) -> dict:
         """As the calibrated profile keeps it (meta.calibration.turn_speedups)."""
         return {"schedule": self.schedule, "over": self.over, "measured": [round(x, 6) for x in self.measured],
