@@ -894,3 +894,15 @@ def test_a_speedup_measured_too_loosely_to_check_a_promise_says_so(capsys, tmp_p
     _record_turns(tmp_path / "v.json", monkeypatch, schedules, results, start=3e6)
     said, text = notes(every[:2] + [tmp_path / "v.json", tmp_path / "v.zb-h1.json"])
     assert said == [] and "zb-h1 over 1f1b: measured" in text
+
+
+@pytest.mark.parametrize("se, imprecise", [(0.0251, False), (0.02503, False), (0.0256, True), (None, True)])
+def test_a_speedup_is_too_loose_only_where_twice_its_printed_se_exceeds_the_tolerance(se, imprecise):
+    """The note's +-figure is printed to 3 decimals: 2 x 0.0251 prints as 0.050, not more than 0.05
+    (a fidelity run's DeepSpeed dim 64 zb-h1 said '+-0.050 ..., more than 0.05' before)."""
+    from koala_ds.sim.turn_speedups import TurnSpeedup
+
+    measured = (1.0,) if se is None else (1.0 - se, 1.0 + se)
+    t = TurnSpeedup("zb-h1", "1f1b", measured, 1.0)
+    assert (t.se is None) == (se is None) and (se is None or t.se == pytest.approx(se))
+    assert t.imprecise is imprecise

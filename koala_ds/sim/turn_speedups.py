@@ -61,8 +61,8 @@ class TurnSpeedup:
     @property
     def imprecise(self) -> bool:
         """Measured too loosely to judge a promise within SPEEDUP_TOLERANCE: twice the mean's SE is
-        more (or only one process measured it, its noise unknown)."""
-        return self.se is None or 2 * self.se > SPEEDUP_TOLERANCE
+        more, as printed (to 3 decimals), or only one process measured it (its noise unknown)."""
+        return self.se is None or round(2 * self.se, 3) > SPEEDUP_TOLERANCE
 
     def to_dict(self) -> dict:
         """As the calibrated profile keeps it (meta.calibration.turn_speedups)."""
