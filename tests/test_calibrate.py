@@ -826,6 +826,7 @@ def test_one_profile_per_v_fits_each_to_its_traces_and_prints_the_speedups_acros
     names = {e["pid"]: e["args"]["name"] for e in json.loads((tmp_path / "merged.json").read_text())["traceEvents"]
              if e["name"] == "process_name"}
     assert len(names) == 8
+    assert [names[2 * i].split()[0] for i in range(4)] == ["1f1b", "zb-v", "zb-v", "1f1b"]  # the traces' order
     ends = {}
     for e in json.loads((tmp_path / "merged.json").read_text())["traceEvents"]:
         if e["pid"] % 2 and e.get("ph") == "X" and e["name"] != "step overhead":

@@ -102,7 +102,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     for cal in cals:
         atomic_write(cal.output, json.dumps(cal.data, indent=1) + "\n", "-o")
         print(f"wrote calibrated profile {cal.output}")
-    _write_pictures(args, cals)
+    _write_pictures(args, cals, runs)
     return 0
 
 
@@ -170,9 +170,10 @@ def speedups_across(cals: list[Calibration], runs: list[TracedRun]) -> list[Turn
             if t.schedule not in own]
 
 
-def _write_pictures(args: argparse.Namespace, cals: list[Calibration]) -> None:
-    runs = [r for cal in cals for r in cal.runs]
-    profiles = [cal.calibrated for cal in cals for _ in cal.runs]
+def _write_pictures(args: argparse.Namespace, cals: list[Calibration], runs: list[TracedRun]) -> None:
+    """--timeline and --gantt: every run in the order given, each predicted with its --profile's calibration."""
+    of = {id(r): cal.calibrated for cal in cals for r in cal.runs}
+    profiles = [of[id(r)] for r in runs]
     if args.timeline:
         atomic_write(args.timeline, json.dumps(merged_timeline(runs, profiles, args.mode)), "--timeline")
         print(f"wrote {args.timeline}: measured and predicted side by side (open it in https://ui.perfetto.dev)")
