@@ -907,3 +907,29 @@ def test_a_speedup_is_too_loose_only_where_twice_its_printed_se_exceeds_the_tole
     t = TurnSpeedup("zb-h1", "1f1b", measured, 1.0)
     assert (t.se is None) == (se is None) and (se is None or t.se == pytest.approx(se))
     assert t.imprecise is imprecise
+
+
+def test_a_schedule_paying_another_time_beside_the_pipeline_is_noted(capsys, tmp_path, monkeypatch):
+    """zb-h1's steps 2 ms longer beside the pipeline than 1f1b's (as Megatron's zb-v against
+    interleaved-1f1b measured): the profile's one step_overhead is their average, and a note gives
+    each schedule's own; steps alike: no note."""
+    stages = truth_stages(2)
+    schedules = [load_schedule(name, 2, 4, 1) for name in ("1f1b", "zb-h1")]
+    results = [simulate(s, model_of(stages, k=0.0), timeline=True) for s in schedules]
+    prof = input_profile(tmp_path, stages)
+
+    def note(beside):
+        _record_turns(tmp_path / "t.json", monkeypatch, schedules, results, beside=beside)
+        code, text, err = run(capsys, "calibrate", tmp_path / "t.json", tmp_path / "t.zb-h1.json", "--profile", prof,
+                              "-o", tmp_path / "cal.json")
+        assert code == 0, err
+        return [x for x in text.splitlines() if x.startswith("note: time beside the pipeline")], text
+
+    said, text = note((0.0, 2.0))
+    k = json.loads((tmp_path / "cal.json").read_text())["step_overhead"]
+    assert K + 0.5 < k < K + 1.5  # between the two
+    assert said == [f"note: time beside the pipeline per schedule (step time less its span, less action_overhead): "
+                    f"1f1b {K:.4g}, zb-h1 {K + 2:.4g} ms; the profile has one step_overhead for all, {k:.4g} ms: "
+                    f"1f1b, zb-h1 off by more than 1% of a step and its noise, their predictions by as much (the "
+                    f"model has no term for it; docs/profiling.md)"], text
+    assert note((0.0, 0.0))[0] == []

@@ -24,8 +24,8 @@ from pathlib import Path
 from ..core.json_input import NotJson, parse_json
 from ..core.outputs import OutputError, atomic_write, check_output
 from ..sim import MODES, CostProfile, bundled_profiles, resolve_profile
-from ..sim.calibrate import (NOISE_SPREADS, CalibrationError, Fit, RunCheck, calibrated_profile, check_fits,
-                             check_runs, fit, matched_latency, merged_timeline)
+from ..sim.calibrate import (NOISE_SPREADS, CalibrationError, Fit, RunCheck, beside_by_schedule, calibrated_profile,
+                             check_fits, check_runs, fit, matched_latency, merged_timeline)
 from ..sim.measured import TracedRun, describe, load_runs
 from ..sim.turn_speedups import SPEEDUP_TOLERANCE, TurnSpeedup, turn_speedups
 from ..sim.profile import ProfileError
@@ -119,9 +119,33 @@ def calibrate_one(cal: Calibration, args: argparse.Namespace) -> None:
     drift = drift_notes(ranges, len(cal.checks), any(r.took_turns for r in cal.runs))
     speedups = turn_speedups(cal.runs, [c.measured for c in cal.checks], [c.calibrated_ms for c in cal.checks])
     cal.data["meta"]["calibration"]["turn_speedups"] = [t.to_dict() for t in speedups]
+    beside = step_overhead_note(cal, ranges)
     cal.printed = ([_runs_table(cal.checks, cal.profile), "", _fit_table(cal.raw, cal.data, fitted)]
-                   + [f"note: {line}" for line in [n for r in cal.runs for n in r.notes] + notes + drift]
+                   + [f"note: {line}" for line in [n for r in cal.runs for n in r.notes] + notes + drift + beside]
                    + miss_lines(cal.checks, ranges) + speedup_lines(speedups))
+
+
+#: a schedule's own time beside the pipeline is noted where it differs from the profile's one
+#: step overhead by more than this fraction of the schedule's step (and by more than its noise)
+BESIDE_NOTE = 0.01
+
+
+def step_overhead_note(cal: Calibration, ranges: dict[str, tuple[float, float, int]]) -> list[str]:
+    """A note (as a list of at most one) where a traced schedule's steps spent another time beside
+    the pipeline than the calibrated profile's one step_overhead: by more than BESIDE_NOTE of its
+    step and more than twice its own spread; per schedule, what its steps spent."""
+    k = cal.calibrated.step_overhead
+    own = beside_by_schedule(cal.runs, float(cal.data.get("action_overhead", 0.0)))
+    off = [name for name, est in own.items() if est.value is not None and ranges[name][0] > 0
+           and abs(est.value - k) > BESIDE_NOTE * (ranges[name][0] + ranges[name][1]) / 2
+           and abs(est.value - k) > 2 * (est.spread or 0.0) * est.value]
+    if len(own) < 2 or not off:
+        return []
+    each = ", ".join(f"{name} {est.value:.4g}" for name, est in own.items() if est.value is not None)
+    return [f"time beside the pipeline per schedule (step time less its span, less action_overhead): {each} ms; "
+            f"the profile has one step_overhead for all, {k:.4g} ms: {', '.join(off)} off by more than "
+            f"{BESIDE_NOTE:.0%} of a step and its noise, their predictions by as much (the model has no term for "
+            f"it; docs/profiling.md)"]
 
 
 def assign_runs(runs: list[TracedRun], inputs: list[tuple[str, dict, CostProfile]]) -> list[list[TracedRun]]:

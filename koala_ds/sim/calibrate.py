@@ -193,6 +193,17 @@ def fit(runs: Sequence[TracedRun], entries: int) -> Fit:
     return Fit(stages, overhead, Estimate.of(arrivals, c), Estimate.of(beside, c), switch, extra)
 
 
+def beside_by_schedule(runs: Sequence[TracedRun], action_overhead: float) -> dict[str, Estimate]:
+    """Per traced schedule, what `fit`'s step_overhead is of its steps alone: each timed step's
+    time less the pipeline's span, less `action_overhead`. The profile has one step overhead for
+    every schedule; these say where a schedule pays another (on Megatron, 2026-12-07, zb-v's
+    steps 2-4 ms more than interleaved-1f1b's)."""
+    samples: dict[str, list[float]] = defaultdict(list)
+    for run in runs:
+        samples[run.schedule.name] += [step.time - step.span for step in run.timed_steps]
+    return {name: Estimate.of(values, action_overhead) for name, values in samples.items()}
+
+
 def forward_apart(runs: Sequence[TracedRun]) -> bool:
     """Whether `fit` tells the split schedules' forward from the full ones': both kinds traced,
     and every run took turns with others in one process (so a drift of the machine hits both
