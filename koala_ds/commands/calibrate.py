@@ -90,13 +90,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     for cal in cals:
         calibrate_one(cal, args)
     across = speedups_across(cals, runs) if len(cals) > 1 else []
+    for cal in cals if across else ():
+        cal.data["meta"]["calibration"]["turn_speedups_across_profiles"] = [t.to_dict() for t in across]
     for i, cal in enumerate(cals):
         if len(cals) > 1:
             print("\n" * bool(i) + f"--profile {cal.name} ({cal.profile.num_stages} stages, {len(cal.runs)} traced "
                   f"run(s)):")
         print("\n".join(cal.printed))
-        if across:
-            cal.data["meta"]["calibration"]["turn_speedups_across_profiles"] = [t.to_dict() for t in across]
     for line in speedup_lines(across, ACROSS_HEAD):
         print(line)
     for cal in cals:
@@ -108,7 +108,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def calibrate_one(cal: Calibration, args: argparse.Namespace) -> None:
     """Fit `cal.profile` to `cal.runs`; fill in the calibrated profile and what to print."""
-    check_fits(cal.runs, cal.profile, cal.raw.get("meta") if isinstance(cal.raw.get("meta"), dict) else None)
+    check_fits(cal.runs, cal.profile, _meta(cal.raw))
     fitted = fit(cal.runs, cal.profile.num_stages)
     cal.data, notes = calibrated_profile(cal.raw, fitted, cal.runs, args.skip_steps, cal.profile.source)
     cal.calibrated = CostProfile.from_dict(cal.data, source=cal.output)
@@ -119,7 +119,7 @@ def calibrate_one(cal: Calibration, args: argparse.Namespace) -> None:
     drift = drift_notes(ranges, len(cal.checks), any(r.took_turns for r in cal.runs))
     speedups = turn_speedups(cal.runs, [c.measured for c in cal.checks], [c.calibrated_ms for c in cal.checks])
     cal.data["meta"]["calibration"]["turn_speedups"] = [t.to_dict() for t in speedups]
-    beside = step_overhead_note(cal, ranges)
+    beside = step_overhead_note(cal, ranges, fitted.action_overhead.value or 0.0)
     cal.printed = ([_runs_table(cal.checks, cal.profile), "", _fit_table(cal.raw, cal.data, fitted)]
                    + [f"note: {line}" for line in [n for r in cal.runs for n in r.notes] + notes + drift + beside]
                    + miss_lines(cal.checks, ranges) + speedup_lines(speedups))
@@ -130,15 +130,16 @@ def calibrate_one(cal: Calibration, args: argparse.Namespace) -> None:
 BESIDE_NOTE = 0.01
 
 
-def step_overhead_note(cal: Calibration, ranges: dict[str, tuple[float, float, int]]) -> list[str]:
+def step_overhead_note(cal: Calibration, ranges: dict[str, tuple[float, float, int]], c: float) -> list[str]:
     """A note (as a list of at most one) where a traced schedule's steps spent another time beside
     the pipeline than the calibrated profile's one step_overhead: by more than BESIDE_NOTE of its
-    step and more than twice its own spread; per schedule, what its steps spent."""
+    step and more than twice its own spread; per schedule, what its steps spent (less the fitted
+    action overhead `c`, as the fit's step_overhead)."""
     k = cal.calibrated.step_overhead
-    own = beside_by_schedule(cal.runs, float(cal.data.get("action_overhead", 0.0)))
+    own = beside_by_schedule(cal.runs, c)
     off = [name for name, est in own.items() if est.value is not None and ranges[name][0] > 0
            and abs(est.value - k) > BESIDE_NOTE * (ranges[name][0] + ranges[name][1]) / 2
-           and abs(est.value - k) > 2 * (est.spread or 0.0) * est.value]
+           and abs(est.value - k) > 2 * (est.spread or 0.0) * (est.value + c)]
     if len(own) < 2 or not off:
         return []
     each = ", ".join(f"{name} {est.value:.4g}" for name, est in own.items() if est.value is not None)
@@ -175,10 +176,15 @@ def assign_runs(runs: list[TracedRun], inputs: list[tuple[str, dict, CostProfile
 
 def _fits(run: TracedRun, profile: CostProfile, raw: dict) -> bool:
     try:
-        check_fits([run], profile, raw.get("meta") if isinstance(raw.get("meta"), dict) else None)
+        check_fits([run], profile, _meta(raw))
     except CalibrationError:
         return False
     return True
+
+
+def _meta(raw: dict) -> dict | None:
+    """A profile's `meta` (what check_fits reads of the p and v it was made for), if an object."""
+    return raw["meta"] if isinstance(raw.get("meta"), dict) else None
 
 
 def speedups_across(cals: list[Calibration], runs: list[TracedRun]) -> list[TurnSpeedup]:

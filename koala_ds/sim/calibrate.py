@@ -183,7 +183,7 @@ def fit(runs: Sequence[TracedRun], entries: int) -> Fit:
                     (after if switched else same)[(entry_of(a.stage, schedule, entries), name)].append(span.compute)
                 gaps += [b.start - a.end for a, b in zip(spans, spans[1:])]
             arrivals += message_delays(schedule, step)
-        beside += [step.time - step.span for step in run.timed_steps]
+        beside += _beside(run)
     overhead = Estimate.of(gaps)
     c = overhead.value or 0.0
     switch = _switch_costs(same, after)
@@ -200,8 +200,14 @@ def beside_by_schedule(runs: Sequence[TracedRun], action_overhead: float) -> dic
     steps 2-4 ms more than interleaved-1f1b's)."""
     samples: dict[str, list[float]] = defaultdict(list)
     for run in runs:
-        samples[run.schedule.name] += [step.time - step.span for step in run.timed_steps]
+        samples[run.schedule.name] += _beside(run)
     return {name: Estimate.of(values, action_overhead) for name, values in samples.items()}
+
+
+def _beside(run: TracedRun) -> list[float]:
+    """Each timed step's time less the pipeline's span: the samples of step_overhead (with the
+    action overhead of the step's last action still in them)."""
+    return [step.time - step.span for step in run.timed_steps]
 
 
 def forward_apart(runs: Sequence[TracedRun]) -> bool:
