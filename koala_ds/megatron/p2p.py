@@ -13,13 +13,13 @@ source, so the directions cannot mix. Every wait has a deadline and raises `P2PT
 """
 from __future__ import annotations
 
-import io
 import logging
 from collections import deque
 
 import torch
 import torch.distributed as dist
 
+from ..runtime import packed
 from ..runtime.bounded_collectives import WaitFailure, is_gloo, wait_work
 from ..runtime.channels import ChannelGroups, schedule_channels
 from ..core.ir import KoalaError
@@ -126,10 +126,8 @@ class P2P:
 
     # -- objects (loss dicts) --------------------------------------------------------------
     def send_object(self, obj, dst_pp_rank: int) -> None:
-        """Blocking send of a picklable object (tensors moved to CPU) on the pipeline group."""
-        buf = io.BytesIO()
-        torch.save(_to_cpu(obj), buf)
-        data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        """Blocking send of a small object of tensors (koala_ds.runtime.packed) on the pipeline group."""
+        data = packed.pack(obj)
         size = torch.tensor([data.numel()], dtype=torch.int64)
         group, dst = self.channels.pp_group, self.channels.global_rank(dst_pp_rank)
         dev = self.device
@@ -137,13 +135,13 @@ class P2P:
             self._wait(dist.isend(t, dst=dst, group=group, tag=1), f"send the loss values to pipeline rank {dst_pp_rank}")
 
     def recv_object(self, src_pp_rank: int, device: torch.device):
+        """What `send_object` sent from `src_pp_rank`, its tensors on `device`."""
         group, src = self.channels.pp_group, self.channels.global_rank(src_pp_rank)
         size = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._wait(dist.irecv(size, src=src, group=group, tag=1), f"receive the loss values from pipeline rank {src_pp_rank}")
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
         self._wait(dist.irecv(data, src=src, group=group, tag=1), f"receive the loss values from pipeline rank {src_pp_rank}")
-        obj = torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=False)
-        return to_device(obj, device)
+        return packed.unpack(data, device)
 
     # -- waiting ---------------------------------------------------------------------------
     def _wait(self, work, what: str, msg: Message | None = None, peer: int = -1) -> None:
@@ -186,16 +184,6 @@ class CollectiveWaiter:
         failure = wait_work(work, self.timeout_s, gloo)
         if failure is not None:
             raise wait_failed(self.who, f"finish {describe()} (in {self.phase})", failure, self.source)
-
-
-def _to_cpu(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
 
 
 def to_device(obj, device):
