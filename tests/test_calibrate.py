@@ -442,11 +442,40 @@ def test_step_overhead_is_in_every_makespan_and_round_trips(capsys, tmp_path):
     one_line_error(code, err, "step_overhead", "must not be negative")
 
 
+def test_a_placement_s_own_step_overhead_is_in_its_makespans_only_and_round_trips(capsys, tmp_path):
+    base = dataclasses.replace(CostProfile.uniform(4, p2p_latency=0.1), step_overhead=3.0)
+    own = dataclasses.replace(base, step_overhead_by_placement=(("vshape", 5.0),))
+    assert CostProfile.from_dict(own.to_dict(), own.source) == own and own.to_dict()["step_overhead_by_placement"] == {"vshape": 5.0}
+    assert (own.step_overhead_of("vshape"), own.step_overhead_of("interleaved")) == (5.0, 3.0)
+    for name, more in (("zb-v", 2.0), ("interleaved-1f1b", 0.0)):
+        sched = load_schedule(name, 2, 4, 2)
+        assert simulate(sched, own).makespan == pytest.approx(simulate(sched, base).makespan + more)
+    path = tmp_path / "k.json"
+    path.write_text(json.dumps(own.to_dict()))
+    code, text, _ = run(capsys, "simulate", "zb-v", "-p", "2", "-m", "4", "-v", "2", "--profile", path)
+    assert code == 0 and f"makespan {simulate(load_schedule('zb-v', 2, 4, 2), own).makespan:.6g} ms" in text
+
+
+@pytest.mark.parametrize("value, says", [
+    ({"diagonal": 1.0}, "step_overhead_by_placement: unknown placement 'diagonal'; known: linear, interleaved, "
+                        "vshape, bidirectional"),
+    ({"vshape": -1}, "step_overhead_by_placement.vshape: must not be negative"),
+    ({"vshape": "5"}, "step_overhead_by_placement.vshape: expected a number"),
+    ([5.0], "step_overhead_by_placement: an object of placement -> ms"),
+])
+def test_a_bad_step_overhead_by_placement_is_one_line(capsys, tmp_path, value, says):
+    path = tmp_path / "k.json"
+    path.write_text(json.dumps(dict(CostProfile.uniform(4).to_dict(), step_overhead_by_placement=value)))
+    code, _, err = run(capsys, "simulate", "1f1b", "-m", "8", "--profile", path)
+    one_line_error(code, err, str(path), says)
+
+
 @pytest.mark.parametrize("style, p, v, backward", [("linear", 4, 1, "full"), ("linear", 3, 1, "split"),
                                                    ("interleaved", 2, 2, "full"), ("vshape", 3, 2, "split")])
 def test_bounds_stay_below_every_makespan_with_the_overhead_terms(style, p, v, backward):
     """Both bounds (koala_ds.sim.lower_bound, koala_ds.search.bound) with action_overhead and
-    step_overhead: below every random schedule's makespan, and the search's evaluation of a
+    step_overhead (the placement's own, another for another placement): below every random
+    schedule's makespan, and the search's evaluation of a
     schedule is the simulator's (step_overhead included in both)."""
     from koala_ds.core.ir import Placement
 
@@ -454,6 +483,9 @@ def test_bounds_stay_below_every_makespan_with_the_overhead_terms(style, p, v, b
     stages = [StageCost(rng.uniform(0.2, 2), rng.uniform(0.2, 2), rng.uniform(0.1, 1.5), 10.0, rng.uniform(0, 5),
                         rng.choice([None, rng.uniform(0.3, 3)])) for _ in range(p * v)]
     profile = model_of(stages, c=rng.uniform(0, 0.5), lat=rng.uniform(0, 0.4), k=rng.uniform(0.5, 4))
+    # this placement's own step overhead, below or above the profile's (that of other placements)
+    own = max(0.0, profile.step_overhead + rng.uniform(-1, 2))
+    profile = dataclasses.replace(profile, step_overhead_by_placement=((style, own), ("bidirectional", 99.0)))
     m = 2 * p
     problem = SearchProblem(profile, p, m, v, backward, None, placement=style)
     part = problem.parts[0]
@@ -464,8 +496,9 @@ def test_bounds_stay_below_every_makespan_with_the_overhead_terms(style, p, v, b
         res = simulate(sched, profile, timeline=False)
         lb = lower_bound_for(sched, profile)
         assert lb.value <= res.makespan + 1e-9 and jb <= res.makespan + 1e-9
-        assert lb.value == pytest.approx(lower_bound_for(sched, dataclasses.replace(profile, step_overhead=0)).value
-                                         + profile.step_overhead)
+        bare = dataclasses.replace(profile, step_overhead=0, step_overhead_by_placement=())
+        assert lb.value == pytest.approx(lower_bound_for(sched, bare).value + own)
+        assert res.makespan == pytest.approx(simulate(sched, bare, timeline=False).makespan + own)
         if sched.backward == part.backward:  # the search's timing (Simulator.try_times) is the simulator's
             assert max(part.sim.try_times(part.sim.encode(sched.ranks))[0]) == pytest.approx(res.makespan)
 
@@ -926,10 +959,48 @@ def test_a_schedule_paying_another_time_beside_the_pipeline_is_noted(capsys, tmp
         return [x for x in text.splitlines() if x.startswith("note: time beside the pipeline")], text
 
     said, text = note((0.0, 2.0))
-    k = json.loads((tmp_path / "cal.json").read_text())["step_overhead"]
-    assert K + 0.5 < k < K + 1.5  # between the two
+    written = json.loads((tmp_path / "cal.json").read_text())
+    k = written["step_overhead"]
+    assert K + 0.5 < k < K + 1.5 and "step_overhead_by_placement" not in written  # one placement: their average
     assert said == [f"note: time beside the pipeline per schedule (step time less its span, less action_overhead): "
-                    f"1f1b {K:.4g}, zb-h1 {K + 2:.4g} ms; the profile has one step_overhead for all, {k:.4g} ms: "
-                    f"1f1b, zb-h1 off by more than 1% of a step and its noise, their predictions by as much (the "
-                    f"model has no term for it; docs/profiling.md)"], text
+                    f"1f1b {K:.4g}, zb-h1 {K + 2:.4g} ms; the profile's step_overhead of their placement: 1f1b's "
+                    f"(linear) {k:.4g} ms, zb-h1's (linear) {k:.4g} ms: off by more than 1% of a step and its noise, "
+                    f"their predictions by as much (the model has one step overhead per placement; "
+                    f"docs/profiling.md)"], text
     assert note((0.0, 0.0))[0] == []
+
+
+def test_placements_paying_another_time_beside_the_pipeline_get_a_step_overhead_each(capsys, tmp_path, monkeypatch):
+    """zb-v (V-shape) 2 ms longer beside the pipeline than interleaved-1f1b (as Megatron's V-shape
+    steps, which ship the loss values to the last rank after the pipeline): the calibrated profile
+    gives each placement its own step_overhead, each schedule is predicted with its own (no
+    note), and recalibrating from one placement's traces keeps the other's."""
+    stages = truth_stages(4)
+    schedules = [load_schedule(name, 2, 4, 2) for name in ("interleaved-1f1b", "zb-v")]
+    results = [simulate(s, model_of(stages, k=0.0), timeline=True) for s in schedules]
+    prof = input_profile(tmp_path, stages)
+    _record_turns(tmp_path / "t.json", monkeypatch, schedules, results, beside=(0.0, 2.0))
+    code, text, err = run(capsys, "calibrate", tmp_path / "t.json", tmp_path / "t.zb-v.json", "--profile", prof,
+                          "-o", tmp_path / "cal.json")
+    assert code == 0, err
+    written = json.loads((tmp_path / "cal.json").read_text())
+    own = written["step_overhead_by_placement"]
+    assert own == {"interleaved": pytest.approx(K, abs=1e-3), "vshape": pytest.approx(K + 2, abs=1e-3)}
+    assert K < written["step_overhead"] < K + 2  # every placement's steps: for a placement not traced
+    assert "note: time beside the pipeline" not in text
+    assert f"  of vshape       {0:.4g} -> {own['vshape']:.4g} ms" in text
+    calibrated = CostProfile.from_dict(written)
+    for schedule, res in zip(schedules, results):
+        k = own[schedule.placement.style]
+        assert calibrated.step_overhead_of(schedule.placement.style) == k
+        assert simulate(schedule, calibrated).makespan == pytest.approx(res.makespan + k, rel=0.02)
+
+    # a later calibration of V-shape traces alone refits vshape and keeps interleaved
+    (tmp_path / "cal.json").rename(tmp_path / "first.json")
+    _record_turns(tmp_path / "v.json", monkeypatch, schedules[1:], results[1:], beside=(3.0,))
+    code, text, err = run(capsys, "calibrate", tmp_path / "v.json", "--profile", tmp_path / "first.json",
+                          "-o", tmp_path / "cal.json")
+    assert code == 0, err
+    again = json.loads((tmp_path / "cal.json").read_text())["step_overhead_by_placement"]
+    assert again == {"interleaved": own["interleaved"], "vshape": pytest.approx(K + 3, abs=1e-3)}
+    assert "  of interleaved " in text and "(kept)" in text

@@ -22,6 +22,7 @@ time_ = st.floats(0.0, 4.0, allow_nan=False).map(lambda x: round(x, 3))
 _activation = st.floats(0.0, 100.0, allow_nan=False)
 _fraction = st.floats(0.0, 1.0)
 # the profile's full backward B: absent (I + W), or measured: an absolute time, or a factor of I + W
+_styles = st.sampled_from(["linear", "interleaved", "vshape", "bidirectional"])
 _full_backward = st.one_of(st.none(), time_.map(lambda t: (t, None)), st.floats(0.3, 1.3).map(lambda f: (None, f)))
 
 
@@ -36,8 +37,11 @@ def _profiles(draw, n: int):
         if b is not None:
             b = b[0] if b[1] is None else round(b[1] * (i + w), 3)
         stages.append(StageCost(draw(time_), i, w, act, act * draw(_fraction), b))
-    # step_overhead (ms per step, after every rank's pipeline work): 0 or a time
-    return CostProfile(tuple(stages), draw(time_) / 4, step_overhead=draw(st.one_of(st.just(0.0), time_)))
+    # step_overhead (ms per step, after every rank's pipeline work): 0 or a time; and for some
+    # placements their own (below or above it), which the bound must take as the simulator does
+    own = draw(st.dictionaries(_styles, time_, max_size=3))
+    return CostProfile(tuple(stages), draw(time_) / 4, step_overhead=draw(st.one_of(st.just(0.0), time_)),
+                       step_overhead_by_placement=tuple(own.items()))
 
 
 profiles = functools.lru_cache(maxsize=None)(_profiles)  # one strategy object per n
@@ -57,7 +61,6 @@ def assert_not_beaten(schedule, profile, memory_limit=None):
     return bound
 
 
-_styles = st.sampled_from(["linear", "interleaved", "vshape", "bidirectional"])
 _backwards = st.sampled_from(["full", "split"])
 _split_probabilities = st.sampled_from([0.0, 0.5, 1.0])
 _seeds = st.integers(0, 2 ** 31)

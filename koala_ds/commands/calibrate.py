@@ -125,28 +125,30 @@ def calibrate_one(cal: Calibration, args: argparse.Namespace) -> None:
                    + miss_lines(cal.checks, ranges) + speedup_lines(speedups))
 
 
-#: a schedule's own time beside the pipeline is noted where it differs from the profile's one
-#: step overhead by more than this fraction of the schedule's step (and by more than its noise)
+#: a schedule's own time beside the pipeline is noted where it differs from its placement's step
+#: overhead by more than this fraction of the schedule's step (and by more than its noise)
 BESIDE_NOTE = 0.01
 
 
 def step_overhead_note(cal: Calibration, ranges: dict[str, tuple[float, float, int]], c: float) -> list[str]:
     """A note (as a list of at most one) where a traced schedule's steps spent another time beside
-    the pipeline than the calibrated profile's one step_overhead: by more than BESIDE_NOTE of its
-    step and more than twice its own spread; per schedule, what its steps spent (less the fitted
-    action overhead `c`, as the fit's step_overhead)."""
-    k = cal.calibrated.step_overhead
+    the pipeline than the calibrated profile's step_overhead of its placement: by more than
+    BESIDE_NOTE of its step and more than twice its own spread; per schedule, what its steps spent
+    (less the fitted action overhead `c`, as the fit's step_overhead)."""
+    style = {r.schedule.name: r.schedule.placement.style for r in cal.runs}
+    k = {name: cal.calibrated.step_overhead_of(s) for name, s in style.items()}
     own = beside_by_schedule(cal.runs, c)
     off = [name for name, est in own.items() if est.value is not None and ranges[name][0] > 0
-           and abs(est.value - k) > BESIDE_NOTE * (ranges[name][0] + ranges[name][1]) / 2
-           and abs(est.value - k) > 2 * (est.spread or 0.0) * (est.value + c)]
+           and abs(est.value - k[name]) > BESIDE_NOTE * (ranges[name][0] + ranges[name][1]) / 2
+           and abs(est.value - k[name]) > 2 * (est.spread or 0.0) * (est.value + c)]
     if len(own) < 2 or not off:
         return []
     each = ", ".join(f"{name} {est.value:.4g}" for name, est in own.items() if est.value is not None)
+    theirs = ", ".join(f"{name}'s ({style[name]}) {k[name]:.4g} ms" for name in off)
     return [f"time beside the pipeline per schedule (step time less its span, less action_overhead): {each} ms; "
-            f"the profile has one step_overhead for all, {k:.4g} ms: {', '.join(off)} off by more than "
-            f"{BESIDE_NOTE:.0%} of a step and its noise, their predictions by as much (the model has no term for "
-            f"it; docs/profiling.md)"]
+            f"the profile's step_overhead of their placement: {theirs}: off by more than {BESIDE_NOTE:.0%} of a "
+            f"step and its noise, their predictions by as much (the model has one step overhead per placement; "
+            f"docs/profiling.md)"]
 
 
 def assign_runs(runs: list[TracedRun], inputs: list[tuple[str, dict, CostProfile]]) -> list[list[TracedRun]]:
@@ -344,6 +346,12 @@ def _fit_table(raw: dict, data: dict, fitted: Fit) -> str:
         est = getattr(fitted, name)
         lines.append(f"{name:<16} {raw.get(name, 0.0):.4g} -> {data.get(name, 0.0):.4g} ms"
                      + (f" ({est.samples} {what})" if est.value is not None else " (not measured)"))
+    before, after = raw.get("step_overhead_by_placement") or {}, data.get("step_overhead_by_placement") or {}
+    for style, value in after.items():
+        est = fitted.step_overhead_by_placement.get(style)
+        was = before.get(style, raw.get("step_overhead", 0.0))
+        lines.append(f"  of {style:<12} {was:.4g} -> {value:.4g} ms"
+                     + (f" ({est.samples} steps)" if est is not None and est.value is not None else " (kept)"))
     return "\n".join(lines)
 
 

@@ -34,8 +34,9 @@ The proof is in docs/search.md ("A tighter bound"). In short, for one placement:
    I/B jobs, the rank can run only forwards, and only as much forward work as fits in its
    limit (a bounded knapsack over its stages, exact); so T >= t0 + (all its work) - min(t0 - r0,
    that), r0 the least release of its jobs.
-5. T above is the end of the pipeline's last action; the profile's `step_overhead` follows it
-   on every rank (koala_ds.sim.simulator), so each rank's bound gets it added.
+5. T above is the end of the pipeline's last action; the profile's `step_overhead` (the
+   placement's own where it gives one) follows it on every rank (koala_ds.sim.simulator), so
+   each rank's bound gets it added.
 
 Durations: F takes `forward`; with full backward I/B is a B (the stage's `backward`) and W is
 absent. With split backward a schedule may still run a full B for some microbatches; the bound
@@ -197,6 +198,7 @@ def jackson_bound(profile: CostProfile, placement: Placement, m: int, backward: 
     dF, dI, dW, n = rel.d_F, rel.d_I, rel.d_W, rel.n
     costs = profile.stage_costs(placement.num_stages, placement.pipelines)
     split = backward == "split"
+    step = profile.step_overhead_of(placement.style)
     per_rank = []
     for rr in range(placement.p):
         jobs = []
@@ -217,7 +219,7 @@ def jackson_bound(profile: CostProfile, placement: Placement, m: int, backward: 
             r0 = min(RF[s][0] for s in stages)
             fits = _forward_work_that_fits([(dF[s], costs[s].activation_mb, n[s]) for s in stages], lim)
             value = max(value, t0 + sum(j[1] for j in jobs) - min(t0 - r0, fits))
-        per_rank.append(value + profile.step_overhead)  # a step ends `step_overhead` after its pipeline work
+        per_rank.append(value + step)  # a step ends `step_overhead` (its placement's) after its pipeline work
     return JacksonBound(max(per_rank) if per_rank else 0.0, tuple(per_rank))
 
 

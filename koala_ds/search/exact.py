@@ -36,8 +36,8 @@ optimum is a schedule of the full model, so it is optimal.
 Times are scaled to integers (the smallest power of ten that makes every duration exact, up to
 10^4). The solution is turned back into a schedule by ordering each rank's actions by start
 time; its simulated makespan is at most the solver's objective, and equal when optimal. The
-model times the pipeline's span; the profile's `step_overhead` is added to its objective and
-bounds, as the simulator adds it to every makespan. The profile's switch costs (an action after
+model times the pipeline's span; the profile's `step_overhead` (the placement's own where it
+gives one) is added to its objective and bounds, as the simulator adds it to every makespan. The profile's switch costs (an action after
 one of another stage on its rank) are not in the model: its objective stays a lower bound, and a
 solution the simulator times above it is reported feasible, not optimal.
 """
@@ -328,7 +328,7 @@ def solve_exact(problem: SearchProblem, part: PlacementProblem | None = None, hi
     solver = _solver(cp_model, time_limit, workers, seed)
     name = _status(cp_model, solver.Solve(built.model))
     wall = time.perf_counter() - t0
-    sc, step = built.sc, problem.search_profile.step_overhead  # the model's span + the per-step overhead
+    sc, step = built.sc, problem.search_profile.step_overhead_of(pl.style)  # the model's span + the step overhead
     bound = solver.BestObjectiveBound() / sc + step if name in ("optimal", "feasible") else 0.0
     if name not in ("optimal", "feasible"):
         log.info("exact: %s after %.1f s", name, wall)
@@ -374,7 +374,7 @@ def relaxed_bound(problem: SearchProblem, part: PlacementProblem | None = None, 
     per_rank = jackson_bound(problem.search_profile, part.placement, part.sim.m, part.sim.backward,
                              problem.limits).per_rank
     machines = {max(range(len(per_rank)), key=lambda r: per_rank[r])}
-    best = part.lower_bound
+    best, step = part.lower_bound, problem.search_profile.step_overhead_of(part.placement.style)
     while True:
         left = time_limit - (time.perf_counter() - t0)
         if left <= 0:
@@ -384,7 +384,7 @@ def relaxed_bound(problem: SearchProblem, part: PlacementProblem | None = None, 
         name = _status(cp_model, solver.Solve(built.model))
         if name not in ("optimal", "feasible"):
             break
-        best = max(best, solver.BestObjectiveBound() / built.sc + problem.search_profile.step_overhead)
+        best = max(best, solver.BestObjectiveBound() / built.sc + step)
         if name != "optimal":
             break
         overlap = _overlaps(solver, built, machines)

@@ -138,6 +138,8 @@ class Fit:
     #: per stage entry, what its split schedules' F took over the full ones' (charged to I;
     #: only where `forward_apart`)
     forward_extra: dict[int, Estimate] = dataclasses.field(default_factory=dict)
+    #: per placement style traced, step_overhead of its steps alone (`beside_by_placement`)
+    step_overhead_by_placement: dict[str, Estimate] = dataclasses.field(default_factory=dict)
 
 
 def entry_of(stage: int, schedule: Schedule, entries: int) -> int:
@@ -190,18 +192,30 @@ def fit(runs: Sequence[TracedRun], entries: int) -> Fit:
     stages = {key: _stage_time(same[key], after[key], switch[key[0]].value if key[0] in switch else None)
               for key in sorted(same.keys() | after.keys())}
     extra = _charge_split_forward(stages)
-    return Fit(stages, overhead, Estimate.of(arrivals, c), Estimate.of(beside, c), switch, extra)
+    return Fit(stages, overhead, Estimate.of(arrivals, c), Estimate.of(beside, c), switch, extra,
+               beside_by_placement(runs, c))
 
 
 def beside_by_schedule(runs: Sequence[TracedRun], action_overhead: float) -> dict[str, Estimate]:
     """Per traced schedule, what `fit`'s step_overhead is of its steps alone: each timed step's
-    time less the pipeline's span, less `action_overhead`. The profile has one step overhead for
-    every schedule; these say where a schedule pays another (on Megatron, 2026-12-07, zb-v's
-    steps 2-4 ms more than interleaved-1f1b's)."""
+    time less the pipeline's span, less `action_overhead`. The profile has a step overhead per
+    placement at most; these say where a schedule pays another than its placement's."""
     samples: dict[str, list[float]] = defaultdict(list)
     for run in runs:
         samples[run.schedule.name] += _beside(run)
     return {name: Estimate.of(values, action_overhead) for name, values in samples.items()}
+
+
+def beside_by_placement(runs: Sequence[TracedRun], action_overhead: float) -> dict[str, Estimate]:
+    """Per placement style of `runs`, `fit`'s step_overhead of its runs' steps alone. What a
+    step spends beside the pipeline depends on where the stages are: on Megatron a V-shape
+    computes the loss on rank 0, which ships the loss values to the last rank after its last
+    action, before it can start the next step (benchmarks/beside_pipeline.py, the 4-layer
+    example: zb-v's steps 0.6 ms more than interleaved-1f1b's, 1.3 ms before 0.6 ms of it went)."""
+    samples: dict[str, list[float]] = defaultdict(list)
+    for run in runs:
+        samples[run.schedule.placement.style] += _beside(run)
+    return {style: Estimate.of(values, action_overhead) for style, values in sorted(samples.items())}
 
 
 def _beside(run: TracedRun) -> list[float]:
@@ -294,6 +308,9 @@ def calibrated_profile(raw: dict, fitted: Fit, runs: Sequence[TracedRun], skip_s
             data[name] = round(est.value, 6)
         else:
             notes.append(f"{name} not measured ({why[name]}): the profile's {raw.get(name, 0.0):g} kept")
+    by_placement = placement_overheads(raw, fitted)
+    if by_placement:
+        data["step_overhead_by_placement"] = by_placement
     meta = dict(raw.get("meta") or {})
     meta["calibration"] = {
         "tool": "koala calibrate", "profile": source, "skip_steps": skip_steps,
@@ -308,6 +325,18 @@ def calibrated_profile(raw: dict, fitted: Fit, runs: Sequence[TracedRun], skip_s
         "not_measured": notes}
     data["meta"] = meta
     return data, notes
+
+
+def placement_overheads(raw: dict, fitted: Fit) -> dict[str, float]:
+    """The calibrated profile's `step_overhead_by_placement`: each traced placement's own
+    step_overhead where the traces hold several placements, or where the profile had the field
+    (its other placements kept); none where one placement was traced into a profile without it
+    (then step_overhead is that placement's)."""
+    fitted_own = {k: round(e.value, 6) for k, e in fitted.step_overhead_by_placement.items() if e.value is not None}
+    had = dict(raw.get("step_overhead_by_placement") or {})
+    if len(fitted_own) < 2 and not had:
+        return {}
+    return dict(sorted({**had, **fitted_own}.items()))
 
 
 def _stage_entries(raw_stages: list[dict], fitted: Fit) -> tuple[list[dict], list[str]]:

@@ -21,8 +21,8 @@ communication mode) the makespan T satisfies each of:
               interval-packing bound).
 
 Each component bounds the pipeline's span (the end of the last action); the profile's
-`step_overhead` comes after it on every rank (koala_ds.sim.simulator), so the bound's value is
-the largest component plus `step_overhead`. (`action_overhead` is in the stage times already.)
+`step_overhead` (its placement's, `CostProfile.step_overhead_of`) comes after it on every rank
+(koala_ds.sim.simulator), so the bound's value is the largest component plus that. (`action_overhead` is in the stage times already.)
 """
 from __future__ import annotations
 
@@ -129,9 +129,9 @@ def lower_bound(profile: CostProfile, p: int, m: int, v: int = 1, placement: Pla
     if memory_limit is not None:
         parts["memory"] = max(memory)
     binding = max(parts, key=lambda k: parts[k])
-    return LowerBound(parts[binding] + profile.step_overhead, tuple(work), tuple(fill), chain,
-                      tuple(memory) if memory_limit is not None else None, binding, feasible, reason,
-                      profile.step_overhead)
+    step = profile.step_overhead_of(placement.style)
+    return LowerBound(parts[binding] + step, tuple(work), tuple(fill), chain,
+                      tuple(memory) if memory_limit is not None else None, binding, feasible, reason, step)
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,12 @@ messages): loading adds it to every F, I, W and B (B is one action: it gets it o
 profile without `backward` gets B = I + W + action_overhead). `step_overhead` (optional, ms,
 default 0) is what a training step costs beside the pipeline (the optimizer step, gradient
 reduction, the runtime's set-up and tear-down): the simulator adds it to every rank's finish,
-so to every makespan (= predicted step time). A stage's optional `switch` (ms, default 0) is what
-one of its actions costs extra when its rank's previous action was of another stage (a rank's
-other chunk: the weights and activations it reads are no longer in the caches); the first action
-of a rank's order pays none. `koala calibrate` fits the three from a measured run.
+so to every makespan (= predicted step time); `step_overhead_by_placement` (optional, e.g.
+`{"vshape": 5.0}`) gives a placement its own, used for its schedules instead. A stage's
+optional `switch` (ms, default 0) is what one of its actions costs extra when its rank's
+previous action was of another stage (a rank's other chunk: the weights and activations it
+reads are no longer in the caches); the first action of a rank's order pays none.
+`koala calibrate` fits them from a measured run.
 A stage's optional `spread` (written by `koala profile` and `koala calibrate`) gives, per time
 field, how precisely the profile knows its value: the interquartile range the value itself would
 show over repeated measurements, over the value (`value_spread`: about sqrt(pi/2) x the samples'
@@ -45,7 +47,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..core.ir import KoalaError
+from ..core.ir import PLACEMENT_STYLES, KoalaError
 from ..core.json_input import NotJson, parse_json
 
 log = logging.getLogger(__name__)
@@ -58,7 +60,10 @@ OPTIONAL_STAGE_FIELDS = ("backward", "switch")
 #: The time fields a stage's optional `spread` may give (`value_spread`, a fraction); `backward`
 #: only where the stage gives `backward`.
 SPREAD_FIELDS = ("forward", "backward_input", "backward_weight", "backward")
-TOP_FIELDS = ("version", "stages", "p2p_latency", "memory_limit_mb", "action_overhead", "step_overhead")
+TOP_FIELDS = ("version", "stages", "p2p_latency", "memory_limit_mb", "action_overhead", "step_overhead",
+              "step_overhead_by_placement")
+#: The placements `step_overhead_by_placement` may name (koala_ds.core.ir's named styles).
+OVERHEAD_PLACEMENTS = (*PLACEMENT_STYLES, "bidirectional")
 #: Free-form top-level fields that are kept out of validation (the profiler writes its notes there).
 FREE_FIELDS = ("name", "description", "meta")
 
@@ -177,9 +182,14 @@ class CostProfile:
     step_overhead: float = 0.0
     #: per stage, how much its measured times varied (ms; None: the profile gives no spread)
     spread: tuple[StageSpread, ...] | None = None
+    #: (placement style, ms) pairs: the step overhead of that placement's steps, where it is not
+    #: `step_overhead` (koala calibrate fits them where a run's placements differ; sorted by style)
+    step_overhead_by_placement: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))
+        by = dict(self.step_overhead_by_placement)
+        object.__setattr__(self, "step_overhead_by_placement", tuple(sorted((k, float(x)) for k, x in by.items())))
         if self.spread is not None:
             object.__setattr__(self, "spread", tuple(self.spread))
             if len(self.spread) != len(self.stages):
@@ -194,6 +204,11 @@ class CostProfile:
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+    def step_overhead_of(self, style: str) -> float:
+        """The step overhead (ms) of a schedule of placement `style`: its own where the profile
+        gives one (`step_overhead_by_placement`), else `step_overhead`."""
+        return dict(self.step_overhead_by_placement).get(style, self.step_overhead)
 
     # -- construction -------------------------------------------------------------------
     @classmethod
@@ -226,7 +241,8 @@ class CostProfile:
         elif limit is not None:
             limit = float(limit)
         return cls(stages, float(data["p2p_latency"]), limit, source, float(data.get("step_overhead", 0.0)),
-                   spread=_stage_spreads(data["stages"]))
+                   spread=_stage_spreads(data["stages"]),
+                   step_overhead_by_placement=tuple(data.get("step_overhead_by_placement", {}).items()))
 
     @classmethod
     def from_json(cls, text: str, source: str = "<profile>") -> "CostProfile":
@@ -245,6 +261,8 @@ class CostProfile:
             out["memory_limit_mb"] = list(limit) if isinstance(limit, tuple) else limit
         if self.step_overhead:
             out["step_overhead"] = self.step_overhead
+        if self.step_overhead_by_placement:
+            out["step_overhead_by_placement"] = dict(self.step_overhead_by_placement)
         return out
 
     def _stage_dicts(self) -> list[dict]:
@@ -381,12 +399,25 @@ def _check_spread(entry: dict, where: str) -> None:
         _number(value, f"{where}.spread.{name}")
 
 
+def _check_by_placement(by: Any, source: str) -> None:
+    """`step_overhead_by_placement`: an object of named placements to numbers."""
+    where = f"{source}: step_overhead_by_placement"
+    if not isinstance(by, dict):
+        raise ProfileError(f"{where}: an object of placement -> ms, e.g. {{\"vshape\": 5.0}}, got "
+                           f"{type(by).__name__}")
+    for style, value in by.items():
+        if style not in OVERHEAD_PLACEMENTS:
+            raise ProfileError(f"{where}: unknown placement {style!r}; known: {', '.join(OVERHEAD_PLACEMENTS)}")
+        _number(value, f"{where}.{style}")
+
+
 def check_latency_and_limit(data: dict, source: str) -> None:
     """`p2p_latency` a number; `memory_limit_mb` (optional) a number or one per rank."""
     _number(data["p2p_latency"], f"{source}: p2p_latency")
     for name in ("action_overhead", "step_overhead"):
         if name in data:
             _number(data[name], f"{source}: {name}")
+    _check_by_placement(data.get("step_overhead_by_placement", {}), source)
     limit = data.get("memory_limit_mb")
     if isinstance(limit, (list, tuple)):
         if not limit:

@@ -14,8 +14,9 @@ Model (see also docs/lower_bound.md):
   not depend on timing, because a rank runs one action at a time).
 - The profile's `action_overhead` is already in every action's time (sim.profile). Its
   `step_overhead` (the optimizer step and the runtime's other work of a step beside the
-  pipeline) is added to every rank's finish, so to the makespan: a predicted step time. It
-  counts as busy time (the rank works), not as bubble.
+  pipeline; the placement's own where the profile gives one, `step_overhead_by_placement`) is
+  added to every rank's finish, so to the makespan: a predicted step time. It counts as busy
+  time (the rank works), not as bubble.
 
 Two communication modes:
 - "async" (default): sends never block (isend + blocking recv, as the adapters do).
@@ -122,7 +123,7 @@ class Simulator:
         self.num_stages = placement.num_stages
         self.p = placement.p
         self.latency = self.lowered.latency
-        self.step_overhead = float(profile.step_overhead)
+        self.step_overhead = profile.step_overhead_of(placement.style)  # its placement's own, where given
         self.memory_limits = profile.memory_limits(self.p)
 
     # -- codes --------------------------------------------------------------------------
