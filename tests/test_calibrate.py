@@ -981,10 +981,13 @@ def test_placements_paying_another_time_beside_the_pipeline_get_a_step_overhead_
     prof = input_profile(tmp_path, stages)
     _record_turns(tmp_path / "t.json", monkeypatch, schedules, results, beside=(0.0, 2.0))
     code, text, err = run(capsys, "calibrate", tmp_path / "t.json", tmp_path / "t.zb-v.json", "--profile", prof,
-                          "-o", tmp_path / "cal.json")
+                          "-o", tmp_path / "cal.json", "--timeline", tmp_path / "tl.json")
     assert code == 0, err
     written = json.loads((tmp_path / "cal.json").read_text())
     own = written["step_overhead_by_placement"]
+    drawn = {e["pid"]: e["args"]["step_overhead_ms"] for e in json.loads((tmp_path / "tl.json").read_text())[
+        "traceEvents"] if e.get("name") == "step overhead"}
+    assert drawn == {1: own["interleaved"], 3: own["vshape"]}  # each prediction's own, in the traces' order
     assert own == {"interleaved": pytest.approx(K, abs=1e-3), "vshape": pytest.approx(K + 2, abs=1e-3)}
     assert K < written["step_overhead"] < K + 2  # every placement's steps: for a placement not traced
     assert "note: time beside the pipeline" not in text

@@ -491,9 +491,10 @@ def merged_timeline(runs: Sequence[TracedRun], calibrated: Sequence[CostProfile]
             if "ts" in e:
                 e["ts"] += lead
         events += _process(2 * i + 1, f"{run.schedule.name} calibrated prediction", 0) + predicted
-        k = prof.step_overhead * 1e3
+        own = prof.step_overhead_of(run.schedule.placement.style)
+        k = own * 1e3
         events += [{"name": "step overhead", "cat": "step", "ph": "X", "pid": 2 * i + 1, "tid": r,
-                    "ts": lead + end * 1e3 - k, "dur": k, "args": {"step_overhead_ms": prof.step_overhead}}
+                    "ts": lead + end * 1e3 - k, "dur": k, "args": {"step_overhead_ms": own}}
                    for r, end in enumerate(result.finish) if k > 0]
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"koala": "koala calibrate --timeline: measured (even pid) and calibrated prediction (odd pid)"}}
