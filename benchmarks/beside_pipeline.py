@@ -21,14 +21,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fidelity import (MEGATRON_SIZES, ROOT, BenchError, Candidate, Example, load_average,  # noqa: E402
-                      machine, refuse_out, run, schedule_file)
+from fidelity import (MEGATRON_SIZES, ROOT, BenchError, Candidate, Example, end_report,  # noqa: E402
+                      refuse_out, report_head, run, schedule_file, work_folder)
 
 from koala_ds.sim.measured import TracedRun, load_runs, run_name  # noqa: E402
 
@@ -105,10 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     ex = Example("megatron", args.size, 2, dict(MEGATRON_SIZES[args.size]))
     say = (lambda s: print(s, file=sys.stderr, flush=True))
-    work = Path(args.work or (Path(tempfile.gettempdir()) / "koala-beside-DRYRUN" if args.dry_run
-                              else tempfile.mkdtemp(prefix="koala-beside-")))
-    head = [f"$ python benchmarks/beside_pipeline.py {' '.join(argv)}".rstrip(),
-            f"machine: {machine()}; {load_average()} before; started {time.strftime('%Y-%m-%d %H:%M:%S')}",
+    work = work_folder(args, "koala-beside-")
+    head = report_head("beside_pipeline.py", argv) + [
             f"megatron {ex.label} p=2 v=2: {args.base} and {args.other} taking turns of {args.block} in each of "
             f"{args.rounds} torchruns of {args.iterations} iterations, traced; kept after {args.warmup}; medians (ms)"]
     print("\n".join(head), flush=True)
@@ -123,14 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.dry_run:
         return 0
-    lines = report(rounds, *(c.label for c in pair), ex.p)
-    lines.append(f"finished {time.strftime('%H:%M:%S')}; {load_average()} after; work folder {work}")
-    print("\n".join(lines), flush=True)
-    if args.out:
-        from koala_ds.core.outputs import atomic_write
-
-        atomic_write(args.out, "\n".join(head + [""] + lines) + "\n", "--out")
-    return 0
+    return end_report(head, report(rounds, *(c.label for c in pair), ex.p), work, args.out)
 
 
 if __name__ == "__main__":

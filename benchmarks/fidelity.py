@@ -843,6 +843,31 @@ def refuse_out(out: str | None, script: str) -> bool:
     return False
 
 
+def work_folder(args, prefix: str) -> Path:
+    """The runs' folder of a benchmark with --work / --dry-run: --work, else a new temporary one
+    (with --dry-run a name only: nothing is made)."""
+    if args.work:
+        return Path(args.work)
+    return Path(tempfile.gettempdir()) / f"{prefix}DRYRUN" if args.dry_run else Path(tempfile.mkdtemp(prefix=prefix))
+
+
+def report_head(script: str, argv: list[str]) -> list[str]:
+    """A report's first lines: the command, the machine and when it started."""
+    return [f"$ python benchmarks/{script} {' '.join(argv)}".rstrip(),
+            f"machine: {machine()}; {load_average()} before; started {time.strftime('%Y-%m-%d %H:%M:%S')}"]
+
+
+def end_report(head: list[str], lines: list[str], work: Path, out: str | None) -> int:
+    """Print the report's `lines` and when it finished; with `out` (--out), write the whole report there."""
+    lines = lines + [f"finished {time.strftime('%H:%M:%S')}; {load_average()} after; work folder {work}"]
+    print("\n".join(lines), flush=True)
+    if out:
+        from koala_ds.core.outputs import atomic_write
+
+        atomic_write(out, "\n".join(head + [""] + lines) + "\n", "--out")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)

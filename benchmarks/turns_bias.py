@@ -22,14 +22,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fidelity import (MEGATRON_SIZES, MICROBATCHES, ROOT, BenchError, Candidate, Example,  # noqa: E402
-                      load_average, machine, read_schedules, read_times, refuse_out, run, schedule_file)
+from fidelity import (MEGATRON_SIZES, MICROBATCHES, ROOT, BenchError, Candidate, Example, end_report,  # noqa: E402
+                      read_schedules, read_times, refuse_out, report_head, run, schedule_file, work_folder)
 
 from koala_ds.core.ir import KoalaError  # noqa: E402
 from koala_ds.resolve import load_schedule  # noqa: E402
@@ -150,10 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     ex = example(args)
     say = (lambda s: print(s, file=sys.stderr, flush=True))
-    work = Path(args.work or (Path(tempfile.gettempdir()) / "koala-turns-DRYRUN" if args.dry_run
-                              else tempfile.mkdtemp(prefix="koala-turns-")))
-    head = [f"$ python benchmarks/turns_bias.py {' '.join(argv)}".rstrip(),
-            f"machine: {machine()}; {load_average()} before; started {time.strftime('%Y-%m-%d %H:%M:%S')}",
+    work = work_folder(args, "koala-turns-")
+    head = report_head("turns_bias.py", argv) + [
             f"{ex.engine} {ex.label} p={ex.p}: A = {args.base}, B = {args.other}; {args.rounds} rounds of 4 torchruns "
             f"(alone: {args.iterations} iterations; taking turns: {2 * args.iterations}, turns of {args.block}); "
             f"kept: after {args.warmup} iterations, and the first of each turn dropped; per run the median step "
@@ -171,14 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.dry_run:
         return 0
-    lines = report(rounds, {"A": Path(args.base).name, "B": Path(args.other).name})
-    lines.append(f"finished {time.strftime('%H:%M:%S')}; {load_average()} after; work folder {work}")
-    print("\n".join(lines), flush=True)
-    if args.out:
-        from koala_ds.core.outputs import atomic_write
-
-        atomic_write(args.out, "\n".join(head + [""] + lines) + "\n", "--out")
-    return 0
+    return end_report(head, report(rounds, {"A": Path(args.base).name, "B": Path(args.other).name}), work, args.out)
 
 
 if __name__ == "__main__":
