@@ -457,11 +457,11 @@ def test_a_placement_s_own_step_overhead_is_in_its_makespans_only_and_round_trip
 
 
 @pytest.mark.parametrize("value, says", [
-    ({"diagonal": 1.0}, "step_overhead_by_placement: unknown placement 'diagonal'; known: linear, interleaved, "
+    ({"diagonal": 1.0}, "step_overhead_by_placement: unknown field 'diagonal'; known fields: linear, interleaved, "
                         "vshape, bidirectional"),
     ({"vshape": -1}, "step_overhead_by_placement.vshape: must not be negative"),
     ({"vshape": "5"}, "step_overhead_by_placement.vshape: expected a number"),
-    ([5.0], "step_overhead_by_placement: an object of placement -> ms"),
+    ([5.0], "step_overhead_by_placement: expected an object of placement -> ms such as {\"vshape\": 5.0}, got list"),
 ])
 def test_a_bad_step_overhead_by_placement_is_one_line(capsys, tmp_path, value, says):
     path = tmp_path / "k.json"

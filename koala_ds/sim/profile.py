@@ -386,29 +386,21 @@ def _check_spread(entry: dict, where: str) -> None:
     fraction >= 0 (`backward` only where the stage gives `backward`)."""
     if "spread" not in entry:
         return
-    spread = entry["spread"]
-    if not isinstance(spread, dict):
-        raise ProfileError(f"{where}.spread: expected an object such as {{\"forward\": 0.03}} (per time field, how "
-                           f"precisely its value is known, a fraction of it), got {type(spread).__name__}")
-    for name, value in spread.items():
-        if name not in SPREAD_FIELDS:
-            raise ProfileError(f"{where}.spread: unknown field {name!r}; known fields: {', '.join(SPREAD_FIELDS)}")
-        if name == "backward" and "backward" not in entry:
-            raise ProfileError(f"{where}.spread.backward: the stage gives no 'backward' (B = I + W, whose spread "
-                               f"is theirs): drop it, or give the stage's 'backward'")
-        _number(value, f"{where}.spread.{name}")
+    _numbers_by_name(entry["spread"], f"{where}.spread", SPREAD_FIELDS, "an object such as {\"forward\": 0.03} "
+                     "(per time field, how precisely its value is known, a fraction of it)")
+    if "backward" in entry["spread"] and "backward" not in entry:
+        raise ProfileError(f"{where}.spread.backward: the stage gives no 'backward' (B = I + W, whose spread "
+                           f"is theirs): drop it, or give the stage's 'backward'")
 
 
-def _check_by_placement(by: Any, source: str) -> None:
-    """`step_overhead_by_placement`: an object of named placements to numbers."""
-    where = f"{source}: step_overhead_by_placement"
-    if not isinstance(by, dict):
-        raise ProfileError(f"{where}: an object of placement -> ms, e.g. {{\"vshape\": 5.0}}, got "
-                           f"{type(by).__name__}")
-    for style, value in by.items():
-        if style not in OVERHEAD_PLACEMENTS:
-            raise ProfileError(f"{where}: unknown placement {style!r}; known: {', '.join(OVERHEAD_PLACEMENTS)}")
-        _number(value, f"{where}.{style}")
+def _numbers_by_name(obj: Any, where: str, known: Sequence[str], expected: str) -> None:
+    """`obj` an object whose fields are some of `known`, each a number (`_number`)."""
+    if not isinstance(obj, dict):
+        raise ProfileError(f"{where}: expected {expected}, got {type(obj).__name__}")
+    for name, value in obj.items():
+        if name not in known:
+            raise ProfileError(f"{where}: unknown field {name!r}; known fields: {', '.join(known)}")
+        _number(value, f"{where}.{name}")
 
 
 def check_latency_and_limit(data: dict, source: str) -> None:
@@ -417,7 +409,8 @@ def check_latency_and_limit(data: dict, source: str) -> None:
     for name in ("action_overhead", "step_overhead"):
         if name in data:
             _number(data[name], f"{source}: {name}")
-    _check_by_placement(data.get("step_overhead_by_placement", {}), source)
+    _numbers_by_name(data.get("step_overhead_by_placement", {}), f"{source}: step_overhead_by_placement",
+                     OVERHEAD_PLACEMENTS, "an object of placement -> ms such as {\"vshape\": 5.0}")
     limit = data.get("memory_limit_mb")
     if isinstance(limit, (list, tuple)):
         if not limit:
