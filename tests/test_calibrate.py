@@ -442,6 +442,22 @@ def test_step_overhead_is_in_every_makespan_and_round_trips(capsys, tmp_path):
     one_line_error(code, err, "step_overhead", "must not be negative")
 
 
+def test_only_named_placements_get_their_own_step_overhead():
+    """An explicit stage map (a hand-made placement, style "map") has no name a profile can give:
+    its steps count in step_overhead only, and the profile written loads."""
+    from koala_ds.sim.calibrate import Estimate, Fit, placement_overheads
+
+    def fitted(**own):
+        return Fit({}, Estimate(0.0, 1), Estimate(0.0, 1), Estimate(4.0, 9), step_overhead_by_placement=own)
+
+    assert placement_overheads({}, fitted(map=Estimate(9.0, 3), vshape=Estimate(5.0, 3))) == {}
+    assert placement_overheads({}, fitted(map=Estimate(9.0, 3), vshape=Estimate(5.0, 3),
+                                          interleaved=Estimate(3.0, 3))) == {"interleaved": 3.0, "vshape": 5.0}
+    assert placement_overheads({"step_overhead_by_placement": {"linear": 2.0}},
+                               fitted(vshape=Estimate(5.0, 3), interleaved=Estimate(None, 0))) == \
+        {"linear": 2.0, "vshape": 5.0}
+
+
 def test_a_placement_s_own_step_overhead_is_in_its_makespans_only_and_round_trips(capsys, tmp_path):
     base = dataclasses.replace(CostProfile.uniform(4, p2p_latency=0.1), step_overhead=3.0)
     own = dataclasses.replace(base, step_overhead_by_placement=(("vshape", 5.0),))

@@ -68,7 +68,7 @@ from typing import Any, Sequence
 
 from ..core.ir import KoalaError, Op, Schedule
 from .measured import Step, TracedRun, describe
-from .profile import CostProfile, value_spread
+from .profile import OVERHEAD_PLACEMENTS, CostProfile, value_spread
 from .simulator import simulate
 
 log = logging.getLogger(__name__)
@@ -331,8 +331,10 @@ def placement_overheads(raw: dict, fitted: Fit) -> dict[str, float]:
     """The calibrated profile's `step_overhead_by_placement`: each traced placement's own
     step_overhead where the traces hold several placements, or where the profile had the field
     (its other placements kept); none where one placement was traced into a profile without it
-    (then step_overhead is that placement's)."""
-    fitted_own = {k: round(e.value, 6) for k, e in fitted.step_overhead_by_placement.items() if e.value is not None}
+    (then step_overhead is that placement's). A placement of no name (an explicit stage map) is
+    in step_overhead only."""
+    fitted_own = {k: round(e.value, 6) for k, e in fitted.step_overhead_by_placement.items()
+                  if e.value is not None and k in OVERHEAD_PLACEMENTS}
     had = dict(raw.get("step_overhead_by_placement") or {})
     if len(fitted_own) < 2 and not had:
         return {}
