@@ -25,8 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fidelity import (MEGATRON_SIZES, ROOT, BenchError, Candidate, Example, end_report,  # noqa: E402
-                      refuse_out, report_head, run, schedule_file, work_folder)
+from fidelity import (MEGATRON_SIZES, ROOT, BenchError, Candidate, Example, add_round_args,  # noqa: E402
+                      check_round_args, end_report, refuse_out, report_head, run, schedule_file, work_folder)
 
 from koala_ds.sim.measured import TracedRun, load_runs, run_name  # noqa: E402
 
@@ -37,18 +37,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="the Megatron example's size (default the first)")
     ap.add_argument("--base", default="interleaved-1f1b", metavar="NAME", help="default interleaved-1f1b")
     ap.add_argument("--other", default="zb-v", metavar="NAME", help="default zb-v")
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--iterations", type=int, default=48, help="iterations of a round, both schedules together")
-    ap.add_argument("--block", type=int, default=4, help="iterations of a turn (default 4)")
-    ap.add_argument("--warmup", type=int, default=8, help="first iterations of a round dropped (default 8)")
-    ap.add_argument("--work", default=None, help="folder for the runs' files (default a new temporary one)")
-    ap.add_argument("--out", default=None, help="also write the report to this file")
-    ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    add_round_args(ap, 6, "iterations of a round, both schedules together (default 48)",
+                   "first iterations of a round dropped (default 8)")
     args = ap.parse_args(argv)
-    if min(args.rounds, args.iterations, args.block) < 1:
-        ap.error("--rounds, --iterations and --block must be at least 1")
-    if not 0 <= args.warmup < args.iterations:
-        ap.error("--warmup must be at least 0 and below --iterations")
+    check_round_args(ap, args)
     return args
 
 

@@ -843,6 +843,28 @@ def refuse_out(out: str | None, script: str) -> bool:
     return False
 
 
+def add_round_args(ap: argparse.ArgumentParser, rounds: int, iterations: str, warmup: str) -> None:
+    """The arguments of a benchmark of rounds of turns (turns_bias.py, beside_pipeline.py): --rounds
+    (default `rounds`), --iterations and --warmup (their help `iterations`, `warmup`), --block,
+    --work, --out, --dry-run; `check_round_args` checks them."""
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--iterations", type=int, default=48, help=iterations)
+    ap.add_argument("--block", type=int, default=4, help="iterations of a turn (default 4)")
+    ap.add_argument("--warmup", type=int, default=8, help=warmup)
+    ap.add_argument("--work", default=None, help="folder for the runs' files (default a new temporary one)")
+    ap.add_argument("--out", default=None, help="also write the report to this file")
+    ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+
+
+def check_round_args(ap: argparse.ArgumentParser, args) -> None:
+    """--rounds, --iterations and --block at least 1; --warmup below --iterations (ap.error)."""
+    for name in ("rounds", "iterations", "block"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be at least 1")
+    if args.warmup < 0 or args.warmup >= args.iterations:
+        ap.error("--warmup must be at least 0 and below --iterations")
+
+
 def work_folder(args, prefix: str) -> Path:
     """The runs' folder of a benchmark with --work / --dry-run: --work, else a new temporary one
     (with --dry-run a name only: nothing is made)."""

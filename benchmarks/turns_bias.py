@@ -26,8 +26,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fidelity import (MEGATRON_SIZES, MICROBATCHES, ROOT, BenchError, Candidate, Example, end_report,  # noqa: E402
-                      read_schedules, read_times, refuse_out, report_head, run, schedule_file, work_folder)
+from fidelity import (MEGATRON_SIZES, MICROBATCHES, ROOT, BenchError, Candidate, Example,  # noqa: E402
+                      add_round_args, check_round_args, end_report, read_schedules, read_times, refuse_out,
+                      report_head, run, schedule_file, work_folder)
 
 from koala_ds.core.ir import KoalaError  # noqa: E402
 from koala_ds.resolve import load_schedule  # noqa: E402
@@ -48,19 +49,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                                         "made for)")
     ap.add_argument("--placement", default=None, choices=("linear", "interleaved", "vshape"),
                     help="B's placement (default: the schedule's own)")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--iterations", type=int, default=48, help="iterations of a run alone (taking turns: twice)")
-    ap.add_argument("--block", type=int, default=4, help="iterations of a turn (default 4)")
-    ap.add_argument("--warmup", type=int, default=8, help="first iterations of a run dropped (default 8)")
-    ap.add_argument("--work", default=None, help="folder for the runs' files (default a new temporary one)")
-    ap.add_argument("--out", default=None, help="also write the report to this file")
-    ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    add_round_args(ap, 5, "iterations of a run alone (taking turns: twice)", "first iterations of a run dropped "
+                   "(default 8)")
     args = ap.parse_args(argv)
-    for name in ("rounds", "iterations", "block"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name} must be at least 1")
-    if args.warmup < 0 or args.warmup >= args.iterations:
-        ap.error("--warmup must be at least 0 and below --iterations")
+    check_round_args(ap, args)
     if args.size is None:
         args.size = list(MEGATRON_SIZES)[1] if args.engine == "megatron" else "1024"
     if args.engine == "megatron" and args.size not in MEGATRON_SIZES:

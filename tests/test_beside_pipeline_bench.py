@@ -45,7 +45,8 @@ def test_dry_run_traces_both_schedules_taking_turns_the_first_built_alternating(
 
 @pytest.mark.parametrize("args, needle", [
     (["--warmup", "48"], "--warmup must be at least 0 and below --iterations"),
-    (["--rounds", "0"], "--rounds, --iterations and --block must be at least 1"),
+    (["--rounds", "0"], "--rounds must be at least 1"),
+    (["--block", "0"], "--block must be at least 1"),
     (["--size", "gpt-1L"], "invalid choice: 'gpt-1L'"),
 ])
 def test_bad_arguments_are_one_line(args, needle):
