@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fidelity import (MEGATRON_SIZES, ROOT, BenchError, Candidate, Example, add_round_args,  # noqa: E402
                       check_round_args, end_report, refuse_out, report_head, run, schedule_file, work_folder)
 
+from koala_ds.sim.calibrate import beside_samples  # noqa: E402  (what koala calibrate fits step_overhead on)
 from koala_ds.sim.measured import TracedRun, load_runs, run_name  # noqa: E402
 
 
@@ -63,7 +64,7 @@ def one_round(ex: Example, pair: list[Candidate], r: int, args, work: Path, say)
     files = sorted(str(p) for p in work.glob(f"r{r}.*rank*.json") if run_name(p).startswith(str(work / f"r{r}.")))
     out = {}
     for traced in load_runs(files, skip_steps=args.warmup):
-        beside = statistics.median(s.time - s.span for s in traced.timed_steps)
+        beside = statistics.median(beside_samples(traced))
         out[traced.schedule.name] = (beside, tuple(after_pipeline(traced, k) for k in range(ex.p)))
     return out
 

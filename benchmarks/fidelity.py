@@ -897,10 +897,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     lines = header(argv, args)
     print("\n".join(lines), flush=True)
-    if args.dry_run:  # nothing is written: the plan names a folder that is not made
-        work_root = Path(args.work or Path(tempfile.gettempdir()) / "koala-fidelity-DRYRUN")
-    else:
-        work_root = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="koala-fidelity-"))
+    work_root = work_folder(args, "koala-fidelity-")  # with --dry-run a name only: nothing is made
     rows, calibrations = [], []
     try:
         for ex in plan(args):

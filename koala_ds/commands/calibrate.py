@@ -24,7 +24,7 @@ from pathlib import Path
 from ..core.json_input import NotJson, parse_json
 from ..core.outputs import OutputError, atomic_write, check_output
 from ..sim import MODES, CostProfile, bundled_profiles, resolve_profile
-from ..sim.calibrate import (NOISE_SPREADS, CalibrationError, Fit, RunCheck, beside_by_schedule, calibrated_profile,
+from ..sim.calibrate import (NOISE_SPREADS, CalibrationError, Fit, RunCheck, beside_by, calibrated_profile,
                              check_fits, check_runs, fit, matched_latency, merged_timeline)
 from ..sim.measured import TracedRun, describe, load_runs
 from ..sim.turn_speedups import SPEEDUP_TOLERANCE, TurnSpeedup, turn_speedups
@@ -137,7 +137,7 @@ def step_overhead_note(cal: Calibration, ranges: dict[str, tuple[float, float, i
     (less the fitted action overhead `c`, as the fit's step_overhead)."""
     style = {r.schedule.name: r.schedule.placement.style for r in cal.runs}
     k = {name: cal.calibrated.step_overhead_of(s) for name, s in style.items()}
-    own = beside_by_schedule(cal.runs, c)
+    own = beside_by(cal.runs, c, lambda run: run.schedule.name)
     off = [name for name, est in own.items() if est.value is not None and ranges[name][0] > 0
            and abs(est.value - k[name]) > BESIDE_NOTE * (ranges[name][0] + ranges[name][1]) / 2
            and abs(est.value - k[name]) > 2 * (est.spread or 0.0) * (est.value + c)]

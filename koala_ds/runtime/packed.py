@@ -69,7 +69,7 @@ def pack(obj) -> torch.Tensor:
 def unpack(data: torch.Tensor, device: torch.device | str = "cpu"):
     """What `pack` was given, its tensors on `device`."""
     data = data.cpu()
-    width = torch.empty(0, dtype=_LENGTH).element_size()
+    width = _LENGTH.itemsize
     length = int(data[:width].clone().view(_LENGTH).item())
     pickled = data[width:width + length].numpy().tobytes()
     return _Unpickler(io.BytesIO(pickled), data[width + length:], torch.device(device)).load()

@@ -37,9 +37,10 @@ Times are scaled to integers (the smallest power of ten that makes every duratio
 10^4). The solution is turned back into a schedule by ordering each rank's actions by start
 time; its simulated makespan is at most the solver's objective, and equal when optimal. The
 model times the pipeline's span; the profile's `step_overhead` (the placement's own where it
-gives one) is added to its objective and bounds, as the simulator adds it to every makespan. The profile's switch costs (an action after
-one of another stage on its rank) are not in the model: its objective stays a lower bound, and a
-solution the simulator times above it is reported feasible, not optimal.
+gives one) is added to its objective and bounds, as the simulator adds it to every makespan.
+The profile's switch costs (an action after one of another stage on its rank) are not in the
+model: its objective stays a lower bound, and a solution the simulator times above it is
+reported feasible, not optimal.
 """
 from __future__ import annotations
 

@@ -64,7 +64,7 @@ import logging
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ..core.ir import KoalaError, Op, Schedule
 from .measured import Step, TracedRun, describe
@@ -138,7 +138,7 @@ class Fit:
     #: per stage entry, what its split schedules' F took over the full ones' (charged to I;
     #: only where `forward_apart`)
     forward_extra: dict[int, Estimate] = dataclasses.field(default_factory=dict)
-    #: per placement style traced, step_overhead of its steps alone (`beside_by_placement`)
+    #: per placement style traced, step_overhead of its steps alone (`beside_by`)
     step_overhead_by_placement: dict[str, Estimate] = dataclasses.field(default_factory=dict)
 
 
@@ -185,7 +185,7 @@ def fit(runs: Sequence[TracedRun], entries: int) -> Fit:
                     (after if switched else same)[(entry_of(a.stage, schedule, entries), name)].append(span.compute)
                 gaps += [b.start - a.end for a, b in zip(spans, spans[1:])]
             arrivals += message_delays(schedule, step)
-        beside += _beside(run)
+        beside += beside_samples(run)
     overhead = Estimate.of(gaps)
     c = overhead.value or 0.0
     switch = _switch_costs(same, after)
@@ -193,32 +193,26 @@ def fit(runs: Sequence[TracedRun], entries: int) -> Fit:
               for key in sorted(same.keys() | after.keys())}
     extra = _charge_split_forward(stages)
     return Fit(stages, overhead, Estimate.of(arrivals, c), Estimate.of(beside, c), switch, extra,
-               beside_by_placement(runs, c))
+               beside_by(runs, c, lambda run: run.schedule.placement.style))
 
 
-def beside_by_schedule(runs: Sequence[TracedRun], action_overhead: float) -> dict[str, Estimate]:
-    """Per traced schedule, what `fit`'s step_overhead is of its steps alone: each timed step's
-    time less the pipeline's span, less `action_overhead`. The profile has a step overhead per
-    placement at most; these say where a schedule pays another than its placement's."""
+def beside_by(runs: Sequence[TracedRun], action_overhead: float, key: Callable[[TracedRun], str]
+              ) -> dict[str, Estimate]:
+    """Per `key` of the runs (their placement style, their schedule's name), `fit`'s
+    step_overhead of those runs' steps alone, in the runs' order: each timed step's time less the
+    pipeline's span, less `action_overhead`. What a step spends beside the pipeline depends on
+    where the stages are: on Megatron a V-shape computes the loss on rank 0, which ships the loss
+    values to the last rank after its last action, before it can start the next step
+    (benchmarks/beside_pipeline.py, the 4-layer example: zb-v's steps 0.6 ms more than
+    interleaved-1f1b's, 1.3 ms before 0.6 ms of it went). Per schedule, they say where one pays
+    another than its placement's."""
     samples: dict[str, list[float]] = defaultdict(list)
     for run in runs:
-        samples[run.schedule.name] += _beside(run)
-    return {name: Estimate.of(values, action_overhead) for name, values in samples.items()}
+        samples[key(run)] += beside_samples(run)
+    return {k: Estimate.of(values, action_overhead) for k, values in samples.items()}
 
 
-def beside_by_placement(runs: Sequence[TracedRun], action_overhead: float) -> dict[str, Estimate]:
-    """Per placement style of `runs`, `fit`'s step_overhead of its runs' steps alone. What a
-    step spends beside the pipeline depends on where the stages are: on Megatron a V-shape
-    computes the loss on rank 0, which ships the loss values to the last rank after its last
-    action, before it can start the next step (benchmarks/beside_pipeline.py, the 4-layer
-    example: zb-v's steps 0.6 ms more than interleaved-1f1b's, 1.3 ms before 0.6 ms of it went)."""
-    samples: dict[str, list[float]] = defaultdict(list)
-    for run in runs:
-        samples[run.schedule.placement.style] += _beside(run)
-    return {style: Estimate.of(values, action_overhead) for style, values in sorted(samples.items())}
-
-
-def _beside(run: TracedRun) -> list[float]:
+def beside_samples(run: TracedRun) -> list[float]:
     """Each timed step's time less the pipeline's span: the samples of step_overhead (with the
     action overhead of the step's last action still in them)."""
     return [step.time - step.span for step in run.timed_steps]

@@ -22,7 +22,8 @@ communication mode) the makespan T satisfies each of:
 
 Each component bounds the pipeline's span (the end of the last action); the profile's
 `step_overhead` (its placement's, `CostProfile.step_overhead_of`) comes after it on every rank
-(koala_ds.sim.simulator), so the bound's value is the largest component plus that. (`action_overhead` is in the stage times already.)
+(koala_ds.sim.simulator), so the bound's value is the largest component plus that.
+(`action_overhead` is in the stage times already.)
 """
 from __future__ import annotations
 
