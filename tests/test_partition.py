@@ -13,6 +13,7 @@ import pytest
 from koala_ds.cli import main
 from koala_ds.core.ir import KoalaError, Placement
 from koala_ds.core.layout import deepspeed_parts, megatron_layout
+from koala_ds.resolve import load_schedule
 from koala_ds.search.partition import PartitionSearch, default_memory_limit, search_partition
 from koala_ds.search.partition_bound import joint_lower_bound
 from koala_ds.sim import ProfileError, load_profile, simulate
@@ -47,6 +48,8 @@ def write(tmp_path, data) -> str:
     (lambda d: d["layers"][1].update(colour=1), "layers[1]"),
     (lambda d: d.update(optimizer_bytes_per_param_byte=-3), "optimizer_bytes_per_param_byte"),
     (lambda d: d.update(action_overhead="x"), "action_overhead"),
+    (lambda d: d.update(step_overhead_by_placement={"zigzag": 1.0}), "step_overhead_by_placement"),
+    (lambda d: d.update(step_overhead_by_placement={"vshape": -1.0}), "step_overhead_by_placement.vshape"),
     (lambda d: d.update(stages=[]), "'stages' and 'layers'"),
     (lambda d: d.update(version=2), "'version'"),
     (lambda d: d.pop("p2p_latency"), "'p2p_latency'"),
@@ -294,6 +297,26 @@ def test_action_overhead_is_added_once_per_stage_not_per_layer():
     assert (b.forward, b.backward_input, b.backward_weight, b.backward) == \
         (a.forward + 0.5, a.backward_input + 0.5, a.backward_weight + 0.5, a.backward + 0.5)
     assert LayerProfile.from_dict(extra.to_dict()) == extra
+
+
+def test_a_placement_s_own_step_overhead_reaches_every_split_its_makespans_and_the_joint_bound():
+    """A per-layer profile carries `step_overhead_by_placement` as a stage profile does (it was refused
+    as an unknown field): each split's stage profile has it, a schedule's makespan pays its own
+    placement's value, and the joint bound adds the placement's value (it added none)."""
+    lp = LayerProfile.from_dict(tiny(step_overhead=1.0, step_overhead_by_placement={"vshape": 5.0}))
+    assert LayerProfile.from_dict(lp.to_dict()) == lp and lp.step_overhead_of("vshape") == 5.0
+    bare = dataclasses.replace(lp, step_overhead=0.0, step_overhead_by_placement=())
+    vshape, inter = Placement.named("vshape", 2, 2), Placement.named("interleaved", 2, 2)
+    for name, placement, own in (("zb-v", vshape, 5.0), ("interleaved-1f1b", inter, 1.0)):
+        schedule = load_schedule(name, 2, 4, 2)
+        assert schedule.placement.style == placement.style
+        with_own = lp.stage_profile([1, 1, 1, 1], 2, placement)
+        assert with_own.step_overhead_of(placement.style) == own
+        plain = simulate(schedule, bare.stage_profile([1, 1, 1, 1], 2, placement)).makespan
+        assert simulate(schedule, with_own).makespan == pytest.approx(plain + own)
+        assert joint_lower_bound(lp, 2, 4, [placement]).value == \
+            pytest.approx(joint_lower_bound(bare, 2, 4, [placement]).value + own)
+        assert joint_lower_bound(lp, 2, 4, [placement]).value <= simulate(schedule, with_own).makespan
 
 
 @pytest.mark.parametrize("given, source", [(["--memory-limit", "20000"], "--memory-limit 20000 MB per rank"),

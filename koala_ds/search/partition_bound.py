@@ -16,8 +16,9 @@ layers [a, b) with h(s) rank changes before it in pipeline order (H in all), lat
              + 2 (H - h(s)) d + sum_{l>=b} b_l + sum_{a<=l<b} c_l
 A stage's actions all run on one rank, so every schedule of every partition obeys the terms of
 each of its stages. The bound is min over placements of max(work, min over partitions of the
-largest stage term), the inner min by dynamic programming over the cut points (exact for that
-max). A stage that cannot hold its static memory and one microbatch's activations under its
+largest stage term) plus the placement's step overhead (`LayerProfile.step_overhead_of`: every
+makespan is the pipeline's span plus it), the inner min by dynamic programming over the cut
+points (exact for that max). A stage that cannot hold its static memory and one microbatch's activations under its
 rank's limit is excluded (no schedule of such a partition fits).
 """
 from __future__ import annotations
@@ -32,7 +33,7 @@ from ..sim.layers import LayerProfile
 
 @dataclass(frozen=True)
 class JointBound:
-    value: float
+    value: float                         # the bound: the placement's step overhead included
     work: float                          # the work term
     partition: tuple[int, ...] | None    # a partition attaining the stage-term minimum (None: none fits)
     placement: str
@@ -123,6 +124,6 @@ def joint_lower_bound(lp: LayerProfile, p: int, m: int, placements: Sequence[Pla
     found = []
     for pl in placements:
         value, part = _placement_min(lp, z, pl, m)
-        found.append((max(work, value), part, pl.describe()))
+        found.append((max(work, value) + lp.step_overhead_of(pl.style), part, pl.describe()))
     value, part, name = min(found, key=lambda x: x[0])
     return JointBound(value, work, part, name)

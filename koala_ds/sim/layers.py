@@ -29,7 +29,7 @@ from typing import Any, Sequence
 from ..core.ir import Placement
 from ..core.json_input import NotJson, parse_json
 from .profile import (PROFILE_VERSION, CostProfile, ProfileError, StageCost, _number, check_header,
-                      check_latency_and_limit, resolve_profile, with_action_overhead)
+                      check_latency_and_limit, resolve_profile, sorted_by_placement, with_action_overhead)
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ LAYER_FIELDS = ("forward", "backward_input", "backward_weight", "activation_mb",
 OPTIONAL_LAYER_FIELDS = ("name", "kind", "backward", "param_mb")
 LAYER_KINDS = ("embedding", "transformer", "output", "other")
 TOP_FIELDS = ("version", "layers", "p2p_latency", "memory_limit_mb", "optimizer_bytes_per_param_byte",
-              "action_overhead", "step_overhead")
+              "action_overhead", "step_overhead", "step_overhead_by_placement")
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,15 @@ class LayerProfile:
     source: str = "<layer profile>"
     action_overhead: float = 0.0  # ms per action, added once to each stage's F, I, W and B (see sim.profile)
     step_overhead: float = 0.0  # ms per step, beside the pipeline (see sim.profile)
+    #: (placement style, ms) pairs: a placement's own step overhead (CostProfile's field of that name)
+    step_overhead_by_placement: tuple[tuple[str, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "step_overhead_by_placement", sorted_by_placement(self.step_overhead_by_placement))
+
+    def step_overhead_of(self, style: str) -> float:
+        """The step overhead (ms) of placement `style`'s schedules (CostProfile.step_overhead_of)."""
+        return dict(self.step_overhead_by_placement).get(style, self.step_overhead)
 
     @property
     def num_layers(self) -> int:
@@ -149,7 +158,7 @@ class LayerProfile:
                 limits.append(whole - static[r])
             limits = tuple(limits)
         return CostProfile(stages, self.p2p_latency, limits, f"{self.source} split {partition_text(partition)}",
-                           self.step_overhead)
+                           self.step_overhead, step_overhead_by_placement=self.step_overhead_by_placement)
 
     def uniform_partition(self, stages: int) -> list[int]:
         """The engines' default split: the transformer layers evenly, the leading embedding
@@ -174,7 +183,8 @@ class LayerProfile:
             limit = float(limit)
         return cls(layers, float(data["p2p_latency"]), limit,
                    float(data.get("optimizer_bytes_per_param_byte", 0.0)), source,
-                   float(data.get("action_overhead", 0.0)), float(data.get("step_overhead", 0.0)))
+                   float(data.get("action_overhead", 0.0)), float(data.get("step_overhead", 0.0)),
+                   tuple(data.get("step_overhead_by_placement", {}).items()))
 
     def to_dict(self) -> dict:
         out: dict[str, Any] = {"version": PROFILE_VERSION, "layers": [_layer_dict(x) for x in self.layers],
@@ -188,6 +198,8 @@ class LayerProfile:
             out["action_overhead"] = self.action_overhead
         if self.step_overhead:
             out["step_overhead"] = self.step_overhead
+        if self.step_overhead_by_placement:
+            out["step_overhead_by_placement"] = dict(self.step_overhead_by_placement)
         return out
 
 

@@ -188,8 +188,7 @@ class CostProfile:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))
-        by = dict(self.step_overhead_by_placement)
-        object.__setattr__(self, "step_overhead_by_placement", tuple(sorted((k, float(x)) for k, x in by.items())))
+        object.__setattr__(self, "step_overhead_by_placement", sorted_by_placement(self.step_overhead_by_placement))
         if self.spread is not None:
             object.__setattr__(self, "spread", tuple(self.spread))
             if len(self.spread) != len(self.stages):
@@ -401,6 +400,11 @@ def _numbers_by_name(obj: Any, where: str, known: Sequence[str], expected: str) 
         if name not in known:
             raise ProfileError(f"{where}: unknown field {name!r}; known fields: {', '.join(known)}")
         _number(value, f"{where}.{name}")
+
+
+def sorted_by_placement(pairs: Any) -> tuple[tuple[str, float], ...]:
+    """(placement style, ms) pairs (or a dict of them) as the profiles hold them: sorted by style."""
+    return tuple(sorted((k, float(x)) for k, x in dict(pairs).items()))
 
 
 def check_latency_and_limit(data: dict, source: str) -> None:
