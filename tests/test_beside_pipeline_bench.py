@@ -2,12 +2,12 @@
 computes from the rounds' medians."""
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from script_modules import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "beside_pipeline.py"
@@ -20,11 +20,7 @@ def _run(*args, timeout=60):
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("beside_pipeline_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["beside_pipeline_bench"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "beside_pipeline_bench")
 
 
 def test_dry_run_traces_both_schedules_taking_turns_the_first_built_alternating(tmp_path):

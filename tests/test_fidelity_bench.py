@@ -4,7 +4,6 @@ run) and the form of its table; and the DeepSpeed example's hooks it uses (`trai
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,22 +11,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from script_modules import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "fidelity.py"
 
 
-def _load(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def fidelity():
-    return _load(SCRIPT, "fidelity_bench")
+    return load_script(SCRIPT, "fidelity_bench")
 
 
 def _run(*args, timeout=60):
@@ -376,7 +368,7 @@ def test_a_failing_step_is_one_line_naming_its_log(fidelity, tmp_path):
 @pytest.fixture(scope="module")
 def example():
     pytest.importorskip("deepspeed")
-    return _load(ROOT / "examples" / "deepspeed_pipe" / "train.py", "ds_example_train_fidelity")
+    return load_script(ROOT / "examples" / "deepspeed_pipe" / "train.py", "ds_example_train_fidelity")
 
 
 def test_the_example_builds_its_layer_list_for_any_dim(example):

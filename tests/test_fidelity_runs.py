@@ -2,34 +2,26 @@
 format_table), the errors pooled over runs, the verdict per row, and bad input as one line."""
 from __future__ import annotations
 
-import importlib.util
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from script_modules import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "fidelity_runs.py"
 
 
-def _load(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def fid():
-    return _load(ROOT / "benchmarks" / "fidelity.py", "fidelity_bench_for_runs")
+    return load_script(ROOT / "benchmarks" / "fidelity.py", "fidelity_bench_for_runs")
 
 
 @pytest.fixture(scope="module")
 def runs_mod():
-    return _load(SCRIPT, "fidelity_runs_bench")
+    return load_script(SCRIPT, "fidelity_runs_bench")
 
 
 def _report(fid, started: str, searched: tuple[float, float, float], turns: bool = True,

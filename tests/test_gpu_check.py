@@ -1,7 +1,6 @@
 """benchmarks/gpu_check.py (issue 13's GPU check as one script) on the CPU: a hanging step is
 stopped with everything it started and the next step still runs; the schedule comparison
 notices unequal losses; and (slow) its --small DeepSpeed step end to end."""
-import importlib.util
 import json
 import re
 import sys
@@ -9,16 +8,13 @@ import time
 from pathlib import Path
 
 import pytest
+from script_modules import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks/gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/gpu_check.py", "gpu_check")
 
 
 def alive(pid: int) -> bool:

@@ -1,7 +1,6 @@
 """examples/megatron_gpt/pretrain_gpt.py end to end: torchrun, real megatron-core GPT, gloo.
 The loss of every iteration is the same whichever schedule runs it, and it goes down. Also its
 --distributed-backend flag: backend and device choice (single process, no CUDA needed)."""
-import importlib.util
 import json
 import os
 import subprocess
@@ -10,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from script_modules import load_script
 
 from koala_ds.runtime.trace_record import TraceRecorder
 
@@ -27,11 +27,7 @@ def _megatron_core():
 
 
 def example_module():
-    spec = importlib.util.spec_from_file_location("pretrain_gpt", ROOT / "examples/megatron_gpt/pretrain_gpt.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["pretrain_gpt"] = module  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples/megatron_gpt/pretrain_gpt.py", "pretrain_gpt")
 
 
 def test_distributed_backend_flag_parses_megatron_lms_choices():

@@ -19,6 +19,7 @@ from koala_ds.core.errors import USER_ERROR_EXIT, run_main
 from koala_ds.core.ir import KoalaError
 from koala_ds.runtime.spawn import free_port
 from rank_processes import environment, held_port
+from script_modules import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 P4_ONLY = """schedule p4only
@@ -296,12 +297,7 @@ def test_deepspeed_example_user_error_is_one_line_on_one_rank(tmp_path):
 def ds_example():
     """examples/deepspeed_pipe/train.py as a module (it imports DeepSpeed: skipped without it)."""
     pytest.importorskip("deepspeed")
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("ds_example_train", ROOT / "examples/deepspeed_pipe/train.py")
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    return example
+    return load_script("examples/deepspeed_pipe/train.py", "ds_example_train")
 
 
 def test_deepspeed_example_alternates_run_on_the_model_copy_of_their_placement(tmp_path):

@@ -2,20 +2,18 @@
 and the meaning of its table."""
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
+
+from script_modules import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "recv_lookahead.py"
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("recv_lookahead_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "recv_lookahead_bench")
 
 
 def test_dry_run_alternates_both_lookaheads_in_fresh_traced_runs(tmp_path):

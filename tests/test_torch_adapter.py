@@ -15,6 +15,7 @@ from koala_ds import library
 from koala_ds.resolve import load_schedule
 from koala_ds.core.ir import KoalaError
 from koala_ds.resolve import TORCH, ScheduleFitError, resolve
+from script_modules import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 DIM, MB_SIZE = 8, 2
@@ -494,16 +495,10 @@ def test_example_koala_schedules_train_as_torchs_1f1b(tmp_path):
 @pytest.fixture(scope="module")
 def example():
     """The example script as a module (registered: its dataclass needs its module)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("torch_pipelining_train", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
     try:
-        spec.loader.exec_module(module)
-        yield module
+        yield load_script(EXAMPLE, "torch_pipelining_train")
     finally:
-        del sys.modules[spec.name]
+        sys.modules.pop("torch_pipelining_train", None)
 
 
 @pytest.mark.parametrize("flags, world, message", [

@@ -2,12 +2,12 @@
 its argument errors, and what its report computes from a round's medians."""
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from script_modules import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "turns_bias.py"
@@ -20,11 +20,7 @@ def _run(*args, timeout=60):
 
 @pytest.fixture(scope="module")
 def bias():
-    spec = importlib.util.spec_from_file_location("turns_bias_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["turns_bias_bench"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "turns_bias_bench")
 
 
 def test_dry_run_runs_each_schedule_alone_and_both_taking_turns_either_engine_first(tmp_path):
