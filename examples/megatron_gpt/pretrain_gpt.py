@@ -35,7 +35,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from koala_ds.megatron import add_arguments, install  # noqa: E402
-from koala_ds.megatron.cpu import data_parallel_finalize  # noqa: E402
+from koala_ds.megatron.cpu import clip_grad_norm, data_parallel_finalize  # noqa: E402
 from koala_ds.megatron.resolve import MEGATRON, resolve  # noqa: E402
 from koala_ds.runtime.turns import keeps_own_shape, summary, turn_index  # noqa: E402
 
@@ -62,6 +62,10 @@ def parse_args(argv=None):
     g.add_argument("--global-batch-size", type=int, default=16)
     g.add_argument("--train-iters", type=int, default=50)
     g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--clip-grad", type=float, default=1.0,
+                   help="gradient clipping on the global L2 norm, reduced over the model-parallel group every "
+                        "step as Megatron-LM does (so the pipeline ranks meet at each step's end); 0: no "
+                        "clipping (default 1.0, Megatron-LM's)")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
@@ -423,13 +427,16 @@ def train(args, m: int, turns: list) -> tuple[list, list, list]:
     ms of forward_backward_func and the optimizer step on this rank (the synthetic data is drawn
     before the clock starts; CUDA is synchronised before it stops); a period, the ms from one
     iteration's start to the next's (the whole loop: data, logging; what `koala calibrate` calls
-    a step). Each iteration runs its turn's schedule on that turn's model copy."""
+    a step). Each iteration runs its turn's schedule on that turn's model copy. As in Megatron-LM,
+    the optimizer step reduces the gradients' norm over the model-parallel group (--clip-grad), so
+    every pipeline rank ends a step before any starts the next."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func  # patched by install()
 
     pp, dp = args.pipeline_model_parallel_size, args.data_parallel_size
     pp_rank, dp_rank, dp_group = ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank(), \
         ps.get_data_parallel_group()
+    mp_group = ps.get_model_parallel_group()
     # data-parallel gradient reduction with plain all-reduce (Megatron's DDP needs CUDA)
     for chunk in (c for turn in turns for c in turn.chunks):  # the runtime reads the first chunk's config
         chunk.config.finalize_model_grads_func = data_parallel_finalize(dp_group, dp)
@@ -453,6 +460,7 @@ def train(args, m: int, turns: list) -> tuple[list, list, list]:
             forward_step_func=partial(forward_step_func, args.seq_length),
             data_iterator=iters if turn.v > 1 else iters[0], model=chunks if turn.v > 1 else chunks[0],
             num_microbatches=m, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size)
+        clip_grad_norm((q for c in chunks for q in c.parameters()), args.clip_grad, mp_group)
         optimizer.step()
         sync()
         times.append((time.perf_counter() - t1) * 1000)
