@@ -357,31 +357,3 @@ def test_a_full_backward_schedule_runs_plain_forwards_on_chunks_a_split_one_prep
     assert hasattr(chunk, "_koala_wgrad")
     assert step("1f1b") == [True, True]
 
-
-@pytest.mark.parametrize("clip", [0.0, 0.5, 1e6])
-def test_the_step_end_gradient_norm_is_torchs_over_the_model_parallel_group(single_process_megatron, clip):
-    """koala_ds.megatron.cpu.clip_grad_norm (the examples' stand-in for megatron-core's CUDA-only
-    clip_grads): the L2 norm of every gradient reduced over the group, and the gradients clipped
-    to `clip` as torch.nn.utils.clip_grad_norm_ clips them (0: the norm only, nothing clipped)."""
-    import torch
-    from megatron.core import parallel_state as ps
-
-    from koala_ds.megatron.cpu import clip_grad_norm
-    from koala_ds.profiler.models import _init_single_process_megatron
-
-    _init_single_process_megatron(1)
-    g = torch.Generator().manual_seed(3)
-    mine = [torch.nn.Parameter(torch.zeros(4, 3)), torch.nn.Parameter(torch.zeros(5)), torch.nn.Parameter(torch.zeros(2))]
-    for prm in mine[:2]:
-        prm.grad = torch.randn(prm.shape, generator=g)
-    theirs = [torch.nn.Parameter(p.detach().clone()) for p in mine]
-    for a, b in zip(mine, theirs):
-        b.grad = None if a.grad is None else a.grad.clone()
-    expected = torch.nn.utils.clip_grad_norm_(theirs, clip) if clip else torch.nn.utils.get_total_norm(
-        [p.grad for p in theirs if p.grad is not None])
-    norm = clip_grad_norm(iter(mine), clip, ps.get_model_parallel_group())
-    assert norm == pytest.approx(float(expected), rel=1e-6) and norm > 1.0
-    for a, b in zip(mine, theirs):
-        assert (a.grad is None and b.grad is None) or torch.allclose(a.grad, b.grad, rtol=1e-6)
-    after = float(torch.nn.utils.get_total_norm([p.grad for p in mine if p.grad is not None]))
-    assert after == pytest.approx(min(norm, clip) if clip else norm, rel=1e-5)

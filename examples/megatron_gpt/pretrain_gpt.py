@@ -35,8 +35,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from koala_ds.megatron import add_arguments, install  # noqa: E402
-from koala_ds.megatron.cpu import clip_grad_norm, data_parallel_finalize  # noqa: E402
+from koala_ds.megatron.cpu import data_parallel_finalize  # noqa: E402
 from koala_ds.megatron.resolve import MEGATRON, resolve  # noqa: E402
+from koala_ds.runtime.grad_norm import clip_grad_norm  # noqa: E402
 from koala_ds.runtime.turns import keeps_own_shape, summary, turn_index  # noqa: E402
 
 log = logging.getLogger("pretrain_gpt")

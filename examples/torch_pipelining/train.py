@@ -12,8 +12,11 @@ file, or `torch:ClassName`, one of torch's own schedule classes (the reference).
 `--chunks N` each rank holds N stages, placed as the schedule places them (V-shape for zb-v,
 dualpipe-v, a searched V; else interleaved). `--pp` below the number of processes adds data
 parallelism (gradients averaged over the replicas). The rank holding the last stage of
-replica 0 prints `step N: loss X` (the mean of the step's microbatch losses). Every wait is
-bounded by the process group's timeout: KOALA_TIMEOUT_S seconds (default 600).
+replica 0 prints `step N: loss X` (the mean of the step's microbatch losses). Each step ends
+as torchtitan's do: the gradients are clipped by their global L2 norm, reduced over the
+pipeline ranks (`--clip-grad`, default 1.0; 0: no clipping), so every rank ends a step before
+any starts the next (koala_ds/runtime/grad_norm.py). Every wait is bounded by the process
+group's timeout: KOALA_TIMEOUT_S seconds (default 600).
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from koala_ds.commands import positive_int
 from koala_ds.core.errors import rank_zero_argument_errors, run_main
 from koala_ds.core.ir import KoalaError, Schedule
 from koala_ds.resolve import TORCH, Setting, resolve
+from koala_ds.runtime.grad_norm import clip_grad_norm
 from koala_ds.runtime.timeout import resolve_timeout
 
 #: How the schedule's messages name this script's flags.
@@ -166,6 +170,7 @@ def train(args, plan_: Plan) -> None:
             for p in params:
                 dist.all_reduce(p.grad, group=dp_group)
                 p.grad /= world // plan_.pp
+        clip_grad_norm(params, args.clip_grad, pipe_group)  # the ranks meet here, as in torchtitan
         optimizer.step()
         optimizer.zero_grad()
         ms = (time.perf_counter() - t0) * 1000
@@ -186,6 +191,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dim", type=positive_int, default=32)
     parser.add_argument("--batch-size", type=positive_int, default=4, help="samples per microbatch")
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--clip-grad", type=float, default=1.0,
+                        help="clip the gradients to this global L2 norm, reduced over the pipeline ranks every step "
+                             "as torchtitan does (so the ranks meet at each step's end); 0: no clipping")
     return rank_zero_argument_errors(parser).parse_args(argv)  # a bad flag: one line on rank 0
 
 

@@ -89,23 +89,3 @@ def data_parallel_finalize(dp_group, dp_size: int):
 
     return finalize
 
-
-def clip_grad_norm(params, clip_grad: float, mp_group) -> float:
-    """What megatron-core's optimizer step does to the gradients before it updates (its
-    `clip_grads` needs CUDA): the L2 norm of this rank's gradients, summed over the model-parallel
-    group with one all-reduce, and the gradients scaled to a norm of at most `clip_grad` (0: no
-    clipping; the norm is still reduced, as Megatron-LM's train_step reduces the grad norm over the
-    model-parallel group every step). That all-reduce is where the pipeline ranks meet at the end
-    of each step, as in Megatron-LM: without it a rank would start the next step while another
-    still ends this one. Returns the total norm."""
-    import torch.distributed as dist
-
-    params = list(params)
-    grads = [prm.grad for prm in params if prm.grad is not None]
-    local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-    total = (local.float() ** 2).reshape(1)
-    dist.all_reduce(total, group=mp_group)
-    norm = total[0].sqrt()
-    if clip_grad > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, clip_grad, norm)
-    return float(norm.item())
