@@ -47,3 +47,16 @@ def test_a_rank_without_gradients_still_takes_part(one_rank_group):
     from koala_ds.runtime.grad_norm import clip_grad_norm
 
     assert clip_grad_norm([torch.nn.Parameter(torch.zeros(3))], 1.0, one_rank_group) == 0.0
+
+
+def test_only_the_counted_parameters_make_the_norm_and_every_gradient_is_clipped(one_rank_group):
+    """A parameter held whole on every tensor-parallel rank counts once (megatron-core's
+    param_is_not_tensor_parallel_duplicate): with it counted on each of two TP ranks, TP = 2 ran
+    4.5e-4 off TP = 1 after 50 steps."""
+    from koala_ds.runtime.grad_norm import clip_grad_norm
+
+    mine, alone = _params(5), _params(5)[:1]
+    norm = clip_grad_norm(mine, 0.5, one_rank_group, counted=lambda p: p is mine[0])
+    assert norm == pytest.approx(float(alone[0].grad.norm()), rel=1e-6)
+    scale = 0.5 / (norm + 1e-6)
+    assert torch.allclose(mine[1].grad, _params(5)[1].grad * scale, rtol=1e-5)

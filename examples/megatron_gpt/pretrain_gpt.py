@@ -433,6 +433,7 @@ def train(args, m: int, turns: list) -> tuple[list, list, list]:
     every pipeline rank ends a step before any starts the next."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func  # patched by install()
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
     pp, dp = args.pipeline_model_parallel_size, args.data_parallel_size
     pp_rank, dp_rank, dp_group = ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank(), \
@@ -461,7 +462,8 @@ def train(args, m: int, turns: list) -> tuple[list, list, list]:
             forward_step_func=partial(forward_step_func, args.seq_length),
             data_iterator=iters if turn.v > 1 else iters[0], model=chunks if turn.v > 1 else chunks[0],
             num_microbatches=m, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size)
-        clip_grad_norm((q for c in chunks for q in c.parameters()), args.clip_grad, mp_group)
+        clip_grad_norm((q for c in chunks for q in c.parameters()), args.clip_grad, mp_group,
+                       counted=param_is_not_tensor_parallel_duplicate)
         optimizer.step()
         sync()
         times.append((time.perf_counter() - t1) * 1000)

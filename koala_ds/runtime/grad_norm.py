@@ -11,18 +11,22 @@ norm and clip on any device.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
 
-def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, group) -> float:
+def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, group,
+                   counted: Callable[[torch.nn.Parameter], bool] | None = None) -> float:
     """The L2 norm of the gradients of `params` (this rank's) summed over `group` with one
     all-reduce, and the gradients scaled to a norm of at most `max_norm` (0: no clipping; the norm
-    is still reduced, as Megatron-LM's train_step reduces it every step). Returns the norm."""
+    is still reduced, as Megatron-LM's train_step reduces it every step). `counted`: which
+    parameters the norm counts (default all), so that a parameter held whole on every
+    tensor-parallel rank counts once, as megatron-core counts it
+    (`param_is_not_tensor_parallel_duplicate`); every gradient is clipped. Returns the norm."""
     params = list(params)
-    grads = [prm.grad for prm in params if prm.grad is not None]
+    grads = [prm.grad for prm in params if prm.grad is not None and (counted is None or counted(prm))]
     local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
     total = (local.float() ** 2).reshape(1)
     dist.all_reduce(total, group=group)
