@@ -88,4 +88,3 @@ def data_parallel_finalize(dp_group, dp_size: int):
                         prm.grad /= dp_size
 
     return finalize
-

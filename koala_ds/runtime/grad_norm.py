@@ -27,10 +27,9 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, group,
     (`param_is_not_tensor_parallel_duplicate`); every gradient is clipped. Returns the norm."""
     params = list(params)
     grads = [prm.grad for prm in params if prm.grad is not None and (counted is None or counted(prm))]
-    local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-    total = (local.float() ** 2).reshape(1)
+    total = (torch.nn.utils.get_total_norm(grads).float() ** 2).reshape(1)  # no gradients: 0
     dist.all_reduce(total, group=group)
     norm = total[0].sqrt()
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return float(norm.item())
+    return norm.item()

@@ -18,8 +18,8 @@ A stage's actions all run on one rank, so every schedule of every partition obey
 each of its stages. The bound is min over placements of max(work, min over partitions of the
 largest stage term) plus the placement's step overhead (`LayerProfile.step_overhead_of`: every
 makespan is the pipeline's span plus it), the inner min by dynamic programming over the cut
-points (exact for that max). A stage that cannot hold its static memory and one microbatch's activations under its
-rank's limit is excluded (no schedule of such a partition fits).
+points (exact for that max). A stage that cannot hold its static memory and one microbatch's
+activations under its rank's limit is excluded (no schedule of such a partition fits).
 """
 from __future__ import annotations
 
