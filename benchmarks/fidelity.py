@@ -20,7 +20,7 @@ v = 1 and 2 chunks per rank where the model has the layers, it runs what a user 
    such runs of `--calib-iterations`, the first schedule rotated; then one `koala calibrate
    TRACE... --profile profile_v1.json -o calibrated_v1.json --profile profile_v2.json -o
    calibrated_v2.json` (each v's profile fitted to its traces), leaving out each schedule's
-   first turn and the first step of every turn: the stage times as they ran in the engine, the
+   first turn and the first TURN_SETTLE steps of every turn: the stage times as they ran in the engine, the
    per-action, per-step and p2p costs, every schedule over the same minutes of the machine
    (fresh runs minutes apart put one schedule 10-40% apart); what it printed goes into the
    report, with the runs' speedups within and across v beside the calibrated profiles';
@@ -45,8 +45,8 @@ v = 1 and 2 chunks per rank where the model has the layers, it runs what a user 
    builds a forward_backward_func per schedule, DeepSpeed switches with
    KoalaPipelineEngine.set_koala_schedule; a schedule of another v or placement runs on a model
    copy of its own, built as the same model), `--paired-iterations` iterations, the
-   first `--warmup` and the first of each turn dropped: a drift of the machine within the run
-   hits every schedule alike, where fresh runs minutes apart differ by tens of percent;
+   first `--warmup` and the first TURN_SETTLE of each turn dropped: a drift of the machine within
+   the run hits every schedule alike, where fresh runs minutes apart differ by tens of percent;
 5. `recalibrate()`: per v, `koala calibrate` on the measured runs' traces of that v (every
    schedule, the searched one too) and `koala simulate` of each schedule on that profile: the
    step time the model gives each schedule when calibrated on the same minutes of the machine
@@ -109,9 +109,14 @@ DEEPSPEED_LAYERS = 9  # train.py's build_layers: 8 blocks and a head
 DEEPSPEED_SEED_LAYERS = True
 STEP_TIMEOUT_S = 600  # every subprocess (a profile, a search, one torchrun)
 #: paired rounds: iterations of a schedule's turn in the run where the schedules take turns (the
-#: example's --alternate-block); the first of each turn is dropped, so that every kept step
-#: follows a step of its own schedule on every rank
-PAIRED_BLOCK = 2
+#: example's --alternate-block); the first TURN_SETTLE of each turn are dropped, so that every
+#: kept step follows steps of its own schedule on every rank
+PAIRED_BLOCK = 4
+#: iterations dropped at the start of every turn, in the paired rounds and the calibration (koala
+#: calibrate --settle-steps): on Megatron 8x256, where the schedules run on model copies of their
+#: own, a turn's first two iterations measured about 0.06 off its third and fourth (README, "A
+#: step is one step"; benchmarks/results/turn_positions.txt); 2 of 4 keep as many as 1 of 2 did
+TURN_SETTLE = 2
 
 
 class BenchError(RuntimeError):
@@ -283,7 +288,7 @@ class Candidate:
 #: both, -3.4% / -9.6% (2026-12-05, /work/notes/fidelity_findings.md).
 CALIBRATION_SCHEDULES = {1: (("1f1b", "linear"), ("zb-h1", "linear")),
                          2: (("interleaved-1f1b", "interleaved"), ("zb-v", "vshape"))}
-#: calibration runs: iterations of a schedule's turn (its first, after another schedule's, left out)
+#: calibration runs: iterations of a schedule's turn (its first TURN_SETTLE, after another schedule's, left out)
 CALIB_BLOCK = 4
 #: iterations per calibration run: with the four schedules of v = 1, 2 taking turns of 4, 27 kept
 #: steps per schedule and run (64 kept 9: the calibrated prediction of a run then missed it by up to
@@ -301,7 +306,7 @@ def calibrate(ex: Example, profiles: dict[int, Path], args, work: Path, say) -> 
     apart measured one schedule 10-40% apart on this VM, and the per-schedule predictions missed
     by that (benchmarks/results/fidelity.txt, the run of 23:55). Then one `koala calibrate` over
     every round's traces with a --profile (and -o) per v: each v's profile fitted to its traces,
-    `--skip-steps` each schedule's first turn (koala calibrate itself leaves out the first step
+    `--skip-steps` each schedule's first turn and `--settle-steps` the first TURN_SETTLE steps
     of every turn, after another schedule's), and the speedups across v printed beside the
     calibrated profiles'. The calibrated profiles, and what koala calibrate printed."""
     named = [Candidate(name, name, v, placement) for v in profiles for name, placement in CALIBRATION_SCHEDULES.get(v, ())]
@@ -326,11 +331,12 @@ def calibrate(ex: Example, profiles: dict[int, Path], args, work: Path, say) -> 
     if fitted:
         args_ = [a for v in fitted for a in ("--profile", str(profiles[v]), "-o", str(out[v]))]
         text = run([str(venv_bin() / "koala"), "calibrate", *(str(t) for v in fitted for t in traced[v]), *args_,
-                    "--skip-steps", str(skip)], work / "calibrate.log", ex.env(work), work, args.dry_run, say)
+                    "--skip-steps", str(skip), "--settle-steps", str(TURN_SETTLE)], work / "calibrate.log",
+                   ex.env(work), work, args.dry_run, say)
         printed.append(f"koala calibrate, a --profile per v ({', '.join(f'v={v}' for v in fitted)}): "
                        f"{' '.join(t.stem for v in fitted for t in traced[v])} ({args.calib_rounds} round(s) of "
                        f"{args.calib_iterations} iterations, the schedules taking turns of {CALIB_BLOCK}, the first "
-                       f"{skip} and the first of each turn left out):\n"
+                       f"{skip} and the first {TURN_SETTLE} of each turn left out):\n"
                        + "\n".join("    " + line for line in text.splitlines() if not line.startswith("wrote ")))
     return out, "\n  ".join(["koala calibrate on traced runs where the library schedules take turns", *printed])
 
@@ -506,7 +512,7 @@ def measure_paired(ex: Example, chosen: list[Candidate], args, work: Path, say) 
             ex.env(work), ROOT, args.dry_run, say)
         if args.dry_run:
             continue
-        kept = kept_periods(read_times(ex, log), read_schedules(log), args.warmup, PAIRED_BLOCK)
+        kept = kept_periods(read_times(ex, log), read_schedules(log), args.warmup, PAIRED_BLOCK, TURN_SETTLE)
         for c in runs:
             times[c.label].append(kept.get(c.schedule, []))
     return times
@@ -744,8 +750,7 @@ def header(argv: list[str], args) -> list[str]:
             + f"; paired: {args.paired_rounds} round(s), each one untraced torchrun of {args.paired_iterations} "
               f"iterations in which every distinct schedule takes turns, {PAIRED_BLOCK} iterations each "
               f"(the examples' --alternate-schedules; another v or placement on a model copy of its own; the "
-              f"first {args.warmup} iterations and the first of each turn "
-              f"dropped)"]
+              f"first {args.warmup} iterations and the first {TURN_SETTLE} of each turn dropped)"]
 
 
 # -- main ----------------------------------------------------------------------------------------
@@ -759,7 +764,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="torchruns in which the schedules take turns (the example's --alternate-schedules; "
                          "default 6; --quick: 1; 0: none)")
     ap.add_argument("--paired-iterations", type=int, default=None,
-                    help="iterations per paired run (default 48; --quick: 16)")
+                    help="iterations per paired run (default 48; --quick: 20)")
     ap.add_argument("--calib-rounds", type=int, default=None,
                     help="traced calibration runs, in each of which the calibration schedules take turns "
                          "(default 3; --quick: 1)")
@@ -781,7 +786,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     q = args.quick
     for name, full, quick in (("rounds", 8, 1), ("calib_rounds", 3, 1), ("iterations", 20, 8), ("warmup", 4, 3),
                               ("search_budget", 5.0, 2.0), ("calib_iterations", CALIB_ITERATIONS, 24),
-                              ("paired_rounds", 6, 1), ("paired_iterations", 48, 16)):
+                              ("paired_rounds", 6, 1), ("paired_iterations", 48, 20)):
         if getattr(args, name) is None:
             setattr(args, name, quick if q else full)
     text = args.chunks or ("1" if q else "1,2")

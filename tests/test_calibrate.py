@@ -590,10 +590,10 @@ def test_the_runtimes_recorder_writes_what_calibrate_reads(tmp_path, monkeypatch
 
 
 def _record_turns(file: Path, monkeypatch, schedules, results, steps: int = 12, start: float = 1000.0,
-                  beside: tuple = ()) -> None:
-    """`schedules` taking turns of 2 steps in one process through one recorder per rank, each
-    step as simulated in `results`, the first at `start` ms; the first step of each turn after
-    another's has 1.5x computes; `beside[k]`: ms more between schedule k's steps than K."""
+                  beside: tuple = (), block: int = 2, slow: int = 1) -> None:
+    """`schedules` taking turns of `block` steps in one process through one recorder per rank,
+    each step as simulated in `results`, the first at `start` ms; the first `slow` steps of each
+    turn after another's have 1.5x computes; `beside[k]`: ms more between schedule k's steps than K."""
     from koala_ds.runtime import trace_record
 
     for r in range(schedules[0].p):
@@ -602,8 +602,9 @@ def _record_turns(file: Path, monkeypatch, schedules, results, steps: int = 12, 
         monkeypatch.setattr(trace_record, "_perf_ns", lambda: clock.pop(0))
         t0 = start
         for step in range(steps):
-            k = (step // 2) % len(schedules)
-            _record_step(rec, clock, schedules[k], results[k], r, t0, 1.5 if step % 2 == 0 and step else 1.0)
+            k = (step // block) % len(schedules)
+            _record_step(rec, clock, schedules[k], results[k], r, t0, 1.5 if step >= block and step % block < slow
+                         else 1.0)
             t0 += results[k].makespan + K + (beside[k] if beside else 0.0)
         rec.close()
     monkeypatch.undo()
@@ -639,6 +640,40 @@ def test_schedules_taking_turns_calibrate_from_the_steps_that_follow_their_own(c
     assert f"note: {tmp_path / 't.rank0.json'}: steps 4, 8 left out, each the first after a step of another " \
            f"schedule (schedules took turns)" in text.splitlines()
     assert "one run per schedule" not in text
+
+
+def _computes(step) -> list[float]:
+    return [span.compute for rank in step.ranks for span in rank]
+
+
+def test_settle_steps_leaves_out_a_turns_first_steps(capsys, tmp_path, monkeypatch):
+    """Turns of 4 whose first two steps after the other schedule's run slow (as on model copies
+    of their own): --settle-steps 2 leaves both out, so every step used is the schedule's own
+    time; the default leaves out the first only. Settling for a whole turn is one line naming
+    the option."""
+    stages = truth_stages(2)
+    schedules = [load_schedule(name, 2, 4, 1) for name in ("1f1b", "zb-h1")]
+    results = [simulate(s, model_of(stages, k=0.0), timeline=True) for s in schedules]
+    _record_turns(tmp_path / "t.json", monkeypatch, schedules, results, steps=16, block=4, slow=2)
+    files = [str(tmp_path / "t.json"), str(tmp_path / "t.zb-h1.json")]
+    settled = load_runs(files, settle_steps=2)
+    assert [[s.number for s in r.steps] for r in settled] == [[1, 2, 3, 10, 11], [6, 7, 14, 15]]
+    for run_ in settled:  # every step used computes as its first turn's (none stretched)
+        first = max(_computes(run_.steps[0]))
+        assert all(max(_computes(s)) == pytest.approx(first) for s in run_.steps)
+    assert "steps 4-5, 12-13 left out, each among the first 2 after a step of another schedule" in settled[1].notes[0]
+    plain = load_runs(files)
+    assert [s.number for s in plain[0].steps] == [1, 2, 3, 9, 10, 11]
+    assert max(_computes(plain[0].steps[3])) > 1.4 * max(_computes(plain[0].steps[0]))  # step 9: slow
+    code, text, err = run(capsys, "calibrate", *files, "--profile", input_profile(tmp_path, stages),
+                          "-o", tmp_path / "cal.json", "--settle-steps", "4")
+    assert code != 0 and not text and len(err.strip().splitlines()) == 1
+    assert "is among the first 4 after a step of another schedule (--settle-steps 4): let each schedule's turn " \
+           "be 5 steps or more (--alternate-block), or give a smaller --settle-steps" in err
+    code, text, err = run(capsys, "calibrate", *files, "--profile", input_profile(tmp_path, stages),
+                          "-o", tmp_path / "cal.json", "--settle-steps", "2")
+    assert code == 0, err
+    assert json.loads((tmp_path / "cal.json").read_text())["meta"]["calibration"]["settle_steps"] == 2
 
 
 def test_taking_turns_the_split_forwards_extra_is_charged_to_i(capsys, tmp_path, monkeypatch):

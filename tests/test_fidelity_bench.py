@@ -69,7 +69,7 @@ def test_dry_run_calibrates_on_traced_library_runs_before_choosing(tmp_path):
         assert "torchrun" in traced[0] and ("--train-iters 24 " in traced[0] or "--steps 24 " in traced[0])
         cal = [c for c in cmds if " calibrate " in c and "recalibrated" not in c]
         assert cal == [f"{Path(cal[0].split()[0])} calibrate {work}/trace_r0.json {work}/trace_r0.zb-h1.json "
-                       f"--profile {work}/profile_v1.json -o {work}/calibrated_v1.json --skip-steps 8"]
+                       f"--profile {work}/profile_v1.json -o {work}/calibrated_v1.json --skip-steps 8 --settle-steps 2"]
         assert not any("/export_export_" in c for c in cmds)  # each schedule exported once
         exports = [c for c in cmds[:cmds.index(traced[0])] if " export " in c]
         assert len(exports) == len(set(exports)) == 2  # 1f1b, zb-h1: once each before the calibration
@@ -89,9 +89,9 @@ def test_dry_run_calibrates_on_traced_library_runs_before_choosing(tmp_path):
         assert len(paired) == 1 and cmds.index(measured[-1]) < cmds.index(paired[0]) < cmds.index(recal[0])
         first = "--koala-schedule" if engine == "megatron" else "--schedule"
         assert f"{first} {work}/export_1f1b_v1.json " in paired[0]
-        assert f" {flag} " not in paired[0] and ("--train-iters 16 " in paired[0] or "--steps 16 " in paired[0])
+        assert f" {flag} " not in paired[0] and ("--train-iters 20 " in paired[0] or "--steps 20 " in paired[0])
         assert (f"--alternate-schedules '{work}/export_<best predefined>_v1.json,{work}/export_searched_v1_v1.json' "
-                f"--alternate-block 2") in paired[0]
+                f"--alternate-block 4") in paired[0]
         assert any(f" export {work}/searched_v1.koala " in c and c.endswith(f"-o {work}/export_searched_v1_v1.json")
                    for c in cmds[:cmds.index(paired[0])])
         assert all(f"{work}/measured_round0_" in t for t in recal[0].split("calibrate ")[1].split(" --profile")[0]
@@ -138,7 +138,7 @@ def test_full_plan_alternates_fresh_runs_and_profiles_each_v(tmp_path, fidelity)
         f"{w}/trace_r0.zb-v.json", f"{w}/trace_r1.interleaved-1f1b.json", f"{w}/trace_r1.zb-v.json",
         f"{w}/trace_r2.json", f"{w}/trace_r2.zb-v.json"]
     assert cal[0].endswith(f"--profile {w}/profile_v1.json -o {w}/calibrated_v1.json --profile {w}/profile_v2.json "
-                           f"-o {w}/calibrated_v2.json --skip-steps 16")
+                           f"-o {w}/calibrated_v2.json --skip-steps 16 --settle-steps 2")
 
 
 @pytest.mark.parametrize("args, says", [
@@ -152,7 +152,7 @@ def test_full_plan_alternates_fresh_runs_and_profiles_each_v(tmp_path, fidelity)
                                    "calibration schedule"),
     (["--engines", "torch"], "invalid choice: 'torch'"),
     (["--paired-rounds", "-1"], "--paired-rounds must be >= 0"),
-    (["--paired-iterations", "11"], "--paired-iterations 11 must be at least --warmup 4 + 8"),
+    (["--paired-iterations", "19"], "--paired-iterations 19 must be at least --warmup 4 + 16"),
 ])
 def test_bad_arguments_are_one_line(args, says):
     res = _run("--dry-run", *args)
@@ -296,30 +296,30 @@ def test_paired_rounds_give_speedups_from_the_turns_each_schedule_took(fidelity,
             return ""
         said.append(cmd)
         turns = [cmd[cmd.index("--koala-schedule") + 1], *cmd[cmd.index("--alternate-schedules") + 1].split(",")]
-        names = [turns[(i // 2) % len(turns)] for i in range(12)]
-        # the first of a turn and the warm-up 1000 ms (never kept)
-        periods = [1000.0 if i < 2 or i % 2 == 0 else ms[Path(n).stem.split("_")[1]] + len(said)
+        names = [turns[(i // 4) % len(turns)] for i in range(24)]
+        # the first two of a turn and the warm-up 1000 ms (never kept)
+        periods = [1000.0 if i < 2 or i % 4 < 2 else ms[Path(n).stem.split("_")[1]] + len(said)
                    for i, n in enumerate(names)]
         Path(log).with_suffix(".json").write_text(json.dumps({"period_ms": periods, "iteration_schedules": names}))
         return ""
 
     monkeypatch.setattr(fidelity, "run", fake_run)
-    args = fidelity.parse_args(["--paired-rounds", "2", "--paired-iterations", "12", "--warmup", "2"])
+    args = fidelity.parse_args(["--paired-rounds", "2", "--paired-iterations", "24", "--warmup", "2"])
     paired = fidelity.measure_paired(ex, chosen, args, tmp_path, lambda s: None)
     # every schedule as its exported file, so that each keeps its own v: zb-v (v=2) beside 1f1b
     assert [c[c.index("--koala-schedule") + 1] for c in said] == [str(tmp_path / "export_1f1b_v1.json"),
                                                                    str(tmp_path / "export_zb-v_v2.json")]
     assert "--virtual-pipeline-model-parallel-size" not in said[0] and \
         said[1][said[1].index("--virtual-pipeline-model-parallel-size") + 1] == "2"
-    # kept: iterations 3, 5, 7, 9, 11; round 0 turns 1f1b, zb-v, s; round 1 zb-v, s, 1f1b
-    assert paired == {"1f1b": [[101.0], [102.0] * 2], "best predefined (zb-v)": [[91.0] * 2, [92.0]],
-                      "searched (linear, v=1)": [[81.0] * 2, [82.0] * 2]}
+    # kept: the last two of each turn of 4 (iterations 2-3, 6-7, ..., 22-23); two turns each per round
+    assert paired == {"1f1b": [[101.0] * 4, [102.0] * 4], "best predefined (zb-v)": [[91.0] * 4, [92.0] * 4],
+                      "searched (linear, v=1)": [[81.0] * 4, [82.0] * 4]}
     rows = fidelity.rows_of(ex, chosen, {"1f1b": [[100.0]], "best predefined (zb-v)": [[99.0]],
                                          "searched (linear, v=1)": [[97.0]]}, None, paired)
-    assert rows[2].paired_speedup == pytest.approx(102.0 / 81.5)  # medians over both rounds
+    assert rows[2].paired_speedup == pytest.approx(101.5 / 81.5)  # medians over both rounds
     assert rows[2].paired_round_speedups == pytest.approx((101 / 81, 102 / 82))
-    assert rows[2].paired_error == pytest.approx(102.0 / 81.5 - 100.0 / 90.0)
-    assert rows[1].paired_speedup == pytest.approx(102.0 / 91.0)  # the v = 2 schedule paired too
+    assert rows[2].paired_error == pytest.approx(101.5 / 81.5 - 100.0 / 90.0)
+    assert rows[1].paired_speedup == pytest.approx(101.5 / 91.5)  # the v = 2 schedule paired too
     assert rows[0].paired_speedup == 1.0
     without = fidelity.rows_of(ex, chosen, {"1f1b": [[100.0]], "best predefined (zb-v)": [[99.0]],
                                             "searched (linear, v=1)": [[97.0]]}, None,
@@ -332,16 +332,16 @@ def test_paired_rounds_give_speedups_from_the_turns_each_schedule_took(fidelity,
                                          "searched (linear, v=1)": [[97.0]]}, None, paired, "searched (linear, v=1)")
     said = fidelity.verdict(rows)
     assert said[0] == ("megatron gpt-4L p=2: koala search with its defaults (--min-gain 5, the profile's spread) "
-                       "answers searched (linear, v=1): measured 1.031x of 1f1b, 1.252x in the paired rounds")
+                       "answers searched (linear, v=1): measured 1.031x of 1f1b, 1.245x in the paired rounds")
     assert said[-2] == ("megatron gpt-4L p=2, searched (linear, v=1): speedup error -0.080 (beyond 0.05); measured "
                         "1.031x of 1f1b (at least 0.98x); one round: no spread to judge it by")
     assert said[-1] == ("megatron gpt-4L p=2, searched (linear, v=1), paired rounds (taking turns with 1f1b "
-                               "in one run): speedup error +0.140 (beyond 0.05); measured 1.252x of 1f1b (at least "
+                               "in one run): speedup error +0.134 (beyond 0.05); measured 1.245x of 1f1b (at least "
                                "0.98x); the paired rounds' speedups span 0.003, their mean +-0.003 (2 standard "
                                "errors)")
     ds = fidelity.Example("deepspeed", "dim64", 2, {"dim": 64}).run_cmd(chosen[0], 12, tmp_path / "x.json",
                                                                         alternate=(chosen[2],))
-    assert ds[-4:] == ["--alternate-schedules", "s.koala", "--alternate-block", "2"]
+    assert ds[-4:] == ["--alternate-schedules", "s.koala", "--alternate-block", "4"]
 
 
 def test_each_example_runs_the_v_its_layers_allow(fidelity, monkeypatch):

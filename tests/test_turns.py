@@ -1,6 +1,8 @@
 """koala_ds.runtime.turns: the schedules taking turns in one run (--alternate-schedules)."""
 import math
 
+import pytest
+
 from koala_ds.runtime.turns import kept_periods, summary, turn_index, turn_medians
 
 
@@ -14,6 +16,16 @@ def test_an_iteration_counts_after_the_warmup_and_when_not_the_first_of_its_turn
     periods = [float(i) for i in range(8)]
     assert kept_periods(periods, names, 2, 2) == {"a": [5.0], "b": [3.0, 7.0]}
     assert kept_periods(periods, ["a", "b"] * 4, 1, 1) == {"a": [2.0, 4.0, 6.0], "b": [1.0, 3.0, 5.0, 7.0]}
+
+
+def test_settle_leaves_out_a_turns_first_iterations():
+    names = ["a"] * 4 + ["b"] * 4 + ["a"] * 4
+    periods = [float(i) for i in range(12)]
+    assert kept_periods(periods, names, 0, 4, settle=2) == {"a": [2.0, 3.0, 10.0, 11.0], "b": [6.0, 7.0]}
+    assert kept_periods(periods, names, 3, 4, settle=3) == {"a": [3.0, 11.0], "b": [7.0]}
+    for bad in (0, 4):
+        with pytest.raises(ValueError, match=f"settle {bad}: leave out 1 to 3 iterations of a turn of 4"):
+            kept_periods(periods, names, 0, 4, settle=bad)
 
 
 def test_medians_and_speeds_against_the_first_schedule():

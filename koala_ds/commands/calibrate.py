@@ -1,6 +1,7 @@
 """`koala calibrate`: fit a cost profile to what a training run measured.
 
-    koala calibrate trace.json --profile prof.json -o calibrated.json [--skip-steps 1] [--timeline merged.json]
+    koala calibrate trace.json --profile prof.json -o calibrated.json [--skip-steps 1] [--settle-steps 1]
+                    [--timeline merged.json]
         [--gantt steps.png]
     koala calibrate t.json t.zb-v.json --profile prof_v1.json -o cal_v1.json --profile prof_v2.json -o cal_v2.json
 
@@ -29,7 +30,7 @@ from ..sim.calibrate import (NOISE_SPREADS, CalibrationError, Fit, RunCheck, bes
 from ..sim.measured import TracedRun, describe, load_runs
 from ..sim.turn_speedups import SPEEDUP_TOLERANCE, TurnSpeedup, turn_speedups
 from ..sim.profile import ProfileError
-from . import nonnegative_int
+from . import nonnegative_int, positive_int
 from .model import GANTT_SUFFIXES
 from .table import format_table
 
@@ -84,7 +85,7 @@ def _match_latency(runs, data: dict, calibrated: CostProfile, notes: list[str], 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     _check_outputs(args)
     inputs = [(name, *read_profile(name)) for name in args.profile]
-    runs = load_runs(args.traces, args.skip_steps)
+    runs = load_runs(args.traces, args.skip_steps, args.settle_steps)
     cals = [Calibration(name, out, raw, prof, group)
             for (name, raw, prof), out, group in zip(inputs, args.output, assign_runs(runs, inputs))]
     for cal in cals:
@@ -110,7 +111,8 @@ def calibrate_one(cal: Calibration, args: argparse.Namespace) -> None:
     """Fit `cal.profile` to `cal.runs`; fill in the calibrated profile and what to print."""
     check_fits(cal.runs, cal.profile, _meta(cal.raw))
     fitted = fit(cal.runs, cal.profile.num_stages)
-    cal.data, notes = calibrated_profile(cal.raw, fitted, cal.runs, args.skip_steps, cal.profile.source)
+    cal.data, notes = calibrated_profile(cal.raw, fitted, cal.runs, args.skip_steps, cal.profile.source,
+                                         args.settle_steps)
     cal.calibrated = CostProfile.from_dict(cal.data, source=cal.output)
     if fitted.p2p_latency.value is not None:
         cal.calibrated = _match_latency(cal.runs, cal.data, cal.calibrated, notes, args, cal.output)
@@ -370,6 +372,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--skip-steps", type=nonnegative_int, default=1, metavar="N",
                    help="leave out each run's first N steps (default 1: step 0 is the warm-up); where schedules "
                         "took turns, steps are numbered over all of them, and the first of each turn is left out too")
+    p.add_argument("--settle-steps", type=positive_int, default=1, metavar="N",
+                   help="where schedules took turns, leave out the first N steps of each turn (default 1: the one "
+                        "after another schedule's step; 2 where they ran on model copies of their own, whose second "
+                        "step still runs slow)")
     p.add_argument("--timeline", metavar="MERGED.json",
                    help="write a Chrome trace of the measured step beside the calibrated prediction (Perfetto)")
     p.add_argument("--gantt", metavar="OUT.png|OUT.svg",

@@ -4,9 +4,12 @@ Plain Python (no torch): examples/megatron_gpt, examples/deepspeed_pipe and
 benchmarks/fidelity.py's paired rounds share it.
 
 A turn is `block` iterations of one schedule; the schedules follow one another in the order
-given. An iteration counts when it comes after the first `warmup` and is not the first of its
-turn: then on every rank the step before it ran the same schedule, so what the previous step
-left in flight (the last rank still finishing it, say) is that schedule's own."""
+given. An iteration counts when it comes after the first `warmup` and is not among the first
+`settle` of its turn (default 1): then on every rank the step before it ran the same schedule, so
+what the previous step left in flight (the last rank still finishing it, say) is that schedule's
+own. Where the schedules run on model copies of their own (another v or placement), a turn's
+second step still ran slower than its third and fourth (Megatron 8x256, docs/profiling.md "A
+step is one step"): `settle` 2 leaves it out too."""
 from __future__ import annotations
 
 import os
@@ -28,12 +31,16 @@ def turn_index(iteration: int, count: int, block: int) -> int:
     return (iteration // block) % count
 
 
-def kept_periods(periods: list[float], schedules: list[str], warmup: int, block: int) -> dict[str, list[float]]:
+def kept_periods(periods: list[float], schedules: list[str], warmup: int, block: int,
+                 settle: int = 1) -> dict[str, list[float]]:
     """Per schedule (in order of first appearance), the step periods of the iterations that
-    count: after the first `warmup`, not the first of a turn of `block` iterations."""
+    count: after the first `warmup`, not among the first `settle` of a turn of `block` iterations
+    (a turn of 1 keeps every iteration: none follows its own schedule's)."""
+    if not 1 <= settle < max(block, 2):
+        raise ValueError(f"settle {settle}: leave out 1 to {block - 1} iterations of a turn of {block}")
     out: dict[str, list[float]] = {name: [] for name in schedules}
     for i, (period, name) in enumerate(zip(periods, schedules)):
-        if i >= warmup and (block == 1 or i % block):
+        if i >= warmup and (block == 1 or i % block >= settle):
             out[name].append(period)
     return out
 

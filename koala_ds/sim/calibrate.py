@@ -288,7 +288,7 @@ def message_delays(schedule: Schedule, step: Step, min_wait: float = WAIT_MIN_MS
 
 # -- the calibrated profile -----------------------------------------------------------------
 def calibrated_profile(raw: dict, fitted: Fit, runs: Sequence[TracedRun], skip_steps: int,
-                       source: str) -> tuple[dict, list[str]]:
+                       source: str, settle_steps: int = 1) -> tuple[dict, list[str]]:
     """The input profile `raw` (its parsed JSON, from `source`) with the fitted times, and what
     was not measured (kept from the profile, as notes). Its memory fields and any other field
     are kept as they were; `meta.calibration` says which traces and how many steps."""
@@ -307,7 +307,7 @@ def calibrated_profile(raw: dict, fitted: Fit, runs: Sequence[TracedRun], skip_s
         data["step_overhead_by_placement"] = by_placement
     meta = dict(raw.get("meta") or {})
     meta["calibration"] = {
-        "tool": "koala calibrate", "profile": source, "skip_steps": skip_steps,
+        "tool": "koala calibrate", "profile": source, "skip_steps": skip_steps, "settle_steps": settle_steps,
         "runs": [{"trace": r.name, "schedule": r.schedule.name, "engine": r.engine, "p": r.schedule.p,
                   "m": r.schedule.m, "v": r.schedule.v, "files": [str(f.path) for f in r.files],
                   "steps": len(r.steps), "timed_steps": len(r.step_times),

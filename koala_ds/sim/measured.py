@@ -17,8 +17,10 @@ module reads them for `koala calibrate` (koala_ds.sim.calibrate), tolerantly:
   step 0 is the warm-up) are left out;
 - schedules that took turns in one run (the examples' --alternate-schedules with a trace) are
   one run each (FILE, FILE.<name>): a step whose predecessor is not in its files ran after
-  another schedule's and is left out (what that one left in flight is not its own cost), and a
-  step whose successor ran another schedule ends its period at that one's `next-pipeline` event.
+  another schedule's and is left out (what that one left in flight is not its own cost), and so
+  is each of the first `settle_steps` of a turn (default 1; 2 leaves out a turn's second step
+  too, which on model copies of their own still ran slow); a step whose successor ran another
+  schedule ends its period at that one's `next-pipeline` event.
 
 Times are read in microseconds (the Chrome trace's unit) and kept in milliseconds (the
 profile's). Every error is a `TraceError`: one line naming the file.
@@ -334,9 +336,10 @@ def _add_event(trace: RankTrace, line: int, event: dict) -> None:
 
 
 # -- runs -----------------------------------------------------------------------------------
-def load_runs(traces: Sequence[str], skip_steps: int = 1) -> list[TracedRun]:
+def load_runs(traces: Sequence[str], skip_steps: int = 1, settle_steps: int = 1) -> list[TracedRun]:
     """The runs the TRACE arguments name (each a FILE with its per-rank files, or files of
-    one), with their complete steps from step `skip_steps` on. TraceError when a run has none."""
+    one), with their complete steps from step `skip_steps` on, each after `settle_steps` steps of
+    its own schedule where schedules took turns. TraceError when a run has none."""
     runs: dict[Path, tuple[str, list[RankTrace]]] = {}
     seen: set[Path] = set()
     for arg in traces:
@@ -346,14 +349,14 @@ def load_runs(traces: Sequence[str], skip_steps: int = 1) -> list[TracedRun]:
             seen.add(path.resolve())
             name = run_name(path)
             runs.setdefault(Path(name).resolve(), (name, []))[1].append(read_rank_trace(path))
-    return [_run(name, files, skip_steps) for name, files in runs.values()]
+    return [_run(name, files, skip_steps, settle_steps) for name, files in runs.values()]
 
 
 def describe(schedule: Schedule) -> str:
     return f"{schedule.name!r}: p={schedule.p} m={schedule.m} v={schedule.v}, {schedule.backward} backward"
 
 
-def _run(name: str, files: list[RankTrace], skip: int) -> TracedRun:
+def _run(name: str, files: list[RankTrace], skip: int, settle: int = 1) -> TracedRun:
     first = files[0]
     for f in files[1:]:
         if not f.schedule.same_order(first.schedule):
@@ -370,7 +373,7 @@ def _run(name: str, files: list[RankTrace], skip: int) -> TracedRun:
     steps: list[Step] = []
     reasons: list[str] = []
     for pipeline, ranks in sorted(by_pipeline.items()):
-        got, why = _pipeline_steps(first.schedule, pipeline, ranks, skip)
+        got, why = _pipeline_steps(first.schedule, pipeline, ranks, skip, settle)
         steps += got
         if why:
             reasons.append(why)
@@ -379,11 +382,11 @@ def _run(name: str, files: list[RankTrace], skip: int) -> TracedRun:
     return TracedRun(name, first.schedule, first.engine, tuple(files), tuple(steps), tuple(reasons))
 
 
-def _pipeline_steps(schedule: Schedule, pipeline: int, ranks: dict[int, RankTrace], skip: int
+def _pipeline_steps(schedule: Schedule, pipeline: int, ranks: dict[int, RankTrace], skip: int, settle: int = 1
                     ) -> tuple[list[Step], str | None]:
-    """The complete steps of one pipeline from step `skip` on that follow a step of their own
-    schedule (in a run where schedules took turns, the first of each turn follows another's: left
-    out), and why steps were left out."""
+    """The complete steps of one pipeline from step `skip` on that follow `settle` steps of their
+    own schedule (in a run where schedules took turns, the first of each turn follows another's:
+    left out, and with `settle` 2 the second too), and why steps were left out."""
     missing = [r for r in range(schedule.p) if r not in ranks]
     if missing:
         some = ranks[min(ranks)].path
@@ -392,7 +395,7 @@ def _pipeline_steps(schedule: Schedule, pipeline: int, ranks: dict[int, RankTrac
     complete = sorted(set.intersection(*(set(f.complete_steps()) for f in ranks.values())))
     recorded = set().union(*(f.steps.keys() | f.spans.keys() for f in ranks.values()))
     late = [n for n in complete if n >= skip]
-    used = [n for n in late if n == 0 or n - 1 in recorded]
+    used = [n for n in late if all(k in recorded for k in range(max(0, n - settle), n))]
     turned = [n for n in late if n not in used]
     short = min(ranks.values(), key=lambda f: (max(f.steps, default=-1), f.rank))
     last = max(short.steps, default=-1)
@@ -401,15 +404,16 @@ def _pipeline_steps(schedule: Schedule, pipeline: int, ranks: dict[int, RankTrac
     if used:
         why = [f"{head}: steps {_steps_text(used)} of pipeline {pipeline} are complete and used"] if killed else []
         if turned:
-            why.append(f"{ranks[min(ranks)].path}: steps {_steps_text(turned)} left out, each the first after a step "
-                       f"of another schedule (schedules took turns)")
+            why.append(f"{ranks[min(ranks)].path}: steps {_steps_text(turned)} left out, each {_within(settle)} "
+                       f"(schedules took turns)")
         steps = [_step(pipeline, n, ranks) for n in used]
         after = {s.number: s.anchor for s in steps}
         return [dataclasses.replace(s, next_anchor=after.get(s.number + 1, _next_start(ranks, s.number)))
                 for s in steps], "; ".join(why) or None
     if turned:
-        return [], (f"{ranks[min(ranks)].path}: every complete step ({_steps_text(turned)}) is the first after a "
-                    f"step of another schedule: let each schedule's turn be 2 steps or more (--alternate-block)")
+        return [], (f"{ranks[min(ranks)].path}: every complete step ({_steps_text(turned)}) is {_within(settle)}: "
+                    f"let each schedule's turn be {settle + 1} steps or more (--alternate-block)"
+                    + (", or give a smaller --settle-steps" if settle > 1 else ""))
     if complete:
         many = len(complete) > 1
         return [], (f"{head}: step{'s' if many else ''} {_steps_text(complete)} {'are' if many else 'is'} complete, "
@@ -422,6 +426,11 @@ def _pipeline_steps(schedule: Schedule, pipeline: int, ranks: dict[int, RankTrac
     per_rank = ", ".join(f"rank {r}: {_steps_text(f.complete_steps()) or 'none'}" for r, f in sorted(ranks.items()))
     return [], (f"{short.path}: no step of pipeline {pipeline} is complete (its 'step' event and every action) in "
                 f"every rank's file; complete steps per rank: {per_rank}")
+
+
+def _within(settle: int) -> str:
+    return ("the first after a step of another schedule" if settle == 1 else
+            f"among the first {settle} after a step of another schedule (--settle-steps {settle})")
 
 
 def _next_start(ranks: dict[int, RankTrace], step: int) -> float | None:
