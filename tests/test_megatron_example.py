@@ -224,6 +224,9 @@ def test_the_pipeline_ranks_meet_at_each_steps_end(tmp_path, _megatron_core):
                                                  "--pipeline-model-parallel-size = 3"),
     (["--global-batch-size", "3"], 1, "--global-batch-size 3 must be a multiple of --micro-batch-size x "
                                       "data-parallel size = 2 x 1"),
+    (["--alternate-block", "2", "--alternate-settle", "2"], 2,
+     "--alternate-settle 2 must be at least 1 and below --alternate-block 2: a turn keeps its iterations after the "
+     "first 2"),
     (["--max-position-embeddings", "8", "--seq-length", "16"], 1,  # was an IndexError in the first forward
      "--max-position-embeddings 8 is below --seq-length 16: raise it, or drop it (it defaults to --seq-length)"),
 ])

@@ -338,6 +338,9 @@ def test_deepspeed_example_alternates_run_on_the_model_copy_of_their_placement(t
                                                                     "needs v == 2"),
     (["--schedule", "1f1b", "--alternate-schedules", "zb-h1", "--alternate-block", "0"],
      "argument --alternate-block: must be >= 1"),
+    (["--schedule", "1f1b", "--alternate-schedules", "zb-h1", "--alternate-block", "4", "--alternate-settle", "4"],
+     "--alternate-settle 4 must be at least 1 and below --alternate-block 4: a turn keeps its iterations after the "
+     "first 4"),
 ])
 def test_deepspeed_example_flags_are_checked_in_its_own_words_before_deepspeed_starts(monkeypatch, capsys,
                                                                                        tmp_path, flags, says):

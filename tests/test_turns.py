@@ -23,8 +23,13 @@ def test_settle_leaves_out_a_turns_first_iterations():
     periods = [float(i) for i in range(12)]
     assert kept_periods(periods, names, 0, 4, settle=2) == {"a": [2.0, 3.0, 10.0, 11.0], "b": [6.0, 7.0]}
     assert kept_periods(periods, names, 3, 4, settle=3) == {"a": [3.0, 11.0], "b": [7.0]}
+    assert [(r.schedule, r.median_ms, r.kept) for r in turn_medians(periods, names, 0, 4, settle=2)] == [
+        ("a", 6.5, 4), ("b", 6.5, 2)]
+    assert summary(periods[:6], names[:6], 4, 4, settle=2).startswith(
+        "schedules taking turns: no iteration counted (the first 4 and the first 2 of each turn of 4 are left out)")
+    assert kept_periods(periods, names, 0, 1, settle=1) == kept_periods(periods, names, 0, 1, settle=3)  # turns of 1
     for bad in (0, 4):
-        with pytest.raises(ValueError, match=f"settle {bad}: leave out 1 to 3 iterations of a turn of 4"):
+        with pytest.raises(ValueError, match=f"--alternate-settle {bad} must be at least 1 and below --alternate-block 4"):
             kept_periods(periods, names, 0, 4, settle=bad)
 
 

@@ -44,7 +44,7 @@ from koala_ds.core.ir import KoalaError, Placement
 from koala_ds.core.outputs import atomic_write, check_output
 from koala_ds.resolve import DEEPSPEED, Setting, check_fit, resolve
 from koala_ds.runtime.trace_record import check_trace_path
-from koala_ds.runtime.turns import keeps_own_shape, summary, turn_index
+from koala_ds.runtime.turns import keeps_own_shape, settle_error, summary, turn_index
 
 #: How the schedule's messages name this script's flags (the engine's own messages name the
 #: DeepSpeed config keys and the KoalaPipelineModule's arguments, which this script sets from them).
@@ -116,6 +116,8 @@ def check_flags(args, world: int) -> int:
         check_trace_path(args.trace, "--trace")
     if args.loss_log is not None:
         check_output(args.loss_log, "--loss-log")
+    if settle_error(args.alternate_block, args.alternate_settle):
+        raise KoalaError(settle_error(args.alternate_block, args.alternate_settle))
     return pp
 
 
@@ -202,7 +204,8 @@ def train(engines: dict, data: list, args, samples: int) -> tuple[list, list, li
     starts.append(time.perf_counter())
     periods = [(b - a) * 1000 for a, b in zip(starts, starts[1:])]
     if len(names) > 1 and engine.global_rank == 0:  # the first turn of each schedule is its warm-up
-        print(summary(periods, ran, len(names) * args.alternate_block, args.alternate_block), flush=True)
+        print(summary(periods, ran, len(names) * args.alternate_block, args.alternate_block, args.alternate_settle),
+              flush=True)
     return losses, times, periods, ran
 
 
@@ -225,11 +228,14 @@ def main() -> None:
                              "--alternate-block steps in this one run, so that the machine's drift hits them alike "
                              "(another placement, as a schedule file keeps its own, on an engine and model copy of its "
                              "own; the loss log names each step's schedule; at the end each "
-                             "schedule's median step period, its first turn and the first step of every turn left "
-                             "out; with --trace each schedule writes its own trace, FILE.<its name>.rank<g>.json "
+                             "schedule's median step period, its first turn and the first --alternate-settle steps of "
+                             "every turn left out; with --trace each schedule writes its own trace, FILE.<its name>.rank<g>.json "
                              "beside --schedule's)")
     parser.add_argument("--alternate-block", type=positive_int, default=2, metavar="N",
                         help="steps of a schedule before the next takes its turn (default 2)")
+    parser.add_argument("--alternate-settle", type=positive_int, default=1, metavar="N",
+                        help="steps at the start of every turn left out of the end's medians (default 1; 2 with "
+                             "--alternate-block 4 where schedules run on model copies of their own)")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by `deepspeed`
     args = rank_zero_argument_errors(parser).parse_args()  # a bad flag: one line on rank 0
 

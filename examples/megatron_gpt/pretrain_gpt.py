@@ -38,7 +38,7 @@ from koala_ds.megatron import add_arguments, install  # noqa: E402
 from koala_ds.megatron.cpu import data_parallel_finalize  # noqa: E402
 from koala_ds.megatron.resolve import MEGATRON, resolve  # noqa: E402
 from koala_ds.runtime.grad_norm import clip_grad_norm  # noqa: E402
-from koala_ds.runtime.turns import keeps_own_shape, summary, turn_index  # noqa: E402
+from koala_ds.runtime.turns import keeps_own_shape, settle_error, summary, turn_index  # noqa: E402
 
 log = logging.getLogger("pretrain_gpt")
 
@@ -82,11 +82,15 @@ def parse_args(argv=None):
                         "iterations in this one run, so that the machine's drift hits them alike (another "
                         "placement or v, as a schedule file keeps its own, on a model copy of its own; the loss "
                         "log names each iteration's schedule; at the end "
-                        "each schedule's median step period, its first turn and the first iteration of "
-                        "every turn left out; with --koala-trace each schedule writes its own trace, "
+                        "each schedule's median step period, its first turn and the first --alternate-settle "
+                        "iterations of every turn left out; with --koala-trace each schedule writes its own trace, "
                         "FILE.<its name>.rank<g>.json beside --koala-schedule's)")
     b.add_argument("--alternate-block", type=int, default=2, metavar="N",
                    help="iterations of a schedule before the next takes its turn (default 2)")
+    b.add_argument("--alternate-settle", type=int, default=1, metavar="N",
+                   help="iterations at the start of every turn left out of the end's medians (default 1; 2 with "
+                        "--alternate-block 4 where schedules run on model copies of their own, whose second "
+                        "iteration still runs slow)")
     args = ap.parse_args(argv)
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
     return args
@@ -279,6 +283,8 @@ def batch_split(args, world: int) -> tuple[int, int]:
     for name in (*COUNTS, "virtual_pipeline_model_parallel_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise KoalaError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if settle_error(args.alternate_block, args.alternate_settle):
+        raise KoalaError(settle_error(args.alternate_block, args.alternate_settle))
     if args.max_position_embeddings < args.seq_length:  # the position embedding would index past its table
         raise KoalaError(f"--max-position-embeddings {args.max_position_embeddings} is below --seq-length "
                          f"{args.seq_length}: raise it, or drop it (it defaults to --seq-length)")
@@ -338,7 +344,8 @@ def main(argv=None) -> int:
     is_logger = pp_rank == pp - 1 and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
     schedules = [turn_of(args, turns, it).name for it in range(args.train_iters)]
     if is_logger and len(turns) > 1:  # the first turn of each schedule is its warm-up
-        print(summary(periods, schedules, len(turns) * args.alternate_block, args.alternate_block), flush=True)
+        print(summary(periods, schedules, len(turns) * args.alternate_block, args.alternate_block,
+                      args.alternate_settle), flush=True)
     if is_logger and args.loss_log:
         with open(args.loss_log, "w") as fh:
             json.dump({"schedule": report.schedule or "default", "tp": tp, "pp": pp, "dp": dp, "v": v,

@@ -36,13 +36,23 @@ def kept_periods(periods: list[float], schedules: list[str], warmup: int, block:
     """Per schedule (in order of first appearance), the step periods of the iterations that
     count: after the first `warmup`, not among the first `settle` of a turn of `block` iterations
     (a turn of 1 keeps every iteration: none follows its own schedule's)."""
-    if not 1 <= settle < max(block, 2):
-        raise ValueError(f"settle {settle}: leave out 1 to {block - 1} iterations of a turn of {block}")
+    message = settle_error(block, settle)
+    if message:
+        raise ValueError(message)
     out: dict[str, list[float]] = {name: [] for name in schedules}
     for i, (period, name) in enumerate(zip(periods, schedules)):
         if i >= warmup and (block == 1 or i % block >= settle):
             out[name].append(period)
     return out
+
+
+def settle_error(block: int, settle: int) -> str | None:
+    """The one line for a settle count that leaves no iteration of a turn (the examples'
+    --alternate-settle against --alternate-block), else None."""
+    if settle < 1 or (block > 1 and settle >= block):
+        return (f"--alternate-settle {settle} must be at least 1 and below --alternate-block {block}: a turn "
+                f"keeps its iterations after the first {settle}")
+    return None
 
 
 @dataclass(frozen=True)
@@ -53,21 +63,23 @@ class TurnMedian:
     speed: float  # the first schedule's median / this one's (> 1: faster than the first)
 
 
-def turn_medians(periods: list[float], schedules: list[str], warmup: int, block: int) -> list[TurnMedian]:
+def turn_medians(periods: list[float], schedules: list[str], warmup: int, block: int,
+                 settle: int = 1) -> list[TurnMedian]:
     """Each schedule's median period over its counted iterations and its speed relative to the
     first schedule's; a schedule with no counted iteration is left out."""
-    kept = {name: sorted(v) for name, v in kept_periods(periods, schedules, warmup, block).items() if v}
+    kept = {name: sorted(v) for name, v in kept_periods(periods, schedules, warmup, block, settle).items() if v}
     medians = {name: statistics.median(v) for name, v in kept.items()}
     first = medians.get(schedules[0]) if schedules else None
     return [TurnMedian(name, med, len(kept[name]), first / med if first else float("nan"))
             for name, med in medians.items()]
 
 
-def summary(periods: list[float], schedules: list[str], warmup: int, block: int) -> str:
+def summary(periods: list[float], schedules: list[str], warmup: int, block: int, settle: int = 1) -> str:
     """One line for a run's end: per schedule its median step period and speed against the first."""
-    rows = turn_medians(periods, schedules, warmup, block)
+    rows = turn_medians(periods, schedules, warmup, block, settle)
     if not rows:
-        return f"schedules taking turns: no iteration counted (the first {warmup} and the first of each turn of " \
+        first = "the first" if settle == 1 else f"the first {settle}"
+        return f"schedules taking turns: no iteration counted (the first {warmup} and {first} of each turn of " \
                f"{block} are left out): run more iterations"
     return "schedules taking turns, median step period (iterations counted): " + ", ".join(
         f"{r.schedule} {r.median_ms:.1f} ms ({r.kept}, {r.speed:.3f}x of {schedules[0]}'s speed)" for r in rows)
