@@ -210,10 +210,12 @@ class Example:
     @staticmethod
     def _alternate_flags(alternate: tuple, block: int) -> list[str]:
         """Both examples' --alternate-schedules (Megatron: a forward_backward_func per schedule;
-        DeepSpeed: KoalaPipelineEngine.set_koala_schedule)."""
+        DeepSpeed: KoalaPipelineEngine.set_koala_schedule), their end lines leaving out the first
+        TURN_SETTLE iterations of every turn, as this benchmark does."""
         if not alternate:
             return []
-        return ["--alternate-schedules", ",".join(c.schedule for c in alternate), "--alternate-block", str(block)]
+        return ["--alternate-schedules", ",".join(c.schedule for c in alternate), "--alternate-block", str(block),
+                "--alternate-settle", str(TURN_SETTLE)]
 
 
 def plan(args) -> list[Example]:

@@ -65,7 +65,8 @@ def test_dry_run_calibrates_on_traced_library_runs_before_choosing(tmp_path):
         traced = [c for c in cmds if f" {flag} " in c and "/trace_" in c]
         assert len(traced) == 1 and f"{first} {work}/export_1f1b_v1.json " in traced[0]
         assert f" {flag} {work}/trace_r0.json " in traced[0]
-        assert traced[0].endswith(f"--alternate-schedules {work}/export_zb-h1_v1.json --alternate-block 4")
+        assert traced[0].endswith(f"--alternate-schedules {work}/export_zb-h1_v1.json --alternate-block 4 "
+                                  f"--alternate-settle 2")
         assert "torchrun" in traced[0] and ("--train-iters 24 " in traced[0] or "--steps 24 " in traced[0])
         cal = [c for c in cmds if " calibrate " in c and "recalibrated" not in c]
         assert cal == [f"{Path(cal[0].split()[0])} calibrate {work}/trace_r0.json {work}/trace_r0.zb-h1.json "
@@ -91,7 +92,7 @@ def test_dry_run_calibrates_on_traced_library_runs_before_choosing(tmp_path):
         assert f"{first} {work}/export_1f1b_v1.json " in paired[0]
         assert f" {flag} " not in paired[0] and ("--train-iters 20 " in paired[0] or "--steps 20 " in paired[0])
         assert (f"--alternate-schedules '{work}/export_<best predefined>_v1.json,{work}/export_searched_v1_v1.json' "
-                f"--alternate-block 4") in paired[0]
+                f"--alternate-block 4 --alternate-settle 2") in paired[0]
         assert any(f" export {work}/searched_v1.koala " in c and c.endswith(f"-o {work}/export_searched_v1_v1.json")
                    for c in cmds[:cmds.index(paired[0])])
         assert all(f"{work}/measured_round0_" in t for t in recal[0].split("calibrate ")[1].split(" --profile")[0]
@@ -124,7 +125,8 @@ def test_full_plan_alternates_fresh_runs_and_profiles_each_v(tmp_path, fidelity)
     assert [c.split("--schedule ")[1].split()[0] for c in traced] == [f"{w}/export_{n}.json" for n in names[:3]]
     for r, c in enumerate(traced):
         rest = [f"{w}/export_{n}.json" for n in names[r + 1:] + names[:r]]
-        assert c.endswith(f"--alternate-schedules {','.join(rest)} --alternate-block 4") and "--steps 160 " in c
+        assert c.endswith(f"--alternate-schedules {','.join(rest)} --alternate-block 4 --alternate-settle 2")
+        assert "--steps 160 " in c
         assert f"--trace {w}/trace_r{r}.json " in c
     assert "--chunks 2 --placement interleaved" in traced[2] and " --chunks " not in traced[0] + traced[1]
     cal = [c for c in cmds if " calibrate " in c and "dim64" in c and "recalibrated" not in c]
@@ -341,7 +343,7 @@ def test_paired_rounds_give_speedups_from_the_turns_each_schedule_took(fidelity,
                                "errors)")
     ds = fidelity.Example("deepspeed", "dim64", 2, {"dim": 64}).run_cmd(chosen[0], 12, tmp_path / "x.json",
                                                                         alternate=(chosen[2],))
-    assert ds[-4:] == ["--alternate-schedules", "s.koala", "--alternate-block", "4"]
+    assert ds[-6:] == ["--alternate-schedules", "s.koala", "--alternate-block", "4", "--alternate-settle", "2"]
 
 
 def test_each_example_runs_the_v_its_layers_allow(fidelity, monkeypatch):
