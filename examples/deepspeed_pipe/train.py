@@ -229,8 +229,8 @@ def main() -> None:
                              "(another placement, as a schedule file keeps its own, on an engine and model copy of its "
                              "own; the loss log names each step's schedule; at the end each "
                              "schedule's median step period, its first turn and the first --alternate-settle steps of "
-                             "every turn left out; with --trace each schedule writes its own trace, FILE.<its name>.rank<g>.json "
-                             "beside --schedule's)")
+                             "every turn left out; with --trace each schedule writes its own trace, "
+                             "FILE.<its name>.rank<g>.json beside --schedule's)")
     parser.add_argument("--alternate-block", type=positive_int, default=2, metavar="N",
                         help="steps of a schedule before the next takes its turn (default 2)")
     parser.add_argument("--alternate-settle", type=positive_int, default=1, metavar="N",

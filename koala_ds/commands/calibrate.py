@@ -1,8 +1,7 @@
 """`koala calibrate`: fit a cost profile to what a training run measured.
 
     koala calibrate trace.json --profile prof.json -o calibrated.json [--skip-steps 1] [--settle-steps 1]
-                    [--timeline merged.json]
-        [--gantt steps.png]
+        [--timeline merged.json] [--gantt steps.png]
     koala calibrate t.json t.zb-v.json --profile prof_v1.json -o cal_v1.json --profile prof_v2.json -o cal_v2.json
 
 With one --profile per v, each is fitted to the traces of its stages, and the speedups between
