@@ -185,11 +185,12 @@ class Example:
         return name
 
     def run_cmd(self, sched: "Candidate", iterations: int, log: Path, trace: Path | None = None,
-                alternate: tuple = (), block: int = PAIRED_BLOCK) -> list[str]:
+                alternate: tuple = (), block: int = PAIRED_BLOCK, settle: int = 1) -> list[str]:
         """The example's torchrun for `sched`; `trace`: also record the measured trace there
         (Megatron --koala-trace FILE, the DeepSpeed example's --trace FILE; with `alternate`, each
         other schedule's in FILE.<its name>); `alternate`: candidates taking turns with `sched` in
-        the same run, `block` iterations each."""
+        the same run, `block` iterations each, the example's end line leaving out the first `settle`
+        of every turn."""
         torchrun = [str(venv_bin() / "torchrun"), "--standalone", "--nproc-per-node", str(self.p)]
         flag = "--koala-trace" if self.engine == "megatron" else "--trace"
         traced = [flag, str(trace)] if trace is not None else []
@@ -200,22 +201,22 @@ class Example:
             return [*torchrun, str(MEGATRON_EXAMPLE), "--pipeline-model-parallel-size", str(self.p), *chunks, *flags,
                     "--global-batch-size", str(gbs), "--train-iters", str(iterations), "--log-interval",
                     str(iterations), "--pipeline-schedule", "koala", "--koala-schedule", sched.schedule,
-                    "--loss-log", str(log), *traced, *self._alternate_flags(alternate, block)]
+                    "--loss-log", str(log), *traced, *self._alternate_flags(alternate, block, settle)]
         chunks = ["--chunks", str(sched.v), "--placement", sched.placement] if sched.v > 1 else []
         return [*torchrun, str(DEEPSPEED_EXAMPLE), "--dim", str(self.size["dim"]), "--microbatches",
                 str(MICROBATCHES), "--steps", str(iterations), "--schedule", sched.schedule, *chunks,
-                "--loss-log", str(log), *traced, *self._alternate_flags(alternate, block)]
+                "--loss-log", str(log), *traced, *self._alternate_flags(alternate, block, settle)]
 
 
     @staticmethod
-    def _alternate_flags(alternate: tuple, block: int) -> list[str]:
+    def _alternate_flags(alternate: tuple, block: int, settle: int) -> list[str]:
         """Both examples' --alternate-schedules (Megatron: a forward_backward_func per schedule;
-        DeepSpeed: KoalaPipelineEngine.set_koala_schedule), their end lines leaving out the first
-        TURN_SETTLE iterations of every turn, as this benchmark does."""
+        DeepSpeed: KoalaPipelineEngine.set_koala_schedule) and, above their default 1,
+        --alternate-settle."""
         if not alternate:
             return []
         return ["--alternate-schedules", ",".join(c.schedule for c in alternate), "--alternate-block", str(block),
-                "--alternate-settle", str(TURN_SETTLE)]
+                *(["--alternate-settle", str(settle)] if settle > 1 else [])]
 
 
 def plan(args) -> list[Example]:
@@ -321,7 +322,7 @@ def calibrate(ex: Example, profiles: dict[int, Path], args, work: Path, say) -> 
         order = files[r % len(files):] + files[:r % len(files)]
         trace, log = work / f"trace_r{r}.json", work / f"calib_r{r}"
         run(ex.run_cmd(order[0], args.calib_iterations, log.with_suffix(".json"), trace, tuple(order[1:]),
-                       CALIB_BLOCK), log.with_suffix(".log"), ex.env(work), ROOT, args.dry_run, say)
+                       CALIB_BLOCK, TURN_SETTLE), log.with_suffix(".log"), ex.env(work), ROOT, args.dry_run, say)
         taken = {str(trace)}  # the trace's file per schedule, as the runtimes' recorder names them
         for k, c in enumerate(order):
             file = str(trace) if k == 0 else schedule_trace_file(str(trace), names[c.schedule], taken)
@@ -510,8 +511,8 @@ def measure_paired(ex: Example, chosen: list[Candidate], args, work: Path, say) 
     for r in range(args.paired_rounds if runs else 0):
         order = runs[r % len(runs):] + runs[:r % len(runs)]
         log = work / f"paired_round{r}.json"
-        run(ex.run_cmd(order[0], args.paired_iterations, log, alternate=tuple(order[1:])), log.with_suffix(".log"),
-            ex.env(work), ROOT, args.dry_run, say)
+        run(ex.run_cmd(order[0], args.paired_iterations, log, alternate=tuple(order[1:]), settle=TURN_SETTLE),
+            log.with_suffix(".log"), ex.env(work), ROOT, args.dry_run, say)
         if args.dry_run:
             continue
         kept = kept_periods(read_times(ex, log), read_schedules(log), args.warmup, PAIRED_BLOCK, TURN_SETTLE)

@@ -343,6 +343,9 @@ def test_paired_rounds_give_speedups_from_the_turns_each_schedule_took(fidelity,
                                "errors)")
     ds = fidelity.Example("deepspeed", "dim64", 2, {"dim": 64}).run_cmd(chosen[0], 12, tmp_path / "x.json",
                                                                         alternate=(chosen[2],))
+    assert ds[-4:] == ["--alternate-schedules", "s.koala", "--alternate-block", "4"]  # settle 1: the example's default
+    ds = fidelity.Example("deepspeed", "dim64", 2, {"dim": 64}).run_cmd(chosen[0], 12, tmp_path / "x.json",
+                                                                        alternate=(chosen[2],), settle=2)
     assert ds[-6:] == ["--alternate-schedules", "s.koala", "--alternate-block", "4", "--alternate-settle", "2"]
 
 
