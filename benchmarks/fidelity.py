@@ -20,10 +20,10 @@ v = 1 and 2 chunks per rank where the model has the layers, it runs what a user 
    such runs of `--calib-iterations`, the first schedule rotated; then one `koala calibrate
    TRACE... --profile profile_v1.json -o calibrated_v1.json --profile profile_v2.json -o
    calibrated_v2.json` (each v's profile fitted to its traces), leaving out each schedule's
-   first turn and the first TURN_SETTLE steps of every turn: the stage times as they ran in the engine, the
-   per-action, per-step and p2p costs, every schedule over the same minutes of the machine
-   (fresh runs minutes apart put one schedule 10-40% apart); what it printed goes into the
-   report, with the runs' speedups within and across v beside the calibrated profiles';
+   first turn and the first TURN_SETTLE steps of every turn: the stage times as they ran in the
+   engine, the per-action, per-step and p2p costs, every schedule over the same minutes of the
+   machine (fresh runs minutes apart put one schedule 10-40% apart); what it printed goes into
+   the report, with the runs' speedups within and across v beside the calibrated profiles';
 3. on the CALIBRATED profiles, `koala compare --json` per v: 1f1b and the best predefined
    schedule (the fastest that fits the memory limit and that the engines run: one pipeline),
    and `koala search --min-gain 0 --ignore-spread` per v: the searched schedule (the faster v's;
@@ -293,9 +293,10 @@ CALIBRATION_SCHEDULES = {1: (("1f1b", "linear"), ("zb-h1", "linear")),
                          2: (("interleaved-1f1b", "interleaved"), ("zb-v", "vshape"))}
 #: calibration runs: iterations of a schedule's turn (its first TURN_SETTLE, after another schedule's, left out)
 CALIB_BLOCK = 4
-#: iterations per calibration run: with the four schedules of v = 1, 2 taking turns of 4, 27 kept
-#: steps per schedule and run (64 kept 9: the calibrated prediction of a run then missed it by up to
-#: 22% on Megatron 4x64 and its speedups followed the few steps' noise; 2026-12-07, README)
+#: iterations per calibration run: with the four schedules of v = 1, 2 taking turns of 4, 18 kept
+#: steps per schedule and run since TURN_SETTLE is 2 (27 when only a turn's first was left out; 64
+#: iterations kept 9: the calibrated prediction of a run then missed it by up to 22% on Megatron
+#: 4x64 and its speedups followed the few steps' noise; 2026-12-07, README)
 CALIB_ITERATIONS = 160
 
 

@@ -44,7 +44,7 @@ from koala_ds.core.ir import KoalaError, Placement
 from koala_ds.core.outputs import atomic_write, check_output
 from koala_ds.resolve import DEEPSPEED, Setting, check_fit, resolve
 from koala_ds.runtime.trace_record import check_trace_path
-from koala_ds.runtime.turns import keeps_own_shape, settle_error, summary, turn_index
+from koala_ds.runtime.turns import check_settle, keeps_own_shape, summary, turn_index
 
 #: How the schedule's messages name this script's flags (the engine's own messages name the
 #: DeepSpeed config keys and the KoalaPipelineModule's arguments, which this script sets from them).
@@ -116,8 +116,7 @@ def check_flags(args, world: int) -> int:
         check_trace_path(args.trace, "--trace")
     if args.loss_log is not None:
         check_output(args.loss_log, "--loss-log")
-    if settle_error(args.alternate_block, args.alternate_settle):
-        raise KoalaError(settle_error(args.alternate_block, args.alternate_settle))
+    check_settle(args.alternate_block, args.alternate_settle)
     return pp
 
 

@@ -38,7 +38,7 @@ from koala_ds.megatron import add_arguments, install  # noqa: E402
 from koala_ds.megatron.cpu import data_parallel_finalize  # noqa: E402
 from koala_ds.megatron.resolve import MEGATRON, resolve  # noqa: E402
 from koala_ds.runtime.grad_norm import clip_grad_norm  # noqa: E402
-from koala_ds.runtime.turns import keeps_own_shape, settle_error, summary, turn_index  # noqa: E402
+from koala_ds.runtime.turns import check_settle, keeps_own_shape, summary, turn_index  # noqa: E402
 
 log = logging.getLogger("pretrain_gpt")
 
@@ -283,8 +283,7 @@ def batch_split(args, world: int) -> tuple[int, int]:
     for name in (*COUNTS, "virtual_pipeline_model_parallel_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise KoalaError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if settle_error(args.alternate_block, args.alternate_settle):
-        raise KoalaError(settle_error(args.alternate_block, args.alternate_settle))
+    check_settle(args.alternate_block, args.alternate_settle)
     if args.max_position_embeddings < args.seq_length:  # the position embedding would index past its table
         raise KoalaError(f"--max-position-embeddings {args.max_position_embeddings} is below --seq-length "
                          f"{args.seq_length}: raise it, or drop it (it defaults to --seq-length)")

@@ -16,6 +16,8 @@ import os
 import statistics
 from dataclasses import dataclass
 
+from ..core.ir import KoalaError
+
 
 def keeps_own_shape(spec: str) -> bool:
     """Whether an alternate schedule keeps its own v and placement: a fixed schedule file (.json,
@@ -36,9 +38,7 @@ def kept_periods(periods: list[float], schedules: list[str], warmup: int, block:
     """Per schedule (in order of first appearance), the step periods of the iterations that
     count: after the first `warmup`, not among the first `settle` of a turn of `block` iterations
     (a turn of 1 keeps every iteration: none follows its own schedule's)."""
-    message = settle_error(block, settle)
-    if message:
-        raise ValueError(message)
+    check_settle(block, settle)
     out: dict[str, list[float]] = {name: [] for name in schedules}
     for i, (period, name) in enumerate(zip(periods, schedules)):
         if i >= warmup and (block == 1 or i % block >= settle):
@@ -46,13 +46,12 @@ def kept_periods(periods: list[float], schedules: list[str], warmup: int, block:
     return out
 
 
-def settle_error(block: int, settle: int) -> str | None:
-    """The one line for a settle count that leaves no iteration of a turn (the examples'
-    --alternate-settle against --alternate-block), else None."""
+def check_settle(block: int, settle: int) -> None:
+    """A KoalaError (one line, in the examples' flags) for a settle count that leaves no iteration
+    of a turn: --alternate-settle must be at least 1 and below --alternate-block."""
     if settle < 1 or (block > 1 and settle >= block):
-        return (f"--alternate-settle {settle} must be at least 1 and below --alternate-block {block}: a turn "
-                f"keeps its iterations after the first {settle}")
-    return None
+        raise KoalaError(f"--alternate-settle {settle} must be at least 1 and below --alternate-block {block}: a "
+                         f"turn keeps its iterations after the first {settle}")
 
 
 @dataclass(frozen=True)
